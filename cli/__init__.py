@@ -1,0 +1,1 @@
+"""The `pagefleet` command line."""

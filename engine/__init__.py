@@ -1,0 +1,23 @@
+"""pagefleet's paged-attention inference engine."""
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.errors import EngineError, InvalidParameterError, PromptTooLongError
+from pagefleet.engine.llm import LLM
+from pagefleet.engine.llm_engine import EngineStats, LLMEngine
+from pagefleet.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
+from pagefleet.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineError",
+    "EngineStats",
+    "InvalidParameterError",
+    "LLMEngine",
+    "Logprob",
+    "PromptTooLongError",
+    "RequestOutput",
+    "SamplingParams",
+    "Usage",
+]

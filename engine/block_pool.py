@@ -1,0 +1,126 @@
+"""The pool of physical KV blocks: reference counts, the prefix-cache index, eviction.
+
+Free blocks live in two queues. Blocks that hold no cached prefix are handed out first;
+blocks that still hold a cached prefix (hash registered, no references) are evicted only
+when the first queue is empty, least recently freed first. A freed block keeps its hash, so
+a later request with the same prefix can take it back (`touch`) until it is reallocated.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Chained hash of this block's tokens and all before it; None unless full and registered.
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockPool:
+    """Owns every block id in [0, num_blocks).
+
+    Invariant: a block is in exactly one of {a free queue, referenced (ref_count > 0)}.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_uncached: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation may take now (cached ones included: they are evictable)."""
+        return len(self._free_uncached) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_count
+
+    def try_allocate(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` fresh blocks with ref_count 1, or None if there are not enough."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        allocated = []
+        for _ in range(num_blocks):
+            if self._free_uncached:
+                block = self.blocks[self._free_uncached.popleft()]
+            else:
+                block_id, _ = self._evictable.popitem(last=False)
+                block = self.blocks[block_id]
+                self._forget(block)
+                self.num_evictions += 1
+            assert block.ref_count == 0, f"block {block.block_id} was free with references"
+            block.ref_count = 1
+            allocated.append(block.block_id)
+        return allocated
+
+    def incref(self, block_ids: list[int]) -> None:
+        """Add one reference to blocks already in use (sharing between sequences)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"incref of free block {block_id}: use touch()"
+            block.ref_count += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block. Callers pass a table tail first, so a
+        request's deepest blocks are evicted before the prefixes others may share."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self._free_uncached.append(block_id)
+                else:
+                    self._evictable[block_id] = None
+
+    def try_lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """The cached block holding exactly these tokens after this chain, or None."""
+        block_id = self._cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    def touch(self, block_id: int) -> None:
+        """Take a reference on a cached block (a prefix hit), reviving it if it was free."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._evictable[block_id]
+        block.ref_count += 1
+
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Publish a full block's contents for prefix reuse (after the step that wrote it).
+
+        A block whose prefix is already cached elsewhere stays unregistered: one copy is
+        enough, and this one is freed as an ordinary block.
+        """
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self._cached[block_hash] = block_id
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self._evictable):
+            self._forget(self.blocks[block_id])
+            self._free_uncached.append(block_id)
+        self._evictable.clear()
+
+    def _forget(self, block: Block) -> None:
+        if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
+            del self._cached[block.block_hash]
+        block.block_hash, block.token_ids = None, ()

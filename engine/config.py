@@ -1,0 +1,113 @@
+"""Engine settings: one dataclass that checks itself and says how to fix a bad value."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagefleet.engine.errors import InvalidParameterError
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Settings of one engine instance (constructor arguments of `LLM` and `AsyncEngine`).
+
+    Args:
+        model: a built-in name (`smollm2-135m-instruct`), a Hugging Face directory or a
+            `.gguf` file.
+        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16".
+        block_size: token slots per KV block.
+        kv_cache_memory: KV budget; a value <= 1 is a fraction of free device memory, a
+            larger one is bytes. Default: 1 GiB on CPU, 0.8 of free memory on CUDA.
+        num_kv_blocks: an explicit block count; overrides `kv_cache_memory`.
+        max_model_len: longest prompt + output; default the model's own limit, capped at
+            what the cache holds.
+        max_num_seqs: most sequences running in one step.
+        max_num_batched_tokens: most tokens computed in one step (long prompts are
+            prefilled in chunks of at most this).
+        enable_prefix_caching: reuse the KV of full blocks whose tokens were seen before.
+        preemption_mode: "recompute" or "swap" (to a host pool of `swap_space` bytes).
+        seed: seed of the engine's own random generator (requests without a seed).
+        device: "auto", "cpu" or "cuda".
+        attention_backend: "auto" (Triton on CUDA, torch elsewhere) or "torch".
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: int = 1 << 30
+    seed: int = 0
+    device: str = "auto"
+    attention_backend: str = "auto"
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        def fail(param: str, message: str) -> None:
+            raise InvalidParameterError(param, message)
+
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            fail("dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            fail("block_size", f"must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            fail("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            fail("kv_cache_memory", f"must be > 0, got {self.kv_cache_memory}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            fail("preemption_mode", f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            fail("swap_space", f"must be >= 0 bytes, got {self.swap_space}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            fail("device", f"must be auto, cpu or cuda; got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            fail("attention_backend", f"must be auto, torch or triton; got {self.attention_backend!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def kv_cache_bytes(self) -> int:
+        """The KV budget in bytes, resolving a fraction against free device memory."""
+        device = self.torch_device
+        budget = self.kv_cache_memory
+        if budget is None:
+            budget = 0.8 if device.type == "cuda" else _DEFAULT_CPU_KV_BYTES
+        if budget > 1:
+            return int(budget)
+        return int(budget * _free_device_memory(device))
+
+
+def _free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

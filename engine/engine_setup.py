@@ -1,0 +1,101 @@
+"""Assemble an engine's parts from its config: tokenizer, model, KV cache, scheduler.
+
+This is where the memory budget becomes a block count, printed at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.kv_cache_manager import KVCacheManager
+from pagefleet.engine.layers.attention import AttentionBackend, TorchAttentionBackend
+from pagefleet.engine.loader import resolve_model_dir
+from pagefleet.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pagefleet.engine.models import ModelConfig, load_model
+from pagefleet.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    model_dir: Path
+    tokenizer: Any
+    model: nn.Module
+    model_config: ModelConfig
+    max_model_len: int
+    kv_cache: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def select_backend(config: EngineConfig) -> AttentionBackend:
+    """Triton kernels on CUDA, plain torch elsewhere; `attention_backend` overrides."""
+    choice = config.attention_backend
+    if choice == "auto":
+        choice = "triton" if config.torch_device.type == "cuda" else "torch"
+    if choice == "triton":
+        raise InvalidParameterError("attention_backend", "the Triton backend is not available in this build")
+    return TorchAttentionBackend()
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    from transformers import AutoTokenizer
+
+    if config.torch_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model_dir = resolve_model_dir(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    dtype, device = config.torch_dtype, config.torch_device
+    model, model_config = load_model(model_dir, dtype, device)
+    block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype)
+    num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
+    if num_blocks < 1:
+        raise InvalidParameterError(
+            "kv_cache_memory", f"the KV budget holds no block of {block_bytes} bytes; raise kv_cache_memory"
+        )
+    max_model_len = _resolve_max_model_len(config, model_config, num_blocks)
+    num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens), max_model_len=%d, swap blocks=%d",
+        num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
+        num_blocks * config.block_size, max_model_len, num_host_blocks,
+    )
+    kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
+    runner = ModelRunner(
+        model, model_config, select_backend(config), num_blocks, num_host_blocks,
+        config.block_size, dtype, device, config.seed,
+    )
+    return EngineParts(
+        model_dir, tokenizer, model, model_config, max_model_len, kv_cache, Scheduler(config, kv_cache), runner
+    )
+
+
+def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
+    model_limit = model_config.max_position_embeddings
+    if model_config.sliding_window is not None:
+        # We attend over the full context; beyond the window that would differ from the model.
+        model_limit = min(model_limit, model_config.sliding_window)
+    cache_limit = num_blocks * config.block_size
+    if config.max_model_len is None:
+        return min(model_limit, cache_limit)
+    if config.max_model_len > model_limit:
+        raise InvalidParameterError(
+            "max_model_len", f"{config.max_model_len} exceeds the model's limit of {model_limit} tokens"
+        )
+    if config.max_model_len > cache_limit:
+        raise InvalidParameterError(
+            "max_model_len",
+            f"KV cache too small for max_model_len={config.max_model_len} ({cache_limit} token slots): "
+            "raise kv_cache_memory or num_kv_blocks, or lower max_model_len",
+        )
+    return config.max_model_len

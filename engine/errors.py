@@ -1,0 +1,33 @@
+"""Errors the engine raises to its callers.
+
+Invalid input is a `ValueError` (so plain Python callers can catch it as usual); the
+subclasses let the HTTP layer map each case to the right OpenAI-style status code.
+"""
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidParameterError(ValueError, EngineError):
+    """A request parameter is invalid. `param` names the offending field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class PromptTooLongError(InvalidParameterError):
+    """The prompt (plus the tokens asked for) does not fit the context window or the cache."""
+
+
+class UnsupportedModelError(ValueError, EngineError):
+    """The model's architecture, format or settings are not supported."""
+
+
+class ModelNotFoundError(FileNotFoundError, EngineError):
+    """A model name or path did not resolve to weights on this machine."""
+
+
+class EngineDeadError(RuntimeError, EngineError):
+    """The engine loop stopped after an unexpected error; no more requests can run."""

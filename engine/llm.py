@@ -1,0 +1,91 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and `chat()`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.llm_engine import EngineStats, LLMEngine
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+_PROGRESS_MIN_PROMPTS = 8
+
+
+class LLM:
+    """Runs batches of prompts through the engine and returns outputs in prompt order.
+
+    Every `EngineConfig` field is a keyword argument: `LLM(model="...", dtype="bfloat16",
+    num_kv_blocks=64, preemption_mode="swap")`.
+    """
+
+    def __init__(self, model: str = EngineConfig.model, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids). Invalid input raises ValueError
+        before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm if use_tqdm is not None else len(request_ids) >= _PROGRESS_MIN_PROMPTS)
+
+    def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not show_progress) as bar:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, formatted by the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conversation) for conversation in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()

@@ -1,0 +1,224 @@
+"""The synchronous engine core: add requests, `step()` them forward, read outputs.
+
+One step = schedule -> run block copies -> forward pass and sampling -> bookkeeping
+(progress, forks, prefix-cache registration, detokenization, stop checks, freeing).
+`LLM` drives it in a loop; `AsyncEngine` drives it from a background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.detokenizer import Detokenizer
+from pagefleet.engine.engine_setup import EngineParts, build_engine_parts
+from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
+from pagefleet.engine.model_runner import PromptLogprobs, SampleRequest
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.output_processor import OutputProcessor
+from pagefleet.engine.request import Request, RequestStatus
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """What a replica reports to the fleet (and what /metrics exports)."""
+
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    block_size: int
+    num_running_requests: int
+    num_waiting_requests: int
+    num_swapped_requests: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_cow_copies: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+        self.config = config
+        self.parts = parts or build_engine_parts(config)
+        self.tokenizer = self.parts.tokenizer
+        self.max_model_len = self.parts.max_model_len
+        self.kv_cache = self.parts.kv_cache
+        self.scheduler = self.parts.scheduler
+        self.runner = self.parts.runner
+        self.outputs = OutputProcessor(Detokenizer(self.tokenizer), self.parts.model_config.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+
+    # --- requests -----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Validate and queue a request.
+
+        Raises:
+            InvalidParameterError: (ValueError) naming the field, e.g. an empty prompt or a
+                prompt longer than max_model_len.
+        """
+        if request_id in self.requests:
+            raise InvalidParameterError("request_id", f"{request_id!r} is already running")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        max_tokens = self._resolve_max_tokens(len(token_ids), params)
+        request = Request(request_id, text, token_ids, params, next(self._arrivals), max_tokens)
+        for seq in request.sequences:
+            self.outputs.detokenizer.start(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self._num_prompt_tokens += len(token_ids)
+        return request
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidParameterError("prompt", "the prompt is empty")
+        vocab = self.parts.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidParameterError("prompt", f"token ids must be integers in [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise PromptTooLongError(
+                "prompt",
+                f"the prompt has {len(token_ids)} tokens, more than this model's context "
+                f"window of {self.max_model_len} tokens (max_model_len)",
+            )
+
+    def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        room = self.max_model_len - num_prompt
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise PromptTooLongError(
+                "max_tokens",
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"this model's context window of {self.max_model_len} tokens",
+            )
+        if max_tokens < 1:
+            raise PromptTooLongError("prompt", f"the prompt fills the whole context window of {self.max_model_len} tokens")
+        bs = self.kv_cache.block_size
+        worst_case = -(-num_prompt // bs) + params.n * (-(-max_tokens // bs) + 1)
+        if params.n == 1:
+            worst_case = -(-(num_prompt + max_tokens) // bs)
+        if worst_case > self.kv_cache.pool.num_blocks:
+            raise PromptTooLongError(
+                "max_tokens",
+                f"this request may need {worst_case} KV blocks but the whole cache has "
+                f"{self.kv_cache.pool.num_blocks}; lower max_tokens or n",
+            )
+        return max_tokens
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.unfinished_sequences:
+            seq.finish_reason = "abort"
+        self._finish(request)
+        return self.outputs.make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        # The attention batch puts single-token chunks (decodes) first.
+        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
+        samples = self._plan_samples(chunks)
+        prompt_chunks = [i for i, c in enumerate(chunks) if c.request.wants_prompt_logprobs]
+        self.runner.run_copies(plan.copies)
+        result, prompt_results = self.runner.execute(chunks, samples, prompt_chunks)
+        touched = self._advance(chunks)
+        for prompt_result in prompt_results:
+            self.outputs.add_prompt_logprobs(chunks[prompt_result.chunk_index].request, prompt_result)
+        if result is not None:
+            now = time.monotonic()
+            for i, sample in enumerate(samples):
+                request = chunks[sample.chunk_index].request
+                request.first_token_time = request.first_token_time or now
+                self.outputs.append_token(request, sample.seq, result, i)
+                self._num_generation_tokens += 1
+        return [self._after_step(request) for request in touched]
+
+    def _plan_samples(self, chunks: list[ScheduledChunk]) -> list[SampleRequest]:
+        samples = []
+        for index, chunk in enumerate(chunks):
+            request, seq = chunk.request, chunk.seq
+            done = seq.num_computed_tokens + chunk.num_new_tokens
+            if not request.is_forked:
+                # Sequence 0 reaching the end of the prompt is the fork point: every sibling
+                # that has no tokens of its own yet samples from the same logits.
+                if done == request.num_prompt_tokens:
+                    samples += [SampleRequest(index, s, request.params) for s in request.sequences if s.num_tokens == done]
+            elif done == seq.num_tokens:
+                samples.append(SampleRequest(index, seq, request.params))
+        return samples
+
+    def _advance(self, chunks: list[ScheduledChunk]) -> list[Request]:
+        touched: dict[str, Request] = {}
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_new_tokens
+            self.kv_cache.register_full_blocks(chunk.seq)
+            request = chunk.request
+            touched[request.request_id] = request
+            if not request.is_forked and chunk.seq.num_computed_tokens == request.num_prompt_tokens:
+                for sibling in request.sequences[1:]:
+                    self.kv_cache.fork(chunk.seq, sibling)
+                request.is_forked = True
+        return list(touched.values())
+
+    def _after_step(self, request: Request) -> RequestOutput:
+        for seq in request.sequences:
+            if seq.is_finished and seq.block_ids:
+                self.kv_cache.free(seq)  # siblings still running keep only what they share
+        if all(seq.is_finished for seq in request.sequences):
+            self.requests.pop(request.request_id, None)
+            self._finish(request)
+        return self.outputs.make_output(request)
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.remove(request)
+        request.status = RequestStatus.FINISHED
+
+    # --- stats --------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_cache.pool
+        scheduler = self.scheduler
+        return EngineStats(
+            num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            block_size=self.kv_cache.block_size,
+            num_running_requests=len(scheduler.running),
+            num_waiting_requests=len(scheduler.waiting),
+            num_swapped_requests=sum(r.status == RequestStatus.SWAPPED for r in scheduler.waiting),
+            num_preemptions_recompute=scheduler.stats.num_preemptions_recompute,
+            num_preemptions_swap=scheduler.stats.num_preemptions_swap,
+            prefix_cache_queries=self.kv_cache.stats.prefix_queries,
+            prefix_cache_hits=self.kv_cache.stats.prefix_hits,
+            num_cow_copies=self.kv_cache.stats.cow_copies,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+        )

@@ -1,0 +1,200 @@
+"""Turns a schedule plan into one forward pass over a flat token batch and samples.
+
+Owns the device KV cache (per layer, K and V shaped [num_blocks, block_size, num_kv_heads,
+head_dim]) and the host pool used for swapping.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagefleet.engine.kv_cache_manager import PendingCopies
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, DecodeBucket, PrefillChunk
+from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.request import Sequence
+from pagefleet.engine.sampler import SampleResult, Sampler
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+# Decode rows are gathered in a few buckets of similar context length, so short contexts
+# do not pay for the padding of long ones.
+_MAX_DECODE_BUCKETS = 4
+_BUCKET_RATIO = 0.6
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    chunk_index: int  # sample from the logits after this chunk's last token
+    seq: Sequence  # who samples: the chunk's own sequence, or a sibling forking from it
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    chunk_index: int
+    start_position: int  # the chunk's first position; position p scores prompt token p + 1
+    token_logprobs: list[float]  # of each next prompt token, for positions in the chunk
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        backend: AttentionBackend,
+        num_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int,
+    ) -> None:
+        self.model, self.model_config, self.backend = model, model_config, backend
+        self.block_size, self.device = block_size, device
+        shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(num_blocks, *shape, dtype=dtype, device=device), torch.zeros(num_blocks, *shape, dtype=dtype, device=device))
+            for _ in range(model_config.num_layers)
+        ]
+        self.host_caches = [
+            (torch.zeros(num_host_blocks, *shape, dtype=dtype), torch.zeros(num_host_blocks, *shape, dtype=dtype))
+            for _ in range(model_config.num_layers if num_host_blocks else 0)
+        ]
+        self.sampler = Sampler(model_config.eos_token_ids, seed)
+
+    def run_copies(self, copies: PendingCopies) -> None:
+        """Swap-outs first (their device blocks may be reused below), then swap-ins, then
+        copy-on-write copies."""
+        for pairs, source, target in (
+            (copies.swap_out, self.kv_caches, self.host_caches),
+            (copies.swap_in, self.host_caches, self.kv_caches),
+            (copies.device, self.kv_caches, self.kv_caches),
+        ):
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs])
+            dst = torch.tensor([p[1] for p in pairs])
+            for (src_k, src_v), (dst_k, dst_v) in zip(source, target, strict=True):
+                dst_k[dst.to(dst_k.device)] = src_k[src.to(src_k.device)].to(dst_k.device)
+                dst_v[dst.to(dst_v.device)] = src_v[src.to(src_v.device)].to(dst_v.device)
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        chunks: list[ScheduledChunk],
+        samples: list[SampleRequest],
+        prompt_logprob_chunks: list[int],
+    ) -> tuple[SampleResult | None, list[PromptLogprobs]]:
+        """Run the forward pass for `chunks` (decodes must come first), then sample."""
+        input_ids, positions, metadata, last_rows = self._build_batch(chunks)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+        result = None
+        if samples:
+            rows = torch.tensor([last_rows[s.chunk_index] for s in samples], device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+            result = self.sampler(logits, [s.seq for s in samples], [s.params for s in samples])
+        prompt_results = [self._prompt_logprobs(hidden, chunks, i, last_rows[i]) for i in prompt_logprob_chunks]
+        return result, prompt_results
+
+    def _build_batch(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        decode_rows, decode_context, decode_tables = [], [], []
+        prefills: list[PrefillChunk] = []
+        for chunk in chunks:
+            seq, start, num_new = chunk.seq, chunk.seq.num_computed_tokens, chunk.num_new_tokens
+            end = start + num_new
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            table = seq.block_ids
+            if num_new == 1:
+                assert not prefills, "decode chunks must come before prefill chunks"
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_rows.append(row)
+                decode_context.append(end)
+                decode_tables.append(table[: (end + bs - 1) // bs])
+            else:
+                pos = np.arange(end)
+                context_slots = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+                positions.extend(range(start, end))
+                slots.extend(context_slots[start:end].tolist())
+                prefills.append(PrefillChunk(row, num_new, end, torch.from_numpy(context_slots).to(self.device)))
+            last_rows.append(row + num_new - 1)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode_tokens=len(decode_rows),
+            decode_buckets=self._decode_buckets(decode_rows, decode_context, decode_tables),
+            prefills=prefills,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            metadata,
+            last_rows,
+        )
+
+    def _decode_buckets(self, rows: list[int], context: list[int], tables: list[list[int]]) -> list[DecodeBucket]:
+        if not rows:
+            return []
+        order = sorted(range(len(rows)), key=lambda i: -context[i])
+        groups: list[list[int]] = [[]]
+        for i in order:
+            group = groups[-1]
+            if group and context[i] < _BUCKET_RATIO * context[group[0]] and len(groups) < _MAX_DECODE_BUCKETS:
+                groups.append([i])
+            else:
+                group.append(i)
+        buckets = []
+        for group in groups:
+            num_blocks = len(tables[group[0]])
+            padded = [tables[i] + [0] * (num_blocks - len(tables[i])) for i in group]
+            lengths = torch.tensor([context[i] for i in group])
+            masked = torch.arange(num_blocks * self.block_size)[None, :] >= lengths[:, None]
+            buckets.append(
+                DecodeBucket(
+                    rows=torch.tensor([rows[i] for i in group], device=self.device),
+                    block_ids=torch.tensor(padded, device=self.device).flatten(),
+                    num_blocks=num_blocks,
+                    masked=masked[:, None, None, :].to(self.device),
+                )
+            )
+        return buckets
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunks: list[ScheduledChunk], index: int, last_row: int) -> PromptLogprobs:
+        """Logprobs of the prompt tokens that follow each position of chunk `index`."""
+        chunk = chunks[index]
+        seq, request = chunk.seq, chunk.request
+        start = seq.num_computed_tokens
+        # Position p predicts token p + 1; the prompt's last position predicts no prompt token.
+        end = min(start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
+        count = max(0, end - start)
+        first_row = last_row - chunk.num_new_tokens + 1
+        logits = self.model.compute_logits(hidden[first_row : first_row + count]).cpu()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(seq.token_ids[start + 1 : end + 1], dtype=torch.long)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
+        k = request.params.prompt_logprobs or 0
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (torch.empty(count, 0), torch.empty(count, 0, dtype=torch.long))
+        return PromptLogprobs(index, start, chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist())

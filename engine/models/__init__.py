@@ -1,0 +1,15 @@
+"""Our own model code (not transformers' modules), one file per family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagefleet.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagefleet.engine.models.gpt2 import GPT2LMHeadModel
+from pagefleet.engine.models.llama import LlamaForCausalLM
+from pagefleet.engine.models.loading import load_model
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "load_model", "GPT2LMHeadModel", "LlamaForCausalLM"]

@@ -1,0 +1,132 @@
+"""One normalised view of a Hugging Face config.json for every supported architecture."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagefleet.engine.errors import UnsupportedModelError
+
+# HF architecture name -> our model family.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "GPT2LMHeadModel": "gpt2",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    tie_word_embeddings: bool
+    hidden_act: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        raw = json.loads((model_dir / "config.json").read_text())
+        generation = model_dir / "generation_config.json"
+        extra_eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+        return cls.from_hf(raw, extra_eos)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], extra_eos: int | list[int] | None = None) -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {architectures or raw.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        eos = _as_ids(raw.get("eos_token_id")) + _as_ids(extra_eos)
+        common = dict(
+            architecture=architecture,
+            family=SUPPORTED_ARCHITECTURES[architecture],
+            vocab_size=raw["vocab_size"],
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+        if architecture == "GPT2LMHeadModel":
+            return cls._gpt2(raw, common)
+        return cls._llama(raw, architecture, common)
+
+    @classmethod
+    def _gpt2(cls, raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+        hidden, heads = raw["n_embd"], raw["n_head"]
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if raw.get(flag):
+                raise UnsupportedModelError(f"GPT-2 option {flag}=true is not supported")
+        return cls(
+            **common,
+            hidden_size=hidden,
+            num_layers=raw["n_layer"],
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            intermediate_size=raw.get("n_inner") or 4 * hidden,
+            max_position_embeddings=raw["n_positions"],
+            norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=raw.get("tie_word_embeddings", True),
+            hidden_act=raw.get("activation_function", "gelu_new"),
+            qkv_bias=True,
+        )
+
+    @classmethod
+    def _llama(cls, raw: dict[str, Any], architecture: str, common: dict[str, Any]) -> ModelConfig:
+        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+        # transformers 5 writes rope settings as `rope_parameters`; 4.x as rope_theta/rope_scaling.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+        window = raw.get("sliding_window")
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            # Qwen's window applies to only some layers; we support the common full-attention setup.
+            if raw.get("use_sliding_window"):
+                raise UnsupportedModelError("Qwen use_sliding_window=true is not supported")
+            window = None
+        return cls(
+            **common,
+            hidden_size=hidden,
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or hidden // heads,
+            intermediate_size=raw["intermediate_size"],
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            norm_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            hidden_act=raw.get("hidden_act", "silu"),
+            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=window,
+            rope_theta=float(theta),
+            rope_scaling={**rope, "rope_type": rope_type},
+        )
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)

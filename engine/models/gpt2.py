@@ -1,0 +1,104 @@
+"""GPT-2 on a flat token batch: learned positions, LayerNorm, fused c_attn, GELU (tanh).
+
+HF stores GPT-2's linear layers as Conv1D, i.e. weights of shape [in, out]; they are
+transposed once at load so every matmul is an ordinary `F.linear`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
+from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.llama import KVCache, _frozen
+from pagefleet.engine.models.weights import WeightLoader
+
+_ACTIVATIONS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"GPT-2 activation {config.hidden_act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        hidden = config.hidden_size
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.eps = config.norm_eps
+        self.ln_1 = nn.LayerNorm(hidden, eps=config.norm_eps)
+        self.ln_2 = nn.LayerNorm(hidden, eps=config.norm_eps)
+        self.qkv_weight, self.qkv_bias = _frozen(3 * hidden, hidden), _frozen(3 * hidden)
+        self.o_weight, self.o_bias = _frozen(hidden, hidden), _frozen(hidden)
+        self.fc_weight, self.fc_bias = _frozen(config.intermediate_size, hidden), _frozen(config.intermediate_size)
+        self.proj_weight, self.proj_bias = _frozen(hidden, config.intermediate_size), _frozen(hidden)
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(self.ln_1(hidden), self.qkv_weight, self.qkv_bias)
+        q, k, v = (t.reshape(num_tokens, self.num_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
+        attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        hidden = hidden + F.linear(attn.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+        mlp = F.linear(self.act(F.linear(self.ln_2(hidden), self.fc_weight, self.fc_bias)), self.proj_weight, self.proj_bias)
+        return hidden + mlp
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = _frozen(config.vocab_size, config.hidden_size)
+        self.wpe = _frozen(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.lm_head = self.wte if config.tie_word_embeddings else _frozen(config.vocab_size, config.hidden_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCache,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.wte) + F.embedding(positions, self.wpe)
+        for block, kv_cache in zip(self.h, kv_caches, strict=True):
+            hidden = block(hidden, kv_cache, metadata, backend)
+        return self.ln_f(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self)
+        conv1d = torch.Tensor.t  # HF Conv1D keeps [in, out]; F.linear wants [out, in]
+        loader.direct("transformer.wte.weight", "wte")
+        loader.direct("transformer.wpe.weight", "wpe")
+        loader.direct("transformer.ln_f.weight", "ln_f.weight")
+        loader.direct("transformer.ln_f.bias", "ln_f.bias")
+        if not self.config.tie_word_embeddings:
+            loader.direct("lm_head.weight", "lm_head")
+        for i in range(self.config.num_layers):
+            hf, ours = f"transformer.h.{i}.", f"h.{i}."
+            for norm in ("ln_1", "ln_2"):
+                loader.direct(hf + f"{norm}.weight", ours + f"{norm}.weight")
+                loader.direct(hf + f"{norm}.bias", ours + f"{norm}.bias")
+            for hf_layer, ours_layer in (("attn.c_attn", "qkv"), ("attn.c_proj", "o"), ("mlp.c_fc", "fc"), ("mlp.c_proj", "proj")):
+                loader.direct(hf + f"{hf_layer}.weight", ours + f"{ours_layer}_weight", conv1d)
+                loader.direct(hf + f"{hf_layer}.bias", ours + f"{ours_layer}_bias")
+        loader.load(weights, ignore=(".attn.bias", ".attn.masked_bias"))

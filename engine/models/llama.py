@@ -1,0 +1,143 @@
+"""The Llama family on a flat token batch: Llama, Mistral, SmolLM2, Qwen2 (qkv bias) and
+Qwen3 (per-head q/k RMSNorm).
+
+Weights load from the Hugging Face state dict by explicit name; q/k/v and gate/up are
+fused into one matmul each, which is where a CPU step spends most of its time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
+from pagefleet.engine.layers.norm import RMSNorm
+from pagefleet.engine.layers.rotary import RotaryEmbedding
+from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.weights import WeightLoader
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _frozen(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_weight = _frozen(self.q_size + 2 * self.kv_size, config.hidden_size)
+        self.qkv_bias = _frozen(self.q_size + 2 * self.kv_size) if config.qkv_bias else None
+        self.o_weight = _frozen(config.hidden_size, self.q_size)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return F.linear(out.view(num_tokens, self.q_size), self.o_weight)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"Llama-family activation {config.hidden_act!r} is not supported (silu)")
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_weight = _frozen(2 * config.intermediate_size, config.hidden_size)
+        self.down_weight = _frozen(config.hidden_size, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(hidden, self.gate_up_weight).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden, positions, kv_cache, metadata, backend) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.embed_tokens = _frozen(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _frozen(config.vocab_size, config.hidden_size)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCache,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, kv_cache, metadata, backend)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> float32 logits [n, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self)
+        loader.direct("model.embed_tokens.weight", "embed_tokens")
+        loader.direct("model.norm.weight", "norm.weight")
+        if not self.config.tie_word_embeddings:
+            loader.direct("lm_head.weight", "lm_head")
+        for i in range(self.config.num_layers):
+            hf, ours = f"model.layers.{i}.", f"layers.{i}."
+            attn = ours + "self_attn."
+            loader.fused([hf + f"self_attn.{p}_proj.weight" for p in "qkv"], attn + "qkv_weight")
+            if self.config.qkv_bias:
+                loader.fused([hf + f"self_attn.{p}_proj.bias" for p in "qkv"], attn + "qkv_bias")
+            loader.direct(hf + "self_attn.o_proj.weight", attn + "o_weight")
+            if self.config.qk_norm:
+                loader.direct(hf + "self_attn.q_norm.weight", attn + "q_norm.weight")
+                loader.direct(hf + "self_attn.k_norm.weight", attn + "k_norm.weight")
+            loader.direct(hf + "input_layernorm.weight", ours + "input_layernorm.weight")
+            loader.direct(hf + "post_attention_layernorm.weight", ours + "post_attention_layernorm.weight")
+            loader.fused([hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_weight")
+            loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_weight")
+        loader.load(weights, ignore=("rotary_emb.inv_freq",))

@@ -1,0 +1,58 @@
+"""Build a model from an HF directory: config -> our module -> weights -> dtype/device."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagefleet.engine.errors import ModelNotFoundError
+from pagefleet.engine.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _model_class(config: ModelConfig) -> type[nn.Module]:
+    from pagefleet.engine.models.gpt2 import GPT2LMHeadModel
+    from pagefleet.engine.models.llama import LlamaForCausalLM
+
+    return {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}[config.family]
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ModelConfig]:
+    started = time.monotonic()
+    config = ModelConfig.from_dir(model_dir)
+    model = _model_class(config)(config)  # parameters start uninitialised (torch.empty)
+    model.load_weights(iter_weights(model_dir))  # type: ignore[operator]
+    model = model.to(device=device, dtype=dtype).eval()
+    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    logger.info(
+        "loaded %s (%s, %.1fM parameters, %s) in %.1f s",
+        model_dir.name, config.architecture, num_params / 1e6, dtype, time.monotonic() - started,
+    )
+    return model, config
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, from safetensors (single or sharded) or a .bin file."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = [model_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if files:
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        return
+    bins = sorted(model_dir.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelNotFoundError(f"no safetensors or pytorch_model.bin weights in {model_dir}")
+    for path in bins:
+        yield from torch.load(path, map_location="cpu", weights_only=True).items()

@@ -1,0 +1,96 @@
+"""Per-token bookkeeping after sampling: append, logprobs, detokenize, stop checks, and
+building the `RequestOutput` a caller sees."""
+
+from __future__ import annotations
+
+from pagefleet.engine.detokenizer import Detokenizer, find_stop_string
+from pagefleet.engine.model_runner import PromptLogprobs
+from pagefleet.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, Usage
+from pagefleet.engine.request import Request, Sequence
+from pagefleet.engine.sampler import SampleResult
+
+
+class OutputProcessor:
+    def __init__(self, detokenizer: Detokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.detokenizer = detokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def append_token(self, request: Request, seq: Sequence, result: SampleResult, row: int) -> None:
+        token_id = result.token_ids[row]
+        params = request.params
+        seq.token_ids.append(token_id)
+        seq.cumulative_logprob += result.logprobs[row]
+        if params.logprobs is not None:
+            assert result.top_ids is not None and result.top_logprobs is not None, "sampler skipped top-k"
+            entry = self._position(token_id, result.logprobs[row], result.ranks[row], result.top_ids[row], result.top_logprobs[row])
+            seq.logprobs = (seq.logprobs or []) + [entry]
+        previous_len = len(seq.text)
+        seq.text += self.detokenizer.step(seq, params.skip_special_tokens)
+        self._check_stop(request, seq, token_id, len(seq.text) - previous_len)
+
+    def _check_stop(self, request: Request, seq: Sequence, token_id: int, num_new_chars: int) -> None:
+        params = request.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = "stop"
+                return
+            if token_id in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token_id
+                return
+            if params.stop and num_new_chars:
+                found = find_stop_string(seq.text, num_new_chars, params.stop)
+                if found is not None:
+                    stop, index = found
+                    seq.text = seq.text[: index + len(stop)] if params.include_stop_str_in_output else seq.text[:index]
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    return
+        if seq.num_output_tokens >= request.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def add_prompt_logprobs(self, request: Request, result: PromptLogprobs) -> None:
+        assert request.prompt_logprobs is not None, "prompt logprobs computed for a request that did not ask"
+        seq = request.sequences[0]
+        # After a recompute the same positions come again; keep the first answer.
+        for offset, value in enumerate(result.token_logprobs):
+            token_index = result.start_position + offset + 1
+            if token_index != len(request.prompt_logprobs):
+                continue
+            token_id = seq.token_ids[token_index]
+            request.prompt_logprobs.append(
+                self._position(token_id, value, result.ranks[offset], result.top_ids[offset], result.top_logprobs[offset])
+            )
+
+    def _position(self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]) -> PositionLogprobs:
+        entry = {token_id: Logprob(logprob, rank, self.detokenizer.token_text(token_id))}
+        for top_rank, (top_id, value) in enumerate(zip(top_ids, top_values, strict=True), start=1):
+            entry.setdefault(top_id, Logprob(value, top_rank, self.detokenizer.token_text(top_id)))
+        return entry
+
+    def make_output(self, request: Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.sequences
+        ]
+        num_completion = sum(seq.num_output_tokens for seq in request.sequences)
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["first_token_time"] = request.first_token_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=all(seq.is_finished for seq in request.sequences),
+            usage=Usage(request.num_prompt_tokens, num_completion, request.num_cached_tokens),
+            prompt_logprobs=request.prompt_logprobs,
+            metrics=metrics,
+        )

@@ -1,0 +1,118 @@
+"""A request and its sequences: the state the scheduler and the block manager share.
+
+A request holds one prompt and n sequences (samples). Until its prompt is computed the
+request is *unforked*: only sequence 0 runs, so the prompt is prefilled once. When
+sequence 0 reaches the end of the prompt the others fork from it, sharing every prompt
+block (the last, part-filled one included) by reference count.
+
+Every sequence has `num_computed_tokens` catching up to `num_tokens`; this one rule covers
+prefill, chunked prefill, prefix-cache hits and recompute after preemption.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagefleet.engine.outputs import PositionLogprobs
+from pagefleet.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # new, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted; its blocks live in the host pool
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
+    num_registered_blocks: int = 0  # full blocks already published to the prefix cache
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] | None = None
+    text: str = ""
+    generator: torch.Generator | None = None
+    # Incremental detokenizer cursors into token_ids (see detokenizer.py).
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int  # FCFS order, also the order preempted requests resume in
+    max_tokens: int
+    sequences: list[Sequence] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    is_forked: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        num_prompt = len(self.prompt_token_ids)
+        if not self.sequences:
+            self.sequences = [
+                Sequence(i, list(self.prompt_token_ids), num_prompt) for i in range(self.params.n)
+            ]
+        self.is_forked = len(self.sequences) == 1
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no distribution
+        if self.params.seed is not None:
+            for seq in self.sequences:
+                seq.generator = torch.Generator().manual_seed(self.params.seed * 1_000_003 + seq.index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def unfinished_sequences(self) -> list[Sequence]:
+        return [seq for seq in self.sequences if not seq.is_finished]
+
+    @property
+    def active_sequences(self) -> list[Sequence]:
+        """The sequences that compute this step: only sequence 0 before the fork."""
+        if not self.is_forked:
+            return [self.sequences[0]]
+        return self.unfinished_sequences
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens

@@ -1,0 +1,118 @@
+"""Vectorised sampling for one step: penalties, temperature, top-k/top-p/min-p, logprobs.
+
+One row of `logits` per sequence that samples this step. Requests with a seed draw from
+their own generator, so their tokens do not depend on what else is in the batch; the rest
+share the engine's generator. Sampling uses the exponential race (argmax of p / E with
+E ~ Exp(1)), which equals drawing from p and needs no cumulative sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagefleet.engine.request import Sequence
+from pagefleet.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token under the model's raw distribution
+    ranks: list[int]
+    top_ids: list[list[int]] | None  # per row, the top-k alternatives (k = params.logprobs)
+    top_logprobs: list[list[float]] | None
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> SampleResult:
+        """logits: [num_rows, vocab] float32, one row per (sequence, params)."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, seqs, params)
+        logits = self._apply_min_tokens(logits, seqs, params)
+        chosen = self._choose(logits, seqs, params)
+        chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
+        ranks = (raw_logprobs > chosen_logprobs[:, None]).sum(dim=1) + 1
+        max_top = max((p.logprobs or 0) for p in params)
+        top_ids = top_values = None
+        if max_top > 0:
+            values, ids = raw_logprobs.topk(max_top, dim=-1)
+            top_ids = [row[: p.logprobs or 0] for row, p in zip(ids.tolist(), params, strict=True)]
+            top_values = [row[: p.logprobs or 0] for row, p in zip(values.tolist(), params, strict=True)]
+        return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), ranks.tolist(), top_ids, top_values)
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:  # only rows that asked for penalties; typically few
+            p, seq = params[i], seqs[i]
+            output = torch.tensor(seq.output_token_ids, dtype=torch.long)
+            counts = torch.zeros(vocab).index_add_(0, output, torch.ones(len(output))) if len(output) else torch.zeros(vocab)
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                seen[torch.tensor(seq.token_ids, dtype=torch.long)] = True
+                row = logits[i]
+                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                logits[i] = torch.where(seen, penalised, row)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        rows = [i for i, (s, p) in enumerate(zip(seqs, params, strict=True)) if s.num_output_tokens < p.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            banned = list(params[i].stop_token_ids) + ([] if params[i].ignore_eos else self.eos_token_ids)
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        chosen = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not sampled_rows:
+            return chosen
+        index = torch.tensor(sampled_rows)
+        sub = logits.index_select(0, index)
+        sub_params = [params[i] for i in sampled_rows]
+        temperature = torch.tensor([p.temperature for p in sub_params]).unsqueeze(1)
+        probs = torch.softmax(sub / temperature, dim=-1)
+        probs = _filter(probs, sub_params)
+        noise = torch.empty_like(probs)
+        unseeded = [r for r, i in enumerate(sampled_rows) if seqs[i].generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for r, i in enumerate(sampled_rows):
+            generator = seqs[i].generator
+            if generator is not None:
+                noise[r].exponential_(generator=generator)
+        chosen[index] = (probs / noise).argmax(dim=-1)
+        return chosen
+
+
+def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero out tokens outside top-k, top-p and min-p, per row."""
+    vocab = probs.shape[1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params])
+    if (min_p > 0).any():
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if (top_k < vocab).any() or (top_p < 1).any():
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab).expand_as(sorted_probs)
+        # Keep a token if fewer than top_p of the mass comes before it (the first always stays).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = (ranks >= top_k[:, None]) | (mass_before >= top_p[:, None] * sorted_probs.sum(-1, keepdim=True))
+        drop[:, 0] = False
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs

@@ -1,0 +1,94 @@
+"""Per-request sampling settings, validated once when the request is created."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagefleet.engine.errors import InvalidParameterError
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Defaults follow vLLM: `max_tokens=16`, `temperature=1.0`, no top-k/top-p/min-p
+    filtering. `temperature=0` means greedy. `top_k <= 0` disables top-k.
+
+    Raises:
+        InvalidParameterError: (a ValueError) naming the first invalid field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(param: str, message: str) -> None:
+            raise InvalidParameterError(param, message)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int):
+            fail("top_k", f"must be an integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2:
+            fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0:
+            fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0:
+            fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= _MAX_LOGPROBS:
+                fail(name, f"must be in [0, {_MAX_LOGPROBS}], got {value}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -1,0 +1,184 @@
+"""Continuous batching: every step mixes running decodes with new or chunked prefills.
+
+Requests are served first come, first served. When a running request needs a block and
+none is free, the most recently admitted request is preempted (recompute: its blocks are
+freed and its tokens computed again later; swap: its blocks move to host memory), and it
+resumes, in arrival order, when blocks free up. No waiting request is admitted in a step
+that preempted, so the oldest requests always finish first.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.kv_cache_manager import KVCacheManager, PendingCopies
+from pagefleet.engine.request import Request, RequestStatus, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_new_tokens` tokens of `seq`, starting at its `num_computed_tokens`."""
+
+    request: Request
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulePlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    copies: PendingCopies = field(default_factory=PendingCopies)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: list[Request] = []  # sorted by arrival_index
+        self.running: list[Request] = []  # in admission order
+        self.stats = SchedulerStats()
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.unfinished_sequences) for r in self.running)
+
+    def add(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=lambda r: r.arrival_index)
+
+    def remove(self, request: Request) -> None:
+        """Drop a finished or aborted request and free every block it holds."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.status == RequestStatus.SWAPPED:
+            self.kv_cache.release_host_blocks(request)
+        else:
+            self.kv_cache.free_request(request)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> SchedulePlan:
+        plan = SchedulePlan()
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        if not plan.preempted:
+            self._schedule_waiting(plan, budget)
+        plan.copies = self.kv_cache.pending.take()
+        return plan
+
+    # --- phases -------------------------------------------------------------------------
+
+    def _schedule_running(self, plan: SchedulePlan, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            scheduled = self._try_schedule_request(request, plan, budget)
+            while scheduled is None:
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+                scheduled = self._try_schedule_request(request, plan, budget)
+            if scheduled is None:
+                break  # the request preempted itself; everything after it is gone too
+            budget -= scheduled
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, plan: SchedulePlan, budget: int) -> None:
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if self.num_running_seqs + len(request.unfinished_sequences) > self.config.max_num_seqs:
+                break
+            if request.status == RequestStatus.SWAPPED:
+                if not self._try_swap_in(request):
+                    break
+            elif not request.sequences[0].block_ids:
+                self._take_prefix_hits(request)
+            scheduled = self._try_schedule_request(request, plan, budget)
+            if scheduled is None:
+                if request.status == RequestStatus.WAITING and not request.is_forked:
+                    self.kv_cache.free(request.sequences[0])  # give back prefix hits
+                break  # strict FCFS: a later request may not overtake the head of the queue
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= scheduled
+
+    def _take_prefix_hits(self, request: Request) -> None:
+        seq = request.sequences[0]
+        hits, cost = self.kv_cache.find_prefix_hits(seq) if request.prompt_logprobs is None else ([], 0)
+        if request.num_cached_tokens == 0 and seq.num_output_tokens == 0:
+            self.kv_cache.stats.prefix_queries += request.num_prompt_tokens
+            self.kv_cache.stats.prefix_hits += len(hits) * self.kv_cache.block_size
+            request.num_cached_tokens = len(hits) * self.kv_cache.block_size
+        if hits and cost <= self.kv_cache.num_free_blocks:
+            self.kv_cache.take_cached_prefix(seq, hits)
+
+    def _try_swap_in(self, request: Request) -> bool:
+        needed = self.kv_cache.swap_in_cost(request) + len(request.active_sequences)
+        if needed > self.kv_cache.num_free_blocks:
+            return False
+        swapped = self.kv_cache.try_swap_in(request)
+        assert swapped, "swap_in_cost said the blocks were free"
+        request.status = RequestStatus.WAITING  # back on the device, admitted below
+        return True
+
+    def _try_schedule_request(self, request: Request, plan: SchedulePlan, budget: int) -> int | None:
+        """Allocate slots for the request's next tokens; None (nothing changed) if blocks
+        run out. Returns the number of tokens scheduled."""
+        wanted = []
+        for seq in request.active_sequences:
+            # Before the fork, sequence 0 stops at the end of the prompt (the fork point).
+            target = seq.num_tokens if request.is_forked else request.num_prompt_tokens
+            num_new = min(target - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            wanted.append((seq, num_new))
+            budget -= num_new
+        needed = sum(self.kv_cache.blocks_needed(seq, n) for seq, n in wanted)
+        if needed > self.kv_cache.num_free_blocks:
+            return None
+        for seq, num_new in wanted:
+            allocated = self.kv_cache.try_allocate_slots(seq, num_new)
+            assert allocated, "blocks_needed said the slots were free"
+            plan.chunks.append(ScheduledChunk(request, seq, num_new))
+        return sum(n for _, n in wanted)
+
+    def _preempt(self, request: Request, plan: SchedulePlan) -> None:
+        self.running.remove(request)
+        plan.chunks = [c for c in plan.chunks if c.request is not request]
+        swap = self.config.preemption_mode == "swap" and self.kv_cache.can_swap_out(request)
+        if swap:
+            self.kv_cache.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.stats.num_preemptions_swap += 1
+        else:
+            self.kv_cache.free_request(request)
+            request.is_forked = len(request.sequences) == 1
+            request.status = RequestStatus.WAITING
+            self.stats.num_preemptions_recompute += 1
+        logger.info("preempted request %s by %s", request.request_id, "swap" if swap else "recompute")
+        plan.preempted.append(request)
+        self.add(request)
