@@ -2,6 +2,7 @@
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineError, InvalidParameterError, PromptTooLongError
+from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.llm import LLM
 from pagefleet.engine.llm_engine import EngineStats, LLMEngine
 from pagefleet.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
@@ -9,6 +10,7 @@ from pagefleet.engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncEngine",
     "CompletionOutput",
     "EngineConfig",
     "EngineError",

@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from pagefleet.engine.kv_cache_manager import PendingCopies
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, DecodeBucket, PrefillChunk
+from pagefleet.engine.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeBucket,
+    PrefillChunk,
+    allocate_kv_cache,
+)
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.request import Sequence
 from pagefleet.engine.sampler import SampleResult, Sampler
@@ -25,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 # Decode rows are gathered in a few buckets of similar context length, so short contexts
 # do not pay for the padding of long ones.
-_MAX_DECODE_BUCKETS = 4
-_BUCKET_RATIO = 0.6
+_MAX_DECODE_BUCKETS = 3
+_BUCKET_RATIO = 0.5
 
 
 @dataclass(slots=True)
@@ -67,14 +73,12 @@ class ModelRunner:
         self.model, self.model_config, self.backend = model, model_config, backend
         self.block_size, self.device = block_size, device
         shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(num_blocks, *shape, dtype=dtype, device=device), torch.zeros(num_blocks, *shape, dtype=dtype, device=device))
-            for _ in range(model_config.num_layers)
-        ]
-        self.host_caches = [
-            (torch.zeros(num_host_blocks, *shape, dtype=dtype), torch.zeros(num_host_blocks, *shape, dtype=dtype))
-            for _ in range(model_config.num_layers if num_host_blocks else 0)
-        ]
+
+        def cache_pair(blocks: int, where: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+            return allocate_kv_cache(blocks, *shape, dtype, where), allocate_kv_cache(blocks, *shape, dtype, where)
+
+        self.kv_caches = [cache_pair(num_blocks, device) for _ in range(model_config.num_layers)]
+        self.host_caches = [cache_pair(num_host_blocks, "cpu") for _ in range(model_config.num_layers if num_host_blocks else 0)]
         self.sampler = Sampler(model_config.eos_token_ids, seed)
 
     def run_copies(self, copies: PendingCopies) -> None:
@@ -176,7 +180,7 @@ class ModelRunner:
                     rows=torch.tensor([rows[i] for i in group], device=self.device),
                     block_ids=torch.tensor(padded, device=self.device).flatten(),
                     num_blocks=num_blocks,
-                    masked=masked[:, None, None, :].to(self.device),
+                    masked=masked[None, :, None, :].to(self.device),
                 )
             )
         return buckets

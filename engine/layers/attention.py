@@ -13,6 +13,7 @@ context, read back through the sequence's block table.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,7 +37,8 @@ class DecodeBucket:
     rows: torch.Tensor  # [b] row indices into the flat batch
     block_ids: torch.Tensor  # [b * num_blocks] physical blocks, row-major
     num_blocks: int
-    masked: torch.Tensor  # [b, 1, 1, num_blocks * block_size], True where a key is hidden
+    masked: torch.Tensor  # [1, b, 1, num_blocks * block_size], True where a key is hidden
+    head_block_ids: torch.Tensor | None = None  # block ids offset per kv head (torch backend)
 
 
 @dataclass(slots=True)
@@ -70,10 +72,44 @@ class AttentionBackend(Protocol):
         ...
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The storage behind a cache view: [num_kv_heads, num_blocks, block_size, head_dim].
+
+    Caches are allocated head-major and handed around as the permuted view
+    [num_blocks, block_size, num_kv_heads, head_dim], so one head's blocks are contiguous
+    and a gather yields operands that batched matmuls take without another copy.
+    """
+    storage = cache.permute(2, 0, 1, 3)
+    assert storage.is_contiguous(), "KV caches must be allocated head-major (see allocate_kv_cache)"
+    return storage
+
+
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A zeroed cache, [num_blocks, block_size, num_kv_heads, head_dim] over head-major storage."""
+    storage = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+    return storage.permute(1, 2, 0, 3)
+
+
 class TorchAttentionBackend:
     """Plain-torch attention: the CPU path and the reference for the Triton kernels."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        # Gathered keys/values are tens of MB a layer; reusing one buffer avoids a fresh
+        # mmap (and its page faults) for every layer of every step.
+        self._workspace: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        key = (name, like.dtype, like.device)
+        numel = math.prod(shape)
+        buffer = self._workspace.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._workspace[key] = buffer
+        return buffer[:numel].view(shape)
 
     def forward(
         self,
@@ -85,54 +121,65 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
-        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
-        flat_keys.index_copy_(0, metadata.slot_mapping, key)
-        flat_values.index_copy_(0, metadata.slot_mapping, value)
+        keys, values = head_major(key_cache), head_major(value_cache)
+        num_kv_heads, num_blocks, block_size, head_dim = keys.shape
+        flat_keys = keys.view(num_kv_heads, num_blocks * block_size, head_dim)
+        flat_values = values.view(num_kv_heads, num_blocks * block_size, head_dim)
+        flat_keys.index_copy_(1, metadata.slot_mapping, key.transpose(0, 1))
+        flat_values.index_copy_(1, metadata.slot_mapping, value.transpose(0, 1))
 
         output = torch.empty_like(query)
         for bucket in metadata.decode_buckets:
-            output[bucket.rows] = _decode_bucket(query, key_cache, value_cache, bucket, scale)
+            output[bucket.rows] = self._decode_bucket(query, keys, values, bucket, scale)
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            output[rows] = _prefill_chunk(query[rows], flat_keys, flat_values, chunk, scale)
+            if chunk.context_len == chunk.query_len:  # nothing cached before: attend to itself
+                chunk_keys, chunk_values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+            else:
+                chunk_keys = flat_keys.index_select(1, chunk.context_slots)
+                chunk_values = flat_values.index_select(1, chunk.context_slots)
+            output[rows] = _prefill_chunk(query[rows], chunk_keys, chunk_values, chunk, scale)
         return output
 
+    def _decode_bucket(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket, scale: float
+    ) -> torch.Tensor:
+        """Single-token attention for `bucket.rows` -> [b, num_heads, head_dim].
 
-def _decode_bucket(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    bucket: DecodeBucket,
-    scale: float,
-) -> torch.Tensor:
-    """Single-token attention for `bucket.rows` -> [b, num_heads, head_dim]."""
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_rows = bucket.rows.numel()
-    length = bucket.num_blocks * block_size
-    q = query.index_select(0, bucket.rows).view(num_rows, num_kv_heads, -1, head_dim)
-    keys = key_cache.index_select(0, bucket.block_ids).view(num_rows, length, num_kv_heads, head_dim)
-    values = value_cache.index_select(0, bucket.block_ids).view(num_rows, length, num_kv_heads, head_dim)
-    # [b, kv_heads, group, D] @ [b, kv_heads, D, L]: query head h reads kv head h // group.
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * scale
-    scores.masked_fill_(bucket.masked, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3))
-    return out.reshape(num_rows, -1, head_dim)
+        keys/values: head-major storage [num_kv_heads, num_blocks, block_size, head_dim].
+        """
+        num_kv_heads, num_blocks, block_size, head_dim = keys.shape
+        num_rows = bucket.rows.numel()
+        length = bucket.num_blocks * block_size
+        if bucket.head_block_ids is None:  # computed by the first layer, reused by the rest
+            heads = torch.arange(num_kv_heads, device=keys.device)[:, None] * num_blocks
+            bucket.head_block_ids = (heads + bucket.block_ids[None, :]).flatten()
+        # One gather per cache: rows of storage [kv_heads * num_blocks, block_size * D].
+        shape = (num_kv_heads * bucket.block_ids.numel(), block_size * head_dim)
+        gathered_keys = self._buffer("keys", shape, keys)
+        gathered_values = self._buffer("values", shape, values)
+        torch.index_select(keys.view(-1, block_size * head_dim), 0, bucket.head_block_ids, out=gathered_keys)
+        torch.index_select(values.view(-1, block_size * head_dim), 0, bucket.head_block_ids, out=gathered_values)
+        # Batch over (kv head, row): [kv*b, group, D] @ [kv*b, D, L] -> [kv*b, group, L].
+        q = query.index_select(0, bucket.rows).view(num_rows, num_kv_heads, -1, head_dim)
+        q = q.transpose(0, 1).reshape(num_kv_heads * num_rows, -1, head_dim)
+        batch_keys = gathered_keys.view(num_kv_heads * num_rows, length, head_dim)
+        scores = torch.bmm(q, batch_keys.transpose(1, 2)).float().mul_(scale)
+        scores = scores.view(num_kv_heads, num_rows, -1, length).masked_fill_(bucket.masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(query.dtype).view(num_kv_heads * num_rows, -1, length)
+        out = torch.bmm(probs, gathered_values.view(num_kv_heads * num_rows, length, head_dim))
+        return out.view(num_kv_heads, num_rows, -1, head_dim).transpose(0, 1).reshape(num_rows, -1, head_dim)
 
 
 def _prefill_chunk(
-    query: torch.Tensor,
-    flat_keys: torch.Tensor,
-    flat_values: torch.Tensor,
-    chunk: PrefillChunk,
-    scale: float,
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk: PrefillChunk, scale: float
 ) -> torch.Tensor:
-    """Causal attention of a chunk over its cached prefix and itself -> [q_len, H, D]."""
-    keys = flat_keys.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
-    values = flat_values.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
+    """Causal attention of a chunk over its context -> [q_len, H, D].
+
+    query: [q_len, H, D]; keys/values: [num_kv_heads, context_len, D].
+    """
     q = query.transpose(0, 1).unsqueeze(0)
+    keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     prefix = chunk.context_len - chunk.query_len
     if prefix == 0:
         out = torch.nn.functional.scaled_dot_product_attention(

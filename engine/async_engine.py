@@ -1,0 +1,129 @@
+"""`AsyncEngine`: the engine loop in a background thread, driven from asyncio.
+
+`generate()` is an async iterator of cumulative `RequestOutput`s. Leaving the iterator
+early (a client that disconnects) aborts the request, which frees its blocks at once. The
+torch work runs outside the event loop (torch releases the GIL), so an HTTP server on the
+loop stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.errors import EngineDeadError
+from pagefleet.engine.llm_engine import EngineStats, LLMEngine
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None, **engine_args: Any) -> None:
+        self.engine = engine or LLMEngine(config or EngineConfig(**engine_args))
+        self._lock = threading.Lock()  # guards the engine: one step or one add/abort at a time
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="pagefleet-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that changed it; the last is final.
+
+        Raises:
+            InvalidParameterError: (ValueError) before the first output, for bad input.
+            EngineDeadError: the engine loop failed.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self._dead}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            await asyncio.to_thread(self._locked, self.engine.add_request, request_id, prompt, params)
+            self._wake.set()
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine stopped: {item}") from item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await asyncio.to_thread(self._locked, self.engine.abort_request, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        output = await asyncio.to_thread(self._locked, self.engine.abort_request, request_id)
+        if output is not None:
+            self._deliver([output])
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _locked(self, function: Any, *args: Any) -> Any:
+        with self._lock:
+            return function(*args)
+
+    def _run_loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()  # before looking for work, so a wake-up is never lost
+            with self._lock:
+                has_work = self.engine.has_unfinished_requests()
+                if has_work:
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as error:  # a task boundary: fail every request, stop
+                        logger.exception("engine step failed; failing all requests")
+                        self._fail_all(error)
+                        return
+            if has_work:
+                self._deliver(outputs)
+            else:
+                self._wake.wait(timeout=0.5)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            target = self._queues.get(output.request_id)
+            if target is not None:
+                loop, queue = target
+                loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._dead = error
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        for loop, queue in list(self._queues.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, error)

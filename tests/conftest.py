@@ -1,0 +1,99 @@
+"""Session fixtures: tiny random-weight models of every supported architecture.
+
+Each is built from a transformers config, given weights with a large std (the default 0.02
+makes tiny tied models repeat one token) and saved with `save_pretrained`, next to a small
+byte-level BPE tokenizer trained here, so no file is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Two shared cores: oversubscribed or spin-waiting OpenMP threads make tiny models crawl.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+TINY_VOCAB = 384
+TINY_ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks.",
+    "Hello world! How are you today? I am fine, thank you. Paris is the capital of France.",
+    "0123456789 schedulers batch requests continuously; blocks are shared by reference count.",
+    "Ünïcödé ✓ 東京 emoji 🚀 test: byte-level BPE must never emit broken UTF-8 characters.",
+]
+
+
+def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
+    import transformers as tf
+
+    common = dict(vocab_size=TINY_VOCAB, initializer_range=0.3, tie_word_embeddings=arch in ("llama", "qwen3", "gpt2"))
+    if arch == "gpt2":
+        return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=None, eos_token_id=None, **common)
+    sizes = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    if arch == "llama":
+        return tf.LlamaConfig(**sizes, **common)
+    if arch == "mistral":
+        return tf.MistralConfig(**sizes, sliding_window=None, **common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**sizes, **common)
+    return tf.Qwen3Config(**sizes, head_dim=32, **common)  # head_dim != hidden / heads
+
+
+def _build_tokenizer():  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return fast
+
+
+def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch), attn_implementation="eager")
+    # GPT-2 keeps transformers' own init (std 0.3 from the config); random LayerNorm and
+    # bias values make it collapse to one token. The others get random norms and biases
+    # too, so that Qwen2's qkv bias and Qwen3's q/k norms are really exercised.
+    with torch.no_grad():
+        for name, param in model.named_parameters() if arch != "gpt2" else []:
+            if "norm" in name or ".ln_" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    _build_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: build_tiny_model(arch, root / arch) for arch in TINY_ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]

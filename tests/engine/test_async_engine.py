@@ -1,0 +1,79 @@
+"""The async engine streams cumulative outputs and aborts a request whose reader leaves."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pagefleet.engine import LLM, AsyncEngine, SamplingParams
+from tests.conftest import TINY_VOCAB
+from tests.engine.helpers import random_prompts
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path):  # type: ignore[no-untyped-def]
+    engine = AsyncEngine(model=str(tiny_llama), dtype="float32", block_size=4)
+    yield engine
+    engine.shutdown()
+
+
+def _free_equals_total(engine: AsyncEngine) -> bool:
+    stats = engine.stats()
+    return stats.num_free_blocks == stats.num_total_blocks and stats.num_running_requests == 0
+
+
+async def _wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met before the deadline"
+        await asyncio.sleep(0.02)
+
+
+def test_concurrent_streams_match_offline_greedy(engine: AsyncEngine, tiny_llama: Path) -> None:
+    prompts = random_prompts([5, 19, 33], TINY_VOCAB, seed=20)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    async def stream(prompt: list[int]) -> tuple[list[int], int]:
+        lengths, final = [], None
+        async for output in engine.generate(prompt, params):
+            lengths.append(len(output.outputs[0].token_ids))
+            final = output
+        assert final is not None and final.finished
+        assert lengths == sorted(lengths), "outputs are cumulative"
+        return final.outputs[0].token_ids, len(lengths)
+
+    async def run_all():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*(stream(p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    offline = LLM(str(tiny_llama), dtype="float32").generate(prompts, params)
+    assert [tokens for tokens, _ in results] == [o.outputs[0].token_ids for o in offline]
+    assert all(count > 1 for _, count in results), "streams yield more than the final output"
+    assert _free_equals_total(engine)
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
+    (prompt,) = random_prompts([20], TINY_VOCAB, seed=21)
+
+    async def leave_early() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        stream = engine.generate(prompt, params, request_id="leaver")
+        async for output in stream:
+            if len(output.outputs[0].token_ids) >= 3:
+                break
+        await stream.aclose()
+        await _wait_for(lambda: _free_equals_total(engine))
+
+    asyncio.run(leave_early())
+
+
+def test_invalid_request_raises_before_streaming(engine: AsyncEngine) -> None:
+    async def bad() -> None:
+        async for _ in engine.generate([], SamplingParams()):
+            pass
+
+    with pytest.raises(ValueError, match="prompt"):
+        asyncio.run(bad())
+    assert _free_equals_total(engine)

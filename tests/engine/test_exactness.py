@@ -1,0 +1,90 @@
+"""Our greedy output equals transformers' (eager, float32) token for token, for every
+architecture, however the engine schedules the work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagefleet.engine import LLM, SamplingParams
+from tests.conftest import TINY_ARCHITECTURES, TINY_VOCAB
+from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts
+
+NEW_TOKENS = 12
+PROMPT_LENGTHS = [5, 17, 33, 1, 48]
+
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "preempt_recompute": {"num_kv_blocks": 10, "block_size": 8, "preemption_mode": "recompute"},
+    "preempt_swap": {"num_kv_blocks": 10, "block_size": 8, "preemption_mode": "swap"},
+}
+
+
+def _greedy(max_tokens: int = NEW_TOKENS, logprobs: int | None = 1) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+
+
+def _assert_matches_hf(model_dir: Path, prompts: list[list[int]], outputs) -> None:  # type: ignore[no-untyped-def]
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected_tokens, expected_logprobs = hf_greedy(model_dir, prompt, NEW_TOKENS)
+        completion = output.outputs[0]
+        assert completion.token_ids == expected_tokens, f"prompt of {len(prompt)} tokens diverged"
+        ours = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+        assert ours == pytest.approx(expected_logprobs, abs=2e-4)
+        assert completion.finish_reason == "length"
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_greedy_equals_transformers(tiny_models: dict[str, Path], arch: str, schedule: str) -> None:
+    model_dir = tiny_models[arch]
+    llm = LLM(str(model_dir), dtype="float32", **SCHEDULES[schedule])
+    prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB)
+    outputs = llm.generate(prompts, _greedy())
+    assert all(len(set(o.outputs[0].token_ids)) > 3 for o in outputs), "degenerate model output"
+    _assert_matches_hf(model_dir, prompts, outputs)
+    stats = llm.stats()
+    if schedule.startswith("preempt"):
+        assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0, "the tiny cache forced no preemption"
+    if schedule == "preempt_swap":
+        assert stats.num_preemptions_swap > 0
+    assert_no_block_leaked(llm)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_prefix_cache_hit_gives_same_tokens(tiny_models: dict[str, Path], arch: str) -> None:
+    model_dir = tiny_models[arch]
+    llm = LLM(str(model_dir), dtype="float32", block_size=8)
+    shared = random_prompts([40], TINY_VOCAB, seed=1)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 9, 1], TINY_VOCAB, seed=2)]
+    llm.generate([shared], _greedy())
+    before = llm.stats().prefix_cache_hits
+    outputs = llm.generate(prompts, _greedy())
+    hits = llm.stats().prefix_cache_hits - before
+    assert hits == 3 * 40 // 8 * 8, "every prompt should reuse the 5 full blocks of the shared prefix"
+    assert [o.usage.cached_prompt_tokens for o in outputs] == [40, 40, 40]
+    _assert_matches_hf(model_dir, prompts, outputs)
+    assert_no_block_leaked(llm)
+
+
+def test_mixed_arrival_times(tiny_llama: Path) -> None:
+    """Requests that arrive while others decode join the running batch and stay exact."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=24)
+    prompts = random_prompts([30, 7, 21, 2, 45, 13], TINY_VOCAB, seed=3)
+    engine = llm.engine
+    finished = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:
+            index, prompt = pending.pop(0)
+            engine.add_request(f"r{index}", prompt, _greedy())
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        step += 1
+    _assert_matches_hf(tiny_llama, prompts, [finished[f"r{i}"] for i in range(len(prompts))])
+    assert_no_block_leaked(llm)
