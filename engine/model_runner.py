@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # Decode rows are gathered in a few buckets of similar context length, so short contexts
 # do not pay for the padding of long ones.
-_MAX_DECODE_BUCKETS = 3
+_MAX_DECODE_BUCKETS = 2
 _BUCKET_RATIO = 0.5
 
 
@@ -180,7 +180,7 @@ class ModelRunner:
                     rows=torch.tensor([rows[i] for i in group], device=self.device),
                     block_ids=torch.tensor(padded, device=self.device).flatten(),
                     num_blocks=num_blocks,
-                    masked=masked[None, :, None, :].to(self.device),
+                    masked=masked.to(self.device),
                 )
             )
         return buckets

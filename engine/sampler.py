@@ -31,20 +31,33 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> SampleResult:
-        """logits: [num_rows, vocab] float32, one row per (sequence, params)."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        """logits: [num_rows, vocab] float32, one row per (sequence, params).
+
+        Logprobs are of the model's raw distribution (before penalties and temperature).
+        """
+        log_normalizer = torch.logsumexp(logits, dim=-1)
+        raw_logits = logits
         logits = self._apply_penalties(logits, seqs, params)
         logits = self._apply_min_tokens(logits, seqs, params)
         chosen = self._choose(logits, seqs, params)
-        chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
-        ranks = (raw_logprobs > chosen_logprobs[:, None]).sum(dim=1) + 1
-        max_top = max((p.logprobs or 0) for p in params)
+        chosen_logprobs = raw_logits.gather(1, chosen[:, None]).squeeze(1) - log_normalizer
+        ranks = [1] * len(params)
         top_ids = top_values = None
-        if max_top > 0:
-            values, ids = raw_logprobs.topk(max_top, dim=-1)
-            top_ids = [row[: p.logprobs or 0] for row, p in zip(ids.tolist(), params, strict=True)]
-            top_values = [row[: p.logprobs or 0] for row, p in zip(values.tolist(), params, strict=True)]
-        return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), ranks.tolist(), top_ids, top_values)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if rows:  # only rows that asked pay for ranks and top-k
+            index = torch.tensor(rows)
+            raw = raw_logits.index_select(0, index)
+            row_ranks = (raw > raw.gather(1, chosen[index][:, None])).sum(dim=1) + 1
+            for row, rank in zip(rows, row_ranks.tolist(), strict=True):
+                ranks[row] = rank
+            max_top = max(params[i].logprobs or 0 for i in rows)
+            values, ids = (raw.topk(max_top, dim=-1) if max_top else (raw[:, :0], raw[:, :0].long()))
+            values = values - log_normalizer[index][:, None]
+            top_ids, top_values = [[] for _ in params], [[] for _ in params]
+            for r, i in enumerate(rows):
+                k = params[i].logprobs or 0
+                top_ids[i], top_values[i] = ids[r, :k].tolist(), values[r, :k].tolist()
+        return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), ranks, top_ids, top_values)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         rows = [i for i, p in enumerate(params) if p.has_penalties]

@@ -37,8 +37,9 @@ class DecodeBucket:
     rows: torch.Tensor  # [b] row indices into the flat batch
     block_ids: torch.Tensor  # [b * num_blocks] physical blocks, row-major
     num_blocks: int
-    masked: torch.Tensor  # [1, b, 1, num_blocks * block_size], True where a key is hidden
+    masked: torch.Tensor  # [b, num_blocks * block_size], True where a key is hidden
     head_block_ids: torch.Tensor | None = None  # block ids offset per kv head (torch backend)
+    bias: torch.Tensor | None = None  # additive mask [kv_heads * b, 1, L] (torch backend)
 
 
 @dataclass(slots=True)
@@ -151,9 +152,12 @@ class TorchAttentionBackend:
         num_kv_heads, num_blocks, block_size, head_dim = keys.shape
         num_rows = bucket.rows.numel()
         length = bucket.num_blocks * block_size
-        if bucket.head_block_ids is None:  # computed by the first layer, reused by the rest
+        if bucket.head_block_ids is None or bucket.bias is None:  # first layer; reused by the rest
             heads = torch.arange(num_kv_heads, device=keys.device)[:, None] * num_blocks
             bucket.head_block_ids = (heads + bucket.block_ids[None, :]).flatten()
+            bias = torch.zeros(bucket.masked.shape, dtype=query.dtype, device=query.device)
+            bias.masked_fill_(bucket.masked, float("-inf"))
+            bucket.bias = bias.repeat(num_kv_heads, 1).unsqueeze(1)
         # One gather per cache: rows of storage [kv_heads * num_blocks, block_size * D].
         shape = (num_kv_heads * bucket.block_ids.numel(), block_size * head_dim)
         gathered_keys = self._buffer("keys", shape, keys)
@@ -164,9 +168,8 @@ class TorchAttentionBackend:
         q = query.index_select(0, bucket.rows).view(num_rows, num_kv_heads, -1, head_dim)
         q = q.transpose(0, 1).reshape(num_kv_heads * num_rows, -1, head_dim)
         batch_keys = gathered_keys.view(num_kv_heads * num_rows, length, head_dim)
-        scores = torch.bmm(q, batch_keys.transpose(1, 2)).float().mul_(scale)
-        scores = scores.view(num_kv_heads, num_rows, -1, length).masked_fill_(bucket.masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(query.dtype).view(num_kv_heads * num_rows, -1, length)
+        scores = torch.baddbmm(bucket.bias, q, batch_keys.transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.bmm(probs, gathered_values.view(num_kv_heads * num_rows, length, head_dim))
         return out.view(num_kv_heads, num_rows, -1, head_dim).transpose(0, 1).reshape(num_rows, -1, head_dim)
 

@@ -1,4 +1,5 @@
-"""RMSNorm computed exactly as HF Llama does (in float32, then cast back)."""
+"""RMSNorm in the order HF Llama uses: normalise (accumulating in float32), cast back to
+the input dtype, then scale by the weight."""
 
 from __future__ import annotations
 
@@ -12,7 +13,5 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+        # The fused kernel accumulates in float32 for half-precision inputs.
+        return self.weight * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=self.eps)

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pagefleet.engine.layers.norm import RMSNorm
-from pagefleet.engine.layers.rotary import RotaryEmbedding
+from pagefleet.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import WeightLoader
 
@@ -27,7 +27,7 @@ def _frozen(*shape: int) -> nn.Parameter:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
@@ -38,13 +38,12 @@ class LlamaAttention(nn.Module):
         self.o_weight = _frozen(config.hidden_size, self.q_size)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
         backend: AttentionBackend,
@@ -57,7 +56,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return F.linear(out.view(num_tokens, self.q_size), self.o_weight)
 
@@ -77,15 +76,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden, positions, kv_cache, metadata, backend) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata, backend)
+    def forward(self, hidden, rope, kv_cache, metadata, backend) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -93,14 +92,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = _frozen(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _frozen(config.vocab_size, config.hidden_size)
-        self.rotary = rotary
 
     def forward(
         self,
@@ -112,8 +110,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         hidden = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rotary.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, kv_cache, metadata, backend)
+            hidden = layer(hidden, rope, kv_cache, metadata, backend)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
