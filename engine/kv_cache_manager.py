@@ -98,10 +98,11 @@ class KVCacheManager:
 
     # --- prefix caching ---------------------------------------------------------------
 
-    def find_prefix_hits(self, seq: Sequence) -> tuple[list[int], int]:
-        """Cached blocks this sequence's tokens start with, and how many free blocks taking
-        them would consume (hits on evictable blocks leave the free queue)."""
-        hits = self._find_cached_prefix(seq)
+    def find_prefix_hits(self, seq: Sequence, num_tokens: int) -> tuple[list[int], int]:
+        """Cached blocks that the sequence's first `num_tokens` tokens start with, and how
+        many free blocks taking them would consume (hits on evictable blocks leave the free
+        queue). The last of those tokens is never a hit: its logits are needed."""
+        hits = self._find_cached_prefix(seq, num_tokens)
         return hits, sum(1 for block_id in hits if self.pool.is_evictable(block_id))
 
     def take_cached_prefix(self, seq: Sequence, hits: list[int]) -> None:
@@ -113,11 +114,10 @@ class KVCacheManager:
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
 
-    def _find_cached_prefix(self, seq: Sequence) -> list[int]:
+    def _find_cached_prefix(self, seq: Sequence, num_tokens: int) -> list[int]:
         if not self.enable_prefix_caching:
             return []
-        # At least the last token must be computed, to produce the next token's logits.
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = (num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)
         hits = []
         for index in range(max_blocks):
@@ -154,7 +154,8 @@ class KVCacheManager:
         self.pool.incref(parent.block_ids)
         child.block_ids = list(parent.block_ids)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.block_hashes = list(parent.block_hashes)
+        # Only hashes of full blocks both share; the parent may have hashed its own outputs.
+        child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
         child.num_registered_blocks = parent.num_registered_blocks
 
     def free(self, seq: Sequence) -> None:

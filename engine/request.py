@@ -76,6 +76,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     is_forked: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    is_prefix_counted: bool = False  # the prompt entered the prefix-cache statistics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -127,13 +127,21 @@ class Scheduler:
             budget -= scheduled
 
     def _take_prefix_hits(self, request: Request) -> None:
+        if request.prompt_logprobs is not None:
+            return  # skipped positions would have no prompt logprobs
         seq = request.sequences[0]
-        hits, cost = self.kv_cache.find_prefix_hits(seq) if request.prompt_logprobs is None else ([], 0)
-        if request.num_cached_tokens == 0 and seq.num_output_tokens == 0:
+        # Before the fork, sequence 0 must compute at least one prompt token itself: the
+        # fork happens at the step that reaches the end of the prompt.
+        limit = seq.num_tokens if request.is_forked else request.num_prompt_tokens
+        hits, cost = self.kv_cache.find_prefix_hits(seq, limit)
+        if hits and cost > self.kv_cache.num_free_blocks:
+            hits = []
+        if not request.is_prefix_counted:  # count a request's prompt once, not per retry
+            request.is_prefix_counted = True
             self.kv_cache.stats.prefix_queries += request.num_prompt_tokens
             self.kv_cache.stats.prefix_hits += len(hits) * self.kv_cache.block_size
             request.num_cached_tokens = len(hits) * self.kv_cache.block_size
-        if hits and cost <= self.kv_cache.num_free_blocks:
+        if hits:
             self.kv_cache.take_cached_prefix(seq, hits)
 
     def _try_swap_in(self, request: Request) -> bool:

