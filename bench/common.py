@@ -26,8 +26,12 @@ class Workload:
 
 
 def fixed_workload(
-    num_requests: int = 64, min_prompt: int = 64, max_prompt: int = 512, output_tokens: int = 128,
-    vocab_size: int = 49152, seed: int = 0,
+    num_requests: int = 64,
+    min_prompt: int = 64,
+    max_prompt: int = 512,
+    output_tokens: int = 128,
+    vocab_size: int = 49152,
+    seed: int = 0,
 ) -> Workload:
     """Prompts of random lengths and random (non-special) token ids, the same every run."""
     rng = random.Random(seed)

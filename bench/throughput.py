@@ -79,8 +79,12 @@ def run_transformers(workload: Workload, dtype: str, batch_size: int) -> float:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
             model.generate(
-                ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=0,
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
             )
     return len(workload.prompts) * new_tokens / (time.perf_counter() - started)
 
@@ -103,7 +107,9 @@ def main() -> None:
         progress(f"{dtype}: pagefleet on {len(workload.prompts)} requests")
         ours = run_engine(workload, dtype)
         progress(f"{dtype}: transformers one at a time on {args.baseline_requests} requests")
-        single = run_transformers(Workload(workload.prompts[: args.baseline_requests], workload.output_tokens), dtype, 1)
+        single = run_transformers(
+            Workload(workload.prompts[: args.baseline_requests], workload.output_tokens), dtype, 1
+        )
         progress(f"{dtype}: transformers static batches of 16 on {args.static_requests} requests")
         static = run_transformers(Workload(workload.prompts[: args.static_requests], workload.output_tokens), dtype, 16)
         results[dtype] = {
@@ -115,7 +121,8 @@ def main() -> None:
         }
         print(
             f"{dtype:9s} pagefleet {ours.tokens_per_s:7.1f} tok/s | transformers 1-at-a-time {single:6.1f} "
-            f"(x{ours.tokens_per_s / single:.1f}) | static batches of 16 {static:6.1f} (x{ours.tokens_per_s / static:.1f}) "
+            f"(x{ours.tokens_per_s / single:.1f}) | static batches of 16 {static:6.1f} "
+            f"(x{ours.tokens_per_s / static:.1f}) "
             f"| KV waste {ours.kv_waste:.2%} | peak blocks {ours.peak_blocks} | preemptions {ours.num_preemptions}",
             flush=True,
         )

@@ -1,8 +1,8 @@
 """pagefleet's paged-attention inference engine."""
 
+from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineError, InvalidParameterError, PromptTooLongError
-from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.llm import LLM
 from pagefleet.engine.llm_engine import EngineStats, LLMEngine
 from pagefleet.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage

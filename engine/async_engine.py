@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeAlias
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineDeadError
@@ -23,7 +23,7 @@ from pagefleet.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_Item = RequestOutput | BaseException
+_Item: TypeAlias = RequestOutput | BaseException
 
 
 class AsyncEngine:

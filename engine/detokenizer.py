@@ -26,7 +26,9 @@ class Detokenizer:
     def step(self, seq: Sequence, skip_special_tokens: bool) -> str:
         """New text made complete by the sequence's latest tokens (may be empty)."""
         ids = seq.token_ids
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip_special_tokens)
+        prefix = self.tokenizer.decode(
+            ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip_special_tokens
+        )
         full = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip_special_tokens)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import InvalidParameterError
@@ -21,6 +20,7 @@ from pagefleet.engine.layers.attention import AttentionBackend, TorchAttentionBa
 from pagefleet.engine.loader import resolve_model_dir
 from pagefleet.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pagefleet.engine.models import ModelConfig, load_model
+from pagefleet.engine.models.loading import CausalLM
 from pagefleet.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class EngineParts:
     model_dir: Path
     tokenizer: Any
-    model: nn.Module
+    model: CausalLM
     model_config: ModelConfig
     max_model_len: int
     kv_cache: KVCacheManager
@@ -67,13 +67,24 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens), max_model_len=%d, swap blocks=%d",
-        num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
-        num_blocks * config.block_size, max_model_len, num_host_blocks,
+        num_blocks,
+        config.block_size,
+        num_blocks * block_bytes / 2**20,
+        num_blocks * config.block_size,
+        max_model_len,
+        num_host_blocks,
     )
     kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
     runner = ModelRunner(
-        model, model_config, select_backend(config), num_blocks, num_host_blocks,
-        config.block_size, dtype, device, config.seed,
+        model,
+        model_config,
+        select_backend(config),
+        num_blocks,
+        num_host_blocks,
+        config.block_size,
+        dtype,
+        device,
+        config.seed,
     )
     return EngineParts(
         model_dir, tokenizer, model, model_config, max_model_len, kv_cache, Scheduler(config, kv_cache), runner

@@ -39,9 +39,7 @@ class PendingCopies:
 
 
 class KVCacheManager:
-    def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_host_blocks: int = 0
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching

@@ -38,13 +38,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids). Invalid input raises ValueError
         before anything runs."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        prompt_list: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
-            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")

@@ -16,9 +16,9 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.engine_setup import EngineParts, build_engine_parts
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
-from pagefleet.engine.model_runner import PromptLogprobs, SampleRequest
-from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.model_runner import SampleRequest
 from pagefleet.engine.output_processor import OutputProcessor
+from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.request import Request, RequestStatus
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
@@ -59,7 +59,9 @@ class LLMEngine:
         self.kv_cache = self.parts.kv_cache
         self.scheduler = self.parts.scheduler
         self.runner = self.parts.runner
-        self.outputs = OutputProcessor(Detokenizer(self.tokenizer), self.parts.model_config.eos_token_ids, self.max_model_len)
+        self.outputs = OutputProcessor(
+            Detokenizer(self.tokenizer), self.parts.model_config.eos_token_ids, self.max_model_len
+        )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0
@@ -111,7 +113,9 @@ class LLMEngine:
                 f"this model's context window of {self.max_model_len} tokens",
             )
         if max_tokens < 1:
-            raise PromptTooLongError("prompt", f"the prompt fills the whole context window of {self.max_model_len} tokens")
+            raise PromptTooLongError(
+                "prompt", f"the prompt fills the whole context window of {self.max_model_len} tokens"
+            )
         bs = self.kv_cache.block_size
         worst_case = -(-num_prompt // bs) + params.n * (-(-max_tokens // bs) + 1)
         if params.n == 1:
@@ -170,7 +174,9 @@ class LLMEngine:
                 # Sequence 0 reaching the end of the prompt is the fork point: every sibling
                 # that has no tokens of its own yet samples from the same logits.
                 if done == request.num_prompt_tokens:
-                    samples += [SampleRequest(index, s, request.params) for s in request.sequences if s.num_tokens == done]
+                    samples += [
+                        SampleRequest(index, s, request.params) for s in request.sequences if s.num_tokens == done
+                    ]
             elif done == seq.num_tokens:
                 samples.append(SampleRequest(index, seq, request.params))
         return samples

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from pagefleet.engine.kv_cache_manager import PendingCopies
 from pagefleet.engine.layers.attention import (
@@ -22,8 +21,9 @@ from pagefleet.engine.layers.attention import (
     allocate_kv_cache,
 )
 from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.loading import CausalLM
 from pagefleet.engine.request import Sequence
-from pagefleet.engine.sampler import SampleResult, Sampler
+from pagefleet.engine.sampler import Sampler, SampleResult
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
 
@@ -60,7 +60,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         model_config: ModelConfig,
         backend: AttentionBackend,
         num_blocks: int,
@@ -78,7 +78,9 @@ class ModelRunner:
             return allocate_kv_cache(blocks, *shape, dtype, where), allocate_kv_cache(blocks, *shape, dtype, where)
 
         self.kv_caches = [cache_pair(num_blocks, device) for _ in range(model_config.num_layers)]
-        self.host_caches = [cache_pair(num_host_blocks, "cpu") for _ in range(model_config.num_layers if num_host_blocks else 0)]
+        self.host_caches = [
+            cache_pair(num_host_blocks, "cpu") for _ in range(model_config.num_layers if num_host_blocks else 0)
+        ]
         self.sampler = Sampler(model_config.eos_token_ids, seed)
 
     def run_copies(self, copies: PendingCopies) -> None:
@@ -185,7 +187,9 @@ class ModelRunner:
             )
         return buckets
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, chunks: list[ScheduledChunk], index: int, last_row: int) -> PromptLogprobs:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, chunks: list[ScheduledChunk], index: int, last_row: int
+    ) -> PromptLogprobs:
         """Logprobs of the prompt tokens that follow each position of chunk `index`."""
         chunk = chunks[index]
         seq, request = chunk.seq, chunk.request
@@ -200,5 +204,7 @@ class ModelRunner:
         chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
         ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
         k = request.params.prompt_logprobs or 0
-        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (torch.empty(count, 0), torch.empty(count, 0, dtype=torch.long))
+        top_values, top_ids = (
+            logprobs.topk(k, dim=-1) if k else (torch.empty(count, 0), torch.empty(count, 0, dtype=torch.long))
+        )
         return PromptLogprobs(index, start, chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist())

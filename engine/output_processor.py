@@ -23,7 +23,9 @@ class OutputProcessor:
         seq.cumulative_logprob += result.logprobs[row]
         if params.logprobs is not None:
             assert result.top_ids is not None and result.top_logprobs is not None, "sampler skipped top-k"
-            entry = self._position(token_id, result.logprobs[row], result.ranks[row], result.top_ids[row], result.top_logprobs[row])
+            entry = self._position(
+                token_id, result.logprobs[row], result.ranks[row], result.top_ids[row], result.top_logprobs[row]
+            )
             seq.logprobs = (seq.logprobs or []) + [entry]
         previous_len = len(seq.text)
         seq.text += self.detokenizer.step(seq, params.skip_special_tokens)
@@ -58,10 +60,14 @@ class OutputProcessor:
                 continue
             token_id = seq.token_ids[token_index]
             request.prompt_logprobs.append(
-                self._position(token_id, value, result.ranks[offset], result.top_ids[offset], result.top_logprobs[offset])
+                self._position(
+                    token_id, value, result.ranks[offset], result.top_ids[offset], result.top_logprobs[offset]
+                )
             )
 
-    def _position(self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]) -> PositionLogprobs:
+    def _position(
+        self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]
+    ) -> PositionLogprobs:
         entry = {token_id: Logprob(logprob, rank, self.detokenizer.token_text(token_id))}
         for top_rank, (top_id, value) in enumerate(zip(top_ids, top_values, strict=True), start=1):
             entry.setdefault(top_id, Logprob(value, top_rank, self.detokenizer.token_text(top_id)))

@@ -85,9 +85,7 @@ class Request:
     def __post_init__(self) -> None:
         num_prompt = len(self.prompt_token_ids)
         if not self.sequences:
-            self.sequences = [
-                Sequence(i, list(self.prompt_token_ids), num_prompt) for i in range(self.params.n)
-            ]
+            self.sequences = [Sequence(i, list(self.prompt_token_ids), num_prompt) for i in range(self.params.n)]
         self.is_forked = len(self.sequences) == 1
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no distribution

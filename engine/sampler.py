@@ -42,7 +42,8 @@ class Sampler:
         chosen = self._choose(logits, seqs, params)
         chosen_logprobs = raw_logits.gather(1, chosen[:, None]).squeeze(1) - log_normalizer
         ranks = [1] * len(params)
-        top_ids = top_values = None
+        top_ids: list[list[int]] | None = None
+        top_values: list[list[float]] | None = None
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if rows:  # only rows that asked pay for ranks and top-k
             index = torch.tensor(rows)
@@ -51,15 +52,19 @@ class Sampler:
             for row, rank in zip(rows, row_ranks.tolist(), strict=True):
                 ranks[row] = rank
             max_top = max(params[i].logprobs or 0 for i in rows)
-            values, ids = (raw.topk(max_top, dim=-1) if max_top else (raw[:, :0], raw[:, :0].long()))
+            values, ids = raw.topk(max_top, dim=-1) if max_top else (raw[:, :0], raw[:, :0].long())
             values = values - log_normalizer[index][:, None]
-            top_ids, top_values = [[] for _ in params], [[] for _ in params]
+            top_ids = [[] for _ in params]
+            top_values = [[] for _ in params]
+            assert top_ids is not None and top_values is not None
             for r, i in enumerate(rows):
                 k = params[i].logprobs or 0
                 top_ids[i], top_values[i] = ids[r, :k].tolist(), values[r, :k].tolist()
         return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), ranks, top_ids, top_values)
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+    def _apply_penalties(
+        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]
+    ) -> torch.Tensor:
         rows = [i for i, p in enumerate(params) if p.has_penalties]
         if not rows:
             return logits
@@ -68,7 +73,9 @@ class Sampler:
         for i in rows:  # only rows that asked for penalties; typically few
             p, seq = params[i], seqs[i]
             output = torch.tensor(seq.output_token_ids, dtype=torch.long)
-            counts = torch.zeros(vocab).index_add_(0, output, torch.ones(len(output))) if len(output) else torch.zeros(vocab)
+            counts = (
+                torch.zeros(vocab).index_add_(0, output, torch.ones(len(output))) if len(output) else torch.zeros(vocab)
+            )
             if p.repetition_penalty != 1.0:
                 seen = torch.zeros(vocab, dtype=torch.bool)
                 seen[torch.tensor(seq.token_ids, dtype=torch.long)] = True
@@ -78,7 +85,9 @@ class Sampler:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
-    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+    def _apply_min_tokens(
+        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]
+    ) -> torch.Tensor:
         rows = [i for i, (s, p) in enumerate(zip(seqs, params, strict=True)) if s.num_output_tokens < p.min_tokens]
         if not rows:
             return logits

@@ -87,8 +87,4 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

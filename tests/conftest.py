@@ -36,10 +36,19 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
 
     common = dict(vocab_size=TINY_VOCAB, initializer_range=0.3, tie_word_embeddings=arch in ("llama", "qwen3", "gpt2"))
     if arch == "gpt2":
-        return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=None, eos_token_id=None, **common)
+        return tf.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=None, eos_token_id=None, **common
+        )
     sizes = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     if arch == "llama":
         return tf.LlamaConfig(**sizes, **common)

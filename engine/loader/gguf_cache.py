@@ -51,7 +51,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model while it still names its quantizer; the
     # weights are already dequantized to float32, so the quantization config is obsolete.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-from torch import nn
-
 from pagefleet.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagefleet.engine.models.gpt2 import GPT2LMHeadModel
 from pagefleet.engine.models.llama import LlamaForCausalLM

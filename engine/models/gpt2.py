@@ -54,7 +54,9 @@ class GPT2Block(nn.Module):
         q, k, v = (t.reshape(num_tokens, self.num_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         hidden = hidden + F.linear(attn.reshape(num_tokens, -1), self.o_weight, self.o_bias)
-        mlp = F.linear(self.act(F.linear(self.ln_2(hidden), self.fc_weight, self.fc_bias)), self.proj_weight, self.proj_bias)
+        mlp = F.linear(
+            self.act(F.linear(self.ln_2(hidden), self.fc_weight, self.fc_bias)), self.proj_weight, self.proj_bias
+        )
         return hidden + mlp
 
 
@@ -98,7 +100,12 @@ class GPT2LMHeadModel(nn.Module):
             for norm in ("ln_1", "ln_2"):
                 loader.direct(hf + f"{norm}.weight", ours + f"{norm}.weight")
                 loader.direct(hf + f"{norm}.bias", ours + f"{norm}.bias")
-            for hf_layer, ours_layer in (("attn.c_attn", "qkv"), ("attn.c_proj", "o"), ("mlp.c_fc", "fc"), ("mlp.c_proj", "proj")):
+            for hf_layer, ours_layer in (
+                ("attn.c_attn", "qkv"),
+                ("attn.c_proj", "o"),
+                ("mlp.c_fc", "fc"),
+                ("mlp.c_proj", "proj"),
+            ):
                 loader.direct(hf + f"{hf_layer}.weight", ours + f"{ours_layer}_weight", conv1d)
                 loader.direct(hf + f"{hf_layer}.bias", ours + f"{ours_layer}_bias")
         loader.load(weights, ignore=(".attn.bias", ".attn.masked_bias"))

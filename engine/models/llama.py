@@ -98,7 +98,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _frozen(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _frozen(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            self.embed_tokens if config.tie_word_embeddings else _frozen(config.vocab_size, config.hidden_size)
+        )
 
     def forward(
         self,

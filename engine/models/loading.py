@@ -5,17 +5,38 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from pagefleet.engine.errors import ModelNotFoundError
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pagefleet.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+class CausalLM(Protocol):
+    """What the runner needs of a model family (see llama.py and gpt2.py)."""
+
+    config: ModelConfig
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
 def _model_class(config: ModelConfig) -> type[nn.Module]:
@@ -25,16 +46,21 @@ def _model_class(config: ModelConfig) -> type[nn.Module]:
     return {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}[config.family]
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ModelConfig]:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, ModelConfig]:
     started = time.monotonic()
     config = ModelConfig.from_dir(model_dir)
-    model = _model_class(config)(config)  # parameters start uninitialised (torch.empty)
-    model.load_weights(iter_weights(model_dir))  # type: ignore[operator]
-    model = model.to(device=device, dtype=dtype).eval()
-    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    module = _model_class(config)(config)  # parameters start uninitialised (torch.empty)
+    module.load_weights(iter_weights(model_dir))  # type: ignore[operator]
+    module = module.to(device=device, dtype=dtype).eval()
+    model = cast(CausalLM, module)
+    num_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     logger.info(
         "loaded %s (%s, %.1fM parameters, %s) in %.1f s",
-        model_dir.name, config.architecture, num_params / 1e6, dtype, time.monotonic() - started,
+        model_dir.name,
+        config.architecture,
+        num_params / 1e6,
+        dtype,
+        time.monotonic() - started,
     )
     return model, config
 

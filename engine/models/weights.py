@@ -56,7 +56,8 @@ class WeightLoader:
             raise UnsupportedModelError(f"checkpoint lacks weights: {', '.join(missing[:5])}")
         for param_name, pieces in parts.items():
             param = self._params[param_name]
-            value = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]  # type: ignore[arg-type]
+            tensors = [piece for piece in pieces if piece is not None]
+            value = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
             if value.shape != param.shape:
                 raise UnsupportedModelError(
                     f"weight for {param_name} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"

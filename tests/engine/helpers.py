@@ -22,10 +22,14 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> tuple[
     model = _hf_model(model_dir)
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
-    tokens = out.sequences[0, len(prompt):].tolist()
+    tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
     return tokens, logprobs
 

@@ -33,10 +33,14 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
     prompt, *others = random_prompts([9, 20, 5, 31], TINY_VOCAB, seed=4)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=20, ignore_eos=True)
     alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
-    mixed = llm.generate(
-        [others[0], prompt, others[1], others[2]],
-        [SamplingParams(temperature=1.0, max_tokens=7), seeded, SamplingParams(temperature=0.7, seed=9), _greedy()],
-    )[1].outputs[0].token_ids
+    mixed = (
+        llm.generate(
+            [others[0], prompt, others[1], others[2]],
+            [SamplingParams(temperature=1.0, max_tokens=7), seeded, SamplingParams(temperature=0.7, seed=9), _greedy()],
+        )[1]
+        .outputs[0]
+        .token_ids
+    )
     assert alone == mixed
     other_seed = llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.9, seed=124, max_tokens=20))
     assert other_seed[0].outputs[0].token_ids != alone
@@ -125,7 +129,7 @@ def test_repetition_penalty_matches_transformers(llm: LLM, tiny_llama: Path) -> 
     with torch.no_grad():
         theirs = model.generate(
             torch.tensor([prompt]), max_new_tokens=16, do_sample=False, repetition_penalty=1.5, pad_token_id=0
-        )[0, len(prompt):].tolist()
+        )[0, len(prompt) :].tolist()
     assert ours == theirs
     plain = llm.generate([prompt], _greedy(max_tokens=16))[0].outputs[0].token_ids
     penalised = llm.generate([prompt], _greedy(max_tokens=16, frequency_penalty=2.0, presence_penalty=2.0))

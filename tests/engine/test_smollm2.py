@@ -45,5 +45,5 @@ def test_first_32_greedy_tokens_equal_transformers(smollm2: LLM) -> None:
             expected = reference.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None
             )
-        assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+        assert output.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
     assert_no_block_leaked(smollm2)
