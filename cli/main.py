@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from pagefleet.cli import generate
+# Read by OpenMP when torch loads (lazily, in the subcommands): without it, idle OpenMP
+# threads spin and starve whatever else shares these cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pagefleet.cli import generate  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

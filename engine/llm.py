@@ -64,11 +64,16 @@ class LLM:
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not show_progress) as bar:
-            while len(finished) < len(request_ids):
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            try:
+                while len(finished) < len(request_ids):
+                    for output in self.engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except BaseException:  # failed or interrupted: free every block before re-raising
+                for request_id in request_ids:
+                    self.engine.abort_request(request_id)
+                raise
         return [finished[request_id] for request_id in request_ids]
 
     def chat(

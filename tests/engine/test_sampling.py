@@ -201,3 +201,38 @@ def test_n_samples_survive_preemption(tiny_llama: Path, mode: str) -> None:
     stats = tight.stats()
     assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
     assert_no_block_leaked(tight)
+
+
+def test_abort_while_swapped_out_frees_host_and_device_blocks(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=12, preemption_mode="swap")
+    engine = llm.engine
+    for index, prompt in enumerate(random_prompts([10, 10, 10], TINY_VOCAB, seed=15)):
+        engine.add_request(f"swap-{index}", prompt, _greedy(max_tokens=30))
+    swapped = None
+    for _ in range(60):
+        engine.step()
+        swapped = next((r for r in engine.scheduler.waiting if r.status.value == "swapped"), None)
+        if swapped is not None:
+            break
+    assert swapped is not None, "the tiny cache should have swapped a request out"
+    assert engine.kv_cache.num_free_host_blocks < engine.kv_cache.num_host_blocks
+    engine.abort_request(swapped.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_block_leaked(llm)
+
+
+def test_a_failing_step_frees_every_block(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    real_execute = llm.engine.runner.execute
+
+    def failing_execute(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated device failure")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", failing_execute)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(random_prompts([8, 16], TINY_VOCAB, seed=16), _greedy(max_tokens=10))
+    assert not llm.engine.has_unfinished_requests()
