@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
+from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.llama import KVCache, _frozen
 from pagefleet.engine.models.weights import WeightLoader
@@ -32,13 +33,12 @@ class GPT2Block(nn.Module):
             raise ValueError(f"GPT-2 activation {config.hidden_act!r} is not supported ({', '.join(_ACTIVATIONS)})")
         hidden = config.hidden_size
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        self.eps = config.norm_eps
         self.ln_1 = nn.LayerNorm(hidden, eps=config.norm_eps)
         self.ln_2 = nn.LayerNorm(hidden, eps=config.norm_eps)
-        self.qkv_weight, self.qkv_bias = _frozen(3 * hidden, hidden), _frozen(3 * hidden)
-        self.o_weight, self.o_bias = _frozen(hidden, hidden), _frozen(hidden)
-        self.fc_weight, self.fc_bias = _frozen(config.intermediate_size, hidden), _frozen(config.intermediate_size)
-        self.proj_weight, self.proj_bias = _frozen(hidden, config.intermediate_size), _frozen(hidden)
+        self.qkv = Linear(hidden, 3 * hidden, bias=True)
+        self.o = Linear(hidden, hidden, bias=True)
+        self.fc = Linear(hidden, config.intermediate_size, bias=True)
+        self.proj = Linear(config.intermediate_size, hidden, bias=True)
         self.act = _ACTIVATIONS[config.hidden_act]
         self.scale = self.head_dim**-0.5
 
@@ -50,25 +50,22 @@ class GPT2Block(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = F.linear(self.ln_1(hidden), self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(self.ln_1(hidden))
         q, k, v = (t.reshape(num_tokens, self.num_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        hidden = hidden + F.linear(attn.reshape(num_tokens, -1), self.o_weight, self.o_bias)
-        mlp = F.linear(
-            self.act(F.linear(self.ln_2(hidden), self.fc_weight, self.fc_bias)), self.proj_weight, self.proj_bias
-        )
-        return hidden + mlp
+        hidden = hidden + self.o(attn.reshape(num_tokens, -1))
+        return hidden + self.proj(self.act(self.fc(self.ln_2(hidden))))
 
 
 class GPT2LMHeadModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = _frozen(config.vocab_size, config.hidden_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.wte = self.lm_head.weight if config.tie_word_embeddings else _frozen(*self.lm_head.weight.shape)
         self.wpe = _frozen(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.lm_head = self.wte if config.tie_word_embeddings else _frozen(config.vocab_size, config.hidden_size)
 
     def forward(
         self,
@@ -84,17 +81,17 @@ class GPT2LMHeadModel(nn.Module):
         return self.ln_f(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
-        conv1d = torch.Tensor.t  # HF Conv1D keeps [in, out]; F.linear wants [out, in]
+        conv1d = torch.Tensor.t  # HF Conv1D keeps [in, out]; a linear layer wants [out, in]
         loader.direct("transformer.wte.weight", "wte")
         loader.direct("transformer.wpe.weight", "wpe")
         loader.direct("transformer.ln_f.weight", "ln_f.weight")
         loader.direct("transformer.ln_f.bias", "ln_f.bias")
         if not self.config.tie_word_embeddings:
-            loader.direct("lm_head.weight", "lm_head")
+            loader.direct("lm_head.weight", "lm_head.weight")
         for i in range(self.config.num_layers):
             hf, ours = f"transformer.h.{i}.", f"h.{i}."
             for norm in ("ln_1", "ln_2"):
@@ -106,6 +103,6 @@ class GPT2LMHeadModel(nn.Module):
                 ("mlp.c_fc", "fc"),
                 ("mlp.c_proj", "proj"),
             ):
-                loader.direct(hf + f"{hf_layer}.weight", ours + f"{ours_layer}_weight", conv1d)
-                loader.direct(hf + f"{hf_layer}.bias", ours + f"{ours_layer}_bias")
+                loader.direct(hf + f"{hf_layer}.weight", ours + f"{ours_layer}.weight", conv1d)
+                loader.direct(hf + f"{hf_layer}.bias", ours + f"{ours_layer}.bias")
         loader.load(weights, ignore=(".attn.bias", ".attn.masked_bias"))

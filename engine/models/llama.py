@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
+from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from pagefleet.engine.models.config import ModelConfig
@@ -33,9 +34,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_weight = _frozen(self.q_size + 2 * self.kv_size, config.hidden_size)
-        self.qkv_bias = _frozen(self.q_size + 2 * self.kv_size) if config.qkv_bias else None
-        self.o_weight = _frozen(config.hidden_size, self.q_size)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -58,7 +58,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return F.linear(out.view(num_tokens, self.q_size), self.o_weight)
+        return self.o_proj(out.view(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -67,12 +67,12 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"Llama-family activation {config.hidden_act!r} is not supported (silu)")
         self.intermediate_size = config.intermediate_size
-        self.gate_up_weight = _frozen(2 * config.intermediate_size, config.hidden_size)
-        self.down_weight = _frozen(config.hidden_size, config.intermediate_size)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(hidden, self.gate_up_weight).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -95,12 +95,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = _frozen(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = (
-            self.embed_tokens if config.tie_word_embeddings else _frozen(config.vocab_size, config.hidden_size)
-        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.embed_tokens = self.lm_head.weight if config.tie_word_embeddings else _frozen(*self.lm_head.weight.shape)
 
     def forward(
         self,
@@ -119,26 +117,26 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> float32 logits [n, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
         loader.direct("model.embed_tokens.weight", "embed_tokens")
         loader.direct("model.norm.weight", "norm.weight")
         if not self.config.tie_word_embeddings:
-            loader.direct("lm_head.weight", "lm_head")
+            loader.direct("lm_head.weight", "lm_head.weight")
         for i in range(self.config.num_layers):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
             attn = ours + "self_attn."
-            loader.fused([hf + f"self_attn.{p}_proj.weight" for p in "qkv"], attn + "qkv_weight")
+            loader.fused([hf + f"self_attn.{p}_proj.weight" for p in "qkv"], attn + "qkv_proj.weight")
             if self.config.qkv_bias:
-                loader.fused([hf + f"self_attn.{p}_proj.bias" for p in "qkv"], attn + "qkv_bias")
-            loader.direct(hf + "self_attn.o_proj.weight", attn + "o_weight")
+                loader.fused([hf + f"self_attn.{p}_proj.bias" for p in "qkv"], attn + "qkv_proj.bias")
+            loader.direct(hf + "self_attn.o_proj.weight", attn + "o_proj.weight")
             if self.config.qk_norm:
                 loader.direct(hf + "self_attn.q_norm.weight", attn + "q_norm.weight")
                 loader.direct(hf + "self_attn.k_norm.weight", attn + "k_norm.weight")
             loader.direct(hf + "input_layernorm.weight", ours + "input_layernorm.weight")
             loader.direct(hf + "post_attention_layernorm.weight", ours + "post_attention_layernorm.weight")
-            loader.fused([hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_weight")
-            loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_weight")
+            loader.fused([hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_proj.weight")
+            loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_proj.weight")
         loader.load(weights, ignore=("rotary_emb.inv_freq",))

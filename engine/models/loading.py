@@ -15,6 +15,7 @@ from torch import nn
 
 from pagefleet.engine.errors import ModelNotFoundError
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
+from pagefleet.engine.layers.linear import pack_linears
 from pagefleet.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tup
     module = _model_class(config)(config)  # parameters start uninitialised (torch.empty)
     module.load_weights(iter_weights(model_dir))  # type: ignore[operator]
     module = module.to(device=device, dtype=dtype).eval()
+    pack_linears(module)  # last: packed copies do not follow later changes to the weights
     model = cast(CausalLM, module)
     num_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     logger.info(
