@@ -146,7 +146,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            return self._fail_unschedulable()
         # The attention batch puts single-token chunks (decodes) first.
         chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
         samples = self._plan_samples(chunks)
@@ -164,6 +164,18 @@ class LLMEngine:
                 self.outputs.append_token(request, sample.seq, result, i)
                 self._num_generation_tokens += 1
         return [self._after_step(request) for request in touched]
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """With nothing running, every block is free: a waiting request that still cannot
+        be scheduled never will be. Fail it rather than wait forever (add_request's checks
+        should make this unreachable)."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        request = self.scheduler.waiting[0]
+        logger.error("request %s cannot fit the KV cache even alone; failing it", request.request_id)
+        request.error = "the request does not fit the KV cache"
+        output = self.abort_request(request.request_id)
+        return [output] if output is not None else []
 
     def _plan_samples(self, chunks: list[ScheduledChunk]) -> list[SampleRequest]:
         samples = []
