@@ -114,12 +114,6 @@ class BlockPool:
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
 
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self._evictable):
-            self._forget(self.blocks[block_id])
-            self._free_uncached.append(block_id)
-        self._evictable.clear()
-
     def _forget(self, block: Block) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]

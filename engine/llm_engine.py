@@ -173,7 +173,6 @@ class LLMEngine:
             return []
         request = self.scheduler.waiting[0]
         logger.error("request %s cannot fit the KV cache even alone; failing it", request.request_id)
-        request.error = "the request does not fit the KV cache"
         output = self.abort_request(request.request_id)
         return [output] if output is not None else []
 

@@ -80,7 +80,6 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    error: str | None = None
 
     def __post_init__(self) -> None:
         num_prompt = len(self.prompt_token_ids)
