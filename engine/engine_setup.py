@@ -93,9 +93,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
     model_limit = model_config.max_position_embeddings
-    if model_config.sliding_window is not None:
-        # We attend over the full context; beyond the window that would differ from the model.
-        model_limit = min(model_limit, model_config.sliding_window)
     cache_limit = num_blocks * config.block_size
     if config.max_model_len is None:
         return min(model_limit, cache_limit)

@@ -145,7 +145,15 @@ class ModelRunner:
                 context_slots = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
                 positions.extend(range(start, end))
                 slots.extend(context_slots[start:end].tolist())
-                prefills.append(PrefillChunk(row, num_new, end, torch.from_numpy(context_slots).to(self.device)))
+                prefills.append(
+                    PrefillChunk(
+                        row,
+                        num_new,
+                        end,
+                        torch.from_numpy(context_slots).to(self.device),
+                        self.model_config.sliding_window,
+                    )
+                )
             last_rows.append(row + num_new - 1)
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -176,7 +184,10 @@ class ModelRunner:
             num_blocks = len(tables[group[0]])
             padded = [tables[i] + [0] * (num_blocks - len(tables[i])) for i in group]
             lengths = torch.tensor([context[i] for i in group])
-            masked = torch.arange(num_blocks * self.block_size)[None, :] >= lengths[:, None]
+            key_positions = torch.arange(num_blocks * self.block_size)[None, :]
+            masked = key_positions >= lengths[:, None]
+            if self.model_config.sliding_window is not None:  # the query sits at length - 1
+                masked |= key_positions <= lengths[:, None] - 1 - self.model_config.sliding_window
             buckets.append(
                 DecodeBucket(
                     rows=torch.tensor([rows[i] for i in group], device=self.device),

@@ -54,6 +54,8 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
         return tf.LlamaConfig(**sizes, **common)
     if arch == "mistral":
         return tf.MistralConfig(**sizes, sliding_window=None, **common)
+    if arch == "mistral_window":  # each query sees only its last 8 keys
+        return tf.MistralConfig(**sizes, sliding_window=8, **common)
     if arch == "qwen2":
         return tf.Qwen2Config(**sizes, **common)
     return tf.Qwen3Config(**sizes, head_dim=32, **common)  # head_dim != hidden / heads
@@ -101,6 +103,11 @@ def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: build_tiny_model(arch, root / arch) for arch in TINY_ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_window(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model("mistral_window", tmp_path_factory.mktemp("tiny-mistral-window"))
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ class PrefillChunk:
     query_len: int
     context_len: int  # cached prefix + this chunk
     context_slots: torch.Tensor  # [context_len] cache slots of the whole context
+    sliding_window: int | None = None  # a query sees only the last `sliding_window` keys
 
 
 @dataclass(slots=True)
@@ -184,14 +185,18 @@ def _prefill_chunk(
     q = query.transpose(0, 1).unsqueeze(0)
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     prefix = chunk.context_len - chunk.query_len
-    if prefix == 0:
+    window = chunk.sliding_window
+    if prefix == 0 and (window is None or window >= chunk.query_len):
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
     else:
-        # Query i sits at position prefix + i and sees keys 0..prefix + i.
+        # Query i sits at position prefix + i and sees keys 0..prefix + i (the last
+        # `window` of them with a sliding window).
         visible = torch.ones(chunk.query_len, chunk.context_len, dtype=torch.bool, device=q.device)
         visible = visible.tril(diagonal=prefix)
+        if window is not None:
+            visible = visible.triu(diagonal=prefix - window + 1)
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
         )

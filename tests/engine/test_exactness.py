@@ -88,3 +88,23 @@ def test_mixed_arrival_times(tiny_llama: Path) -> None:
         step += 1
     _assert_matches_hf(tiny_llama, prompts, [finished[f"r{i}"] for i in range(len(prompts))])
     assert_no_block_leaked(llm)
+
+
+@pytest.mark.parametrize("schedule", ["plain", "chunked_prefill", "preempt_recompute"])
+def test_sliding_window_equals_transformers(tiny_mistral_window: Path, schedule: str) -> None:
+    """Mistral with an 8-token window: prompts far longer than the window stay exact."""
+    llm = LLM(str(tiny_mistral_window), dtype="float32", **SCHEDULES[schedule])
+    prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB, seed=7)
+    outputs = llm.generate(prompts, _greedy())
+    _assert_matches_hf(tiny_mistral_window, prompts, outputs)
+    assert_no_block_leaked(llm)
+
+
+def test_sliding_window_prefix_hit(tiny_mistral_window: Path) -> None:
+    llm = LLM(str(tiny_mistral_window), dtype="float32", block_size=8)
+    shared = random_prompts([40], TINY_VOCAB, seed=8)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 11], TINY_VOCAB, seed=9)]
+    llm.generate([shared], _greedy())
+    outputs = llm.generate(prompts, _greedy())
+    assert [o.usage.cached_prompt_tokens for o in outputs] == [40, 40]
+    _assert_matches_hf(tiny_mistral_window, prompts, outputs)
