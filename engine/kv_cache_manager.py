@@ -169,9 +169,13 @@ class KVCacheManager:
 
     # --- swapping -----------------------------------------------------------------------
 
+    @staticmethod
+    def _distinct_blocks(request: Request) -> list[int]:
+        """The request's blocks, each once (siblings share), in table order."""
+        return list(dict.fromkeys(b for seq in request.sequences for b in seq.block_ids))
+
     def can_swap_out(self, request: Request) -> bool:
-        distinct = {b for seq in request.sequences for b in seq.block_ids}
-        return len(distinct) <= len(self._free_host_blocks)
+        return len(self._distinct_blocks(request)) <= len(self._free_host_blocks)
 
     def swap_out(self, request: Request) -> None:
         """Move the request's blocks to host memory; shared blocks are copied once."""
@@ -188,11 +192,11 @@ class KVCacheManager:
             seq.num_registered_blocks = 0  # the device copies may be evicted meanwhile
 
     def swap_in_cost(self, request: Request) -> int:
-        return len({b for seq in request.sequences for b in seq.block_ids})
+        return len(self._distinct_blocks(request))
 
     def try_swap_in(self, request: Request) -> bool:
         """Bring a swapped request's blocks back to the device, keeping them shared."""
-        distinct = list(dict.fromkeys(b for seq in request.sequences for b in seq.block_ids))
+        distinct = self._distinct_blocks(request)
         device_ids = self.pool.try_allocate(len(distinct))
         if device_ids is None:
             return False
@@ -210,8 +214,7 @@ class KVCacheManager:
 
     def release_host_blocks(self, request: Request) -> None:
         """Drop a swapped request's host copies (it was aborted while swapped out)."""
-        distinct = dict.fromkeys(b for seq in request.sequences for b in seq.block_ids)
-        self._free_host_blocks.extend(distinct)
+        self._free_host_blocks.extend(self._distinct_blocks(request))
         for seq in request.sequences:
             seq.block_ids = []
             seq.num_computed_tokens = 0

@@ -23,7 +23,7 @@ from pagefleet.engine.layers.attention import (
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.loading import CausalLM
 from pagefleet.engine.request import Sequence
-from pagefleet.engine.sampler import Sampler, SampleResult
+from pagefleet.engine.sampler import Sampler, SampleResult, TokenLogprobs, token_logprobs
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
 
@@ -46,10 +46,7 @@ class SampleRequest:
 class PromptLogprobs:
     chunk_index: int
     start_position: int  # the chunk's first position; position p scores prompt token p + 1
-    token_logprobs: list[float]  # of each next prompt token, for positions in the chunk
-    ranks: list[int]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
+    values: TokenLogprobs  # one row per position of the chunk that has a next prompt token
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -157,7 +154,6 @@ class ModelRunner:
             last_rows.append(row + num_new - 1)
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decode_tokens=len(decode_rows),
             decode_buckets=self._decode_buckets(decode_rows, decode_context, decode_tables),
             prefills=prefills,
         )
@@ -210,12 +206,6 @@ class ModelRunner:
         count = max(0, end - start)
         first_row = last_row - chunk.num_new_tokens + 1
         logits = self.model.compute_logits(hidden[first_row : first_row + count]).cpu()
-        logprobs = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(seq.token_ids[start + 1 : end + 1], dtype=torch.long)
-        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
-        ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
-        k = request.params.prompt_logprobs or 0
-        top_values, top_ids = (
-            logprobs.topk(k, dim=-1) if k else (torch.empty(count, 0), torch.empty(count, 0, dtype=torch.long))
-        )
-        return PromptLogprobs(index, start, chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist())
+        num_top = [request.params.prompt_logprobs or 0] * count
+        return PromptLogprobs(index, start, token_logprobs(logits, targets, num_top))

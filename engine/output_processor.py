@@ -7,7 +7,7 @@ from pagefleet.engine.detokenizer import Detokenizer, find_stop_string
 from pagefleet.engine.model_runner import PromptLogprobs
 from pagefleet.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, Usage
 from pagefleet.engine.request import Request, Sequence
-from pagefleet.engine.sampler import SampleResult
+from pagefleet.engine.sampler import SampleResult, TokenLogprobs
 
 
 class OutputProcessor:
@@ -22,11 +22,10 @@ class OutputProcessor:
         seq.token_ids.append(token_id)
         seq.cumulative_logprob += result.logprobs[row]
         if params.logprobs is not None:
-            assert result.top_ids is not None and result.top_logprobs is not None, "sampler skipped top-k"
-            entry = self._position(
-                token_id, result.logprobs[row], result.ranks[row], result.top_ids[row], result.top_logprobs[row]
-            )
-            seq.logprobs = (seq.logprobs or []) + [entry]
+            assert result.details is not None, "the sampler skipped logprobs that were asked for"
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(self._position(token_id, result.details, result.detail_rows[row]))
         previous_len = len(seq.text)
         seq.text += self.detokenizer.step(seq, params.skip_special_tokens)
         self._check_stop(request, seq, token_id, len(seq.text) - previous_len)
@@ -54,22 +53,16 @@ class OutputProcessor:
         assert request.prompt_logprobs is not None, "prompt logprobs computed for a request that did not ask"
         seq = request.sequences[0]
         # After a recompute the same positions come again; keep the first answer.
-        for offset, value in enumerate(result.token_logprobs):
+        for offset in range(len(result.values.logprobs)):
             token_index = result.start_position + offset + 1
-            if token_index != len(request.prompt_logprobs):
-                continue
-            token_id = seq.token_ids[token_index]
-            request.prompt_logprobs.append(
-                self._position(
-                    token_id, value, result.ranks[offset], result.top_ids[offset], result.top_logprobs[offset]
-                )
-            )
+            if token_index == len(request.prompt_logprobs):
+                request.prompt_logprobs.append(self._position(seq.token_ids[token_index], result.values, offset))
 
-    def _position(
-        self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]
-    ) -> PositionLogprobs:
-        entry = {token_id: Logprob(logprob, rank, self.detokenizer.token_text(token_id))}
-        for top_rank, (top_id, value) in enumerate(zip(top_ids, top_values, strict=True), start=1):
+    def _position(self, token_id: int, values: TokenLogprobs, row: int) -> PositionLogprobs:
+        """Row `row` of `values` as {token id: Logprob} for the token and its alternatives."""
+        entry = {token_id: Logprob(values.logprobs[row], values.ranks[row], self.detokenizer.token_text(token_id))}
+        top = zip(values.top_ids[row], values.top_logprobs[row], strict=True)
+        for top_rank, (top_id, value) in enumerate(top, start=1):
             entry.setdefault(top_id, Logprob(value, top_rank, self.detokenizer.token_text(top_id)))
         return entry
 

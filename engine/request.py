@@ -107,6 +107,11 @@ class Request:
             return [self.sequences[0]]
         return self.unfinished_sequences
 
+    def compute_target(self, seq: Sequence) -> int:
+        """How many of `seq`'s tokens should have KV: all of them once forked; before the
+        fork, sequence 0 stops at the end of the prompt (the fork point)."""
+        return seq.num_tokens if self.is_forked else self.num_prompt_tokens
+
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED

@@ -17,12 +17,36 @@ from pagefleet.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Per row: the log-probability of one token, its rank, and the top-k alternatives."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> TokenLogprobs:
+    """logits: [n, vocab] float32; token_ids: [n]; num_top: how many alternatives per row."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
+    values, ids = logprobs.topk(max(num_top, default=0), dim=-1)
+    return TokenLogprobs(
+        chosen.tolist(),
+        ranks.tolist(),
+        [row[:k] for row, k in zip(ids.tolist(), num_top, strict=True)],
+        [row[:k] for row, k in zip(values.tolist(), num_top, strict=True)],
+    )
+
+
+@dataclass(slots=True)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float]  # of each chosen token under the model's raw distribution
-    ranks: list[int]
-    top_ids: list[list[int]] | None  # per row, the top-k alternatives (k = params.logprobs)
-    top_logprobs: list[list[float]] | None
+    # Rows whose request asked for logprobs -> their details, in `details`.
+    detail_rows: dict[int, int]
+    details: TokenLogprobs | None
 
 
 class Sampler:
@@ -35,32 +59,18 @@ class Sampler:
 
         Logprobs are of the model's raw distribution (before penalties and temperature).
         """
-        log_normalizer = torch.logsumexp(logits, dim=-1)
         raw_logits = logits
         logits = self._apply_penalties(logits, seqs, params)
         logits = self._apply_min_tokens(logits, seqs, params)
         chosen = self._choose(logits, seqs, params)
-        chosen_logprobs = raw_logits.gather(1, chosen[:, None]).squeeze(1) - log_normalizer
-        ranks = [1] * len(params)
-        top_ids: list[list[int]] | None = None
-        top_values: list[list[float]] | None = None
+        # Every row needs its cumulative logprob; one logsumexp is cheaper than log_softmax.
+        chosen_logprobs = raw_logits.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(raw_logits, dim=-1)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        details = None
         if rows:  # only rows that asked pay for ranks and top-k
             index = torch.tensor(rows)
-            raw = raw_logits.index_select(0, index)
-            row_ranks = (raw > raw.gather(1, chosen[index][:, None])).sum(dim=1) + 1
-            for row, rank in zip(rows, row_ranks.tolist(), strict=True):
-                ranks[row] = rank
-            max_top = max(params[i].logprobs or 0 for i in rows)
-            values, ids = raw.topk(max_top, dim=-1) if max_top else (raw[:, :0], raw[:, :0].long())
-            values = values - log_normalizer[index][:, None]
-            top_ids = [[] for _ in params]
-            top_values = [[] for _ in params]
-            assert top_ids is not None and top_values is not None
-            for r, i in enumerate(rows):
-                k = params[i].logprobs or 0
-                top_ids[i], top_values[i] = ids[r, :k].tolist(), values[r, :k].tolist()
-        return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), ranks, top_ids, top_values)
+            details = token_logprobs(raw_logits[index], chosen[index], [params[i].logprobs or 0 for i in rows])
+        return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), {row: r for r, row in enumerate(rows)}, details)
 
     def _apply_penalties(
         self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]

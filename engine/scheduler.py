@@ -36,10 +36,6 @@ class SchedulePlan:
     copies: PendingCopies = field(default_factory=PendingCopies)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(chunk.num_new_tokens for chunk in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks
 
@@ -75,9 +71,6 @@ class Scheduler:
             self.kv_cache.release_host_blocks(request)
         else:
             self.kv_cache.free_request(request)
-
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
 
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
@@ -130,10 +123,9 @@ class Scheduler:
         if request.prompt_logprobs is not None:
             return  # skipped positions would have no prompt logprobs
         seq = request.sequences[0]
-        # Before the fork, sequence 0 must compute at least one prompt token itself: the
-        # fork happens at the step that reaches the end of the prompt.
-        limit = seq.num_tokens if request.is_forked else request.num_prompt_tokens
-        hits, cost = self.kv_cache.find_prefix_hits(seq, limit)
+        # Hits stop short of the target: its last token is always computed, so the step
+        # that reaches the fork point really runs.
+        hits, cost = self.kv_cache.find_prefix_hits(seq, request.compute_target(seq))
         if hits and cost > self.kv_cache.num_free_blocks:
             hits = []
         if not request.is_prefix_counted:  # count a request's prompt once, not per retry
@@ -158,9 +150,7 @@ class Scheduler:
         run out. Returns the number of tokens scheduled."""
         wanted = []
         for seq in request.active_sequences:
-            # Before the fork, sequence 0 stops at the end of the prompt (the fork point).
-            target = seq.num_tokens if request.is_forked else request.num_prompt_tokens
-            num_new = min(target - seq.num_computed_tokens, budget)
+            num_new = min(request.compute_target(seq) - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
             wanted.append((seq, num_new))

@@ -46,7 +46,6 @@ class DecodeBucket:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of every row
-    num_decode_tokens: int
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 

@@ -15,13 +15,21 @@ from torch import nn
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key cache, value cache)
+
+
+def frozen_parameter(*shape: int) -> nn.Parameter:
+    """An uninitialised inference-only parameter, filled by the weight loader."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
 class Linear(nn.Module):
     """y = x @ weight.T + bias. `weight` may be shared (tied embeddings)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight = frozen_parameter(out_features, in_features)
+        self.bias = frozen_parameter(out_features) if bias else None
         self._packed: torch.Tensor | None = None
 
     def pack(self) -> None:

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
-from pagefleet.engine.layers.linear import Linear
+from pagefleet.engine.layers.linear import KVCache, Linear, frozen_parameter
 from pagefleet.engine.models.config import ModelConfig
-from pagefleet.engine.models.llama import KVCache, _frozen
 from pagefleet.engine.models.weights import WeightLoader
 
 _ACTIVATIONS = {
@@ -62,8 +61,8 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.wte = self.lm_head.weight if config.tie_word_embeddings else _frozen(*self.lm_head.weight.shape)
-        self.wpe = _frozen(config.max_position_embeddings, config.hidden_size)
+        self.wte = self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
+        self.wpe = frozen_parameter(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 

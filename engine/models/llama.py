@@ -14,17 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
-from pagefleet.engine.layers.linear import Linear
+from pagefleet.engine.layers.linear import KVCache, Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import WeightLoader
-
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _frozen(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class LlamaAttention(nn.Module):
@@ -98,7 +92,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.embed_tokens = self.lm_head.weight if config.tie_word_embeddings else _frozen(*self.lm_head.weight.shape)
+        self.embed_tokens = (
+            self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
+        )
 
     def forward(
         self,

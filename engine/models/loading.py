@@ -15,7 +15,7 @@ from torch import nn
 
 from pagefleet.engine.errors import ModelNotFoundError
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
-from pagefleet.engine.layers.linear import pack_linears
+from pagefleet.engine.layers.linear import KVCache, pack_linears
 from pagefleet.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class CausalLM(Protocol):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KVCache,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor: ...
