@@ -35,6 +35,7 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
+        self._stats = self.engine.stats()  # refreshed under the lock; read without it
         self._thread = threading.Thread(target=self._run_loop, name="pagefleet-engine", daemon=True)
         self._thread.start()
 
@@ -85,8 +86,8 @@ class AsyncEngine:
             self._deliver([output])
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
+        """The stats after the latest step, add or abort (never waits for a step)."""
+        return self._stats
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -95,7 +96,10 @@ class AsyncEngine:
 
     def _locked(self, function: Any, *args: Any) -> Any:
         with self._lock:
-            return function(*args)
+            try:
+                return function(*args)
+            finally:
+                self._stats = self.engine.stats()
 
     def _run_loop(self) -> None:
         while not self._stopping.is_set():
@@ -105,6 +109,7 @@ class AsyncEngine:
                 if has_work:
                     try:
                         outputs = self.engine.step()
+                        self._stats = self.engine.stats()
                     except Exception as error:  # a task boundary: fail every request, stop
                         logger.exception("engine step failed; failing all requests")
                         self._fail_all(error)

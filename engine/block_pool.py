@@ -34,6 +34,9 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.num_evictions = 0
+        self.peak_used_blocks = 0  # high-water mark of blocks taken at once
+        self._num_shared = 0  # blocks with ref_count > 1
+        self._num_saved = 0  # sum of (ref_count - 1) over those
 
     @property
     def num_free_blocks(self) -> int:
@@ -43,6 +46,18 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    @property
+    def sharing(self) -> tuple[int, int]:
+        """(blocks referenced more than once, blocks that sharing saves: the references
+        beyond the first, each of which would otherwise be a copy)."""
+        return self._num_shared, self._num_saved
+
+    def _add_ref(self, block: Block) -> None:
+        if block.ref_count >= 1:
+            self._num_saved += 1
+            self._num_shared += block.ref_count == 1
+        block.ref_count += 1
 
     def ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_count
@@ -63,6 +78,7 @@ class BlockPool:
             assert block.ref_count == 0, f"block {block.block_id} was free with references"
             block.ref_count = 1
             allocated.append(block.block_id)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
         return allocated
 
     def incref(self, block_ids: list[int]) -> None:
@@ -70,7 +86,7 @@ class BlockPool:
         for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"incref of free block {block_id}: use touch()"
-            block.ref_count += 1
+            self._add_ref(block)
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block. Callers pass a table tail first, so a
@@ -78,6 +94,9 @@ class BlockPool:
         for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"double free of block {block_id}"
+            if block.ref_count >= 2:
+                self._num_saved -= 1
+                self._num_shared -= block.ref_count == 2
             block.ref_count -= 1
             if block.ref_count == 0:
                 if block.block_hash is None:
@@ -97,7 +116,8 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._evictable[block_id]
-        block.ref_count += 1
+            self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
+        self._add_ref(block)
 
     def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
         """Publish a full block's contents for prefix reuse (after the step that wrote it).

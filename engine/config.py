@@ -34,6 +34,8 @@ class EngineConfig:
         max_num_batched_tokens: most tokens computed in one step (long prompts are
             prefilled in chunks of at most this).
         enable_prefix_caching: reuse the KV of full blocks whose tokens were seen before.
+        enable_block_sharing: samples and beams of one request share their common blocks
+            (copy-on-write). Turn off only to measure what sharing saves.
         preemption_mode: "recompute" or "swap" (to a host pool of `swap_space` bytes).
         seed: seed of the engine's own random generator (requests without a seed).
         device: "auto", "cpu" or "cuda".
@@ -49,6 +51,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    enable_block_sharing: bool = True
     preemption_mode: str = "recompute"
     swap_space: int = 1 << 30
     seed: int = 0

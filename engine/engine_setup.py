@@ -43,9 +43,17 @@ def select_backend(config: EngineConfig) -> AttentionBackend:
     choice = config.attention_backend
     if choice == "auto":
         choice = "triton" if config.torch_device.type == "cuda" else "torch"
-    if choice == "triton":
-        raise InvalidParameterError("attention_backend", "the Triton backend is not available in this build")
-    return TorchAttentionBackend()
+    if choice == "torch":
+        return TorchAttentionBackend()
+    if config.torch_device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidParameterError(
+            "attention_backend",
+            "the Triton kernels need a CUDA device; on a CPU they run only under the Triton "
+            "interpreter (set TRITON_INTERPRET=1 before starting)",
+        )
+    from pagefleet.engine.layers.triton_attention import TritonAttentionBackend
+
+    return TritonAttentionBackend()
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -74,7 +82,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         max_model_len,
         num_host_blocks,
     )
-    kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
+    kv_cache = KVCacheManager(
+        num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks, config.enable_block_sharing
+    )
     runner = ModelRunner(
         model,
         model_config,

@@ -39,10 +39,20 @@ class PendingCopies:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_host_blocks: int = 0,
+        enable_sharing: bool = True,
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        # Off only to measure what sharing saves: a sequence then copies every block it
+        # shares before it next writes, so each owns its whole history.
+        self.enable_sharing = enable_sharing
         self.num_host_blocks = num_host_blocks
         self._free_host_blocks: deque[int] = deque(range(num_host_blocks))
         self.stats = CacheStats()
@@ -60,7 +70,7 @@ class KVCacheManager:
         """New blocks (copy-on-write included) that computing `num_new_tokens` would take."""
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
         needed = max(0, -(-end // self.block_size) - len(seq.block_ids))
-        return needed + int(self._needs_copy_on_write(seq, start))
+        return needed + len(self._blocks_to_copy(seq, start))
 
     def try_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make slots for tokens [num_computed, num_computed + num_new) writable.
@@ -71,11 +81,10 @@ class KVCacheManager:
         if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free_blocks:
             return False
         start = seq.num_computed_tokens
-        if self._needs_copy_on_write(seq, start):
-            index = start // self.block_size
+        for index in self._blocks_to_copy(seq, start):
             shared = seq.block_ids[index]
             (copy,) = self.pool.try_allocate(1) or [None]
-            assert copy is not None, "blocks_needed counted the copy-on-write block"
+            assert copy is not None, "blocks_needed counted the copied blocks"
             self.pending.device.append((shared, copy))
             self.pool.free([shared])
             seq.block_ids[index] = copy
@@ -86,13 +95,14 @@ class KVCacheManager:
         seq.block_ids.extend(new_blocks)
         return True
 
-    def _needs_copy_on_write(self, seq: Sequence, start: int) -> bool:
+    def _blocks_to_copy(self, seq: Sequence, start: int) -> list[int]:
+        """Table indices to copy before writing from token `start` on: the shared block
+        that token lands in (copy-on-write), or with sharing disabled every shared block."""
+        if not self.enable_sharing:
+            return [i for i, block_id in enumerate(seq.block_ids) if self.pool.ref_count(block_id) > 1]
         index = start // self.block_size
-        return (
-            start % self.block_size != 0
-            and index < len(seq.block_ids)
-            and self.pool.ref_count(seq.block_ids[index]) > 1
-        )
+        shared = index < len(seq.block_ids) and self.pool.ref_count(seq.block_ids[index]) > 1
+        return [index] if shared and start % self.block_size != 0 else []
 
     # --- prefix caching ---------------------------------------------------------------
 

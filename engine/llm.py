@@ -61,6 +61,28 @@ class LLM:
             raise
         return self._run(request_ids, use_tqdm if use_tqdm is not None else len(request_ids) >= _PROGRESS_MIN_PROMPTS)
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        beam_width: int,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        ignore_eos: bool = False,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """The `beam_width` best beams for every prompt, best first (see SamplingParams)."""
+        params = SamplingParams(
+            n=beam_width,
+            use_beam_search=True,
+            beam_width=beam_width,
+            max_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            ignore_eos=ignore_eos,
+        )
+        return self.generate(prompts, params, use_tqdm)
+
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not show_progress) as bar:

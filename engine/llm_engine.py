@@ -12,6 +12,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
+from pagefleet.engine.beam_search import BeamSearchState
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.engine_setup import EngineParts, build_engine_parts
@@ -19,7 +22,8 @@ from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
 from pagefleet.engine.model_runner import SampleRequest
 from pagefleet.engine.output_processor import OutputProcessor
 from pagefleet.engine.outputs import RequestOutput
-from pagefleet.engine.request import Request, RequestStatus
+from pagefleet.engine.request import Request, RequestStatus, Sequence
+from pagefleet.engine.sampler import SampleResult
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
 
@@ -42,6 +46,9 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_cow_copies: int
+    num_shared_blocks: int  # blocks referenced by more than one sequence
+    num_blocks_saved_by_sharing: int  # copies that sharing avoids right now
+    peak_used_blocks: int  # most blocks ever in use at once
     num_prompt_tokens: int
     num_generation_tokens: int
 
@@ -82,13 +89,27 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
-        request = Request(request_id, text, token_ids, params, next(self._arrivals), max_tokens)
+        request = Request(
+            request_id,
+            text,
+            token_ids,
+            params,
+            next(self._arrivals),
+            max_tokens,
+            shares_prompt=self.config.enable_block_sharing,
+        )
+        if params.use_beam_search:
+            request.beam = BeamSearchState(params, max_tokens, self._stop_token_ids(params))
         for seq in request.sequences:
             self.outputs.detokenizer.start(seq)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self._num_prompt_tokens += len(token_ids)
         return request
+
+    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
+        eos = set() if params.ignore_eos else set(self.parts.model_config.eos_token_ids)
+        return eos | set(params.stop_token_ids)
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -117,14 +138,14 @@ class LLMEngine:
                 "prompt", f"the prompt fills the whole context window of {self.max_model_len} tokens"
             )
         bs = self.kv_cache.block_size
-        worst_case = -(-num_prompt // bs) + params.n * (-(-max_tokens // bs) + 1)
-        if params.n == 1:
+        worst_case = -(-num_prompt // bs) + params.num_sequences * (-(-max_tokens // bs) + 1)
+        if params.num_sequences == 1:
             worst_case = -(-(num_prompt + max_tokens) // bs)
         if worst_case > self.kv_cache.pool.num_blocks:
             raise PromptTooLongError(
                 "max_tokens",
                 f"this request may need {worst_case} KV blocks but the whole cache has "
-                f"{self.kv_cache.pool.num_blocks}; lower max_tokens or n",
+                f"{self.kv_cache.pool.num_blocks}; lower max_tokens, n, best_of or beam_width",
             )
         return max_tokens
 
@@ -158,11 +179,17 @@ class LLMEngine:
             self.outputs.add_prompt_logprobs(chunks[prompt_result.chunk_index].request, prompt_result)
         if result is not None:
             now = time.monotonic()
-            for i, sample in enumerate(samples):
+            beam_rows: dict[str, dict[int, int]] = {}  # request id -> {id(beam): row}
+            for row, sample in enumerate(samples):
                 request = chunks[sample.chunk_index].request
                 request.first_token_time = request.first_token_time or now
-                self.outputs.append_token(request, sample.seq, result, i)
-                self._num_generation_tokens += 1
+                if request.beam is not None:
+                    beam_rows.setdefault(request.request_id, {})[id(sample.seq)] = row
+                else:
+                    self.outputs.append_token(request, sample.seq, result, row)
+                    self._num_generation_tokens += 1
+            for request_id, rows in beam_rows.items():
+                self._step_beams(self.requests[request_id], rows, result)
         return [self._after_step(request) for request in touched]
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
@@ -192,6 +219,36 @@ class LLMEngine:
                 samples.append(SampleRequest(index, seq, request.params))
         return samples
 
+    def _step_beams(self, request: Request, rows: dict[int, int], result: SampleResult) -> None:
+        """One beam-search step: continuations extend their parent beam (the first one
+        takes over its sequence, the others fork it and share every block); beams with no
+        continuation free their blocks at once."""
+        assert request.beam is not None and result.beam_candidates is not None
+        beams = request.sequences
+        index = torch.tensor([result.beam_rows[rows[id(beam)]] for beam in beams])
+        candidates = result.beam_candidates
+        continuations = request.beam.step(
+            [beam.output_token_ids for beam in beams], candidates.logprobs[index], candidates.token_ids[index]
+        )
+        children: list[Sequence] = []
+        for continuation in continuations:
+            parent = beams[continuation.parent]
+            if any(child is parent for child in children):
+                child = Sequence(0, list(parent.token_ids), parent.num_prompt_tokens)
+                self.kv_cache.fork(parent, child)
+            else:
+                child = parent
+            children.append(child)
+        for beam in beams:
+            if not any(child is beam for child in children):
+                self.kv_cache.free(beam)
+        for index_, (child, continuation) in enumerate(zip(children, continuations, strict=True)):
+            child.index = index_
+            child.token_ids.append(continuation.token_id)
+            child.cumulative_logprob = continuation.cumulative_logprob
+        request.sequences = children
+        self._num_generation_tokens += len(beams)
+
     def _advance(self, chunks: list[ScheduledChunk]) -> list[Request]:
         touched: dict[str, Request] = {}
         for chunk in chunks:
@@ -209,7 +266,7 @@ class LLMEngine:
         for seq in request.sequences:
             if seq.is_finished and seq.block_ids:
                 self.kv_cache.free(seq)  # siblings still running keep only what they share
-        if all(seq.is_finished for seq in request.sequences):
+        if request.is_done:
             self.requests.pop(request.request_id, None)
             self._finish(request)
         return self.outputs.make_output(request)
@@ -223,6 +280,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
         scheduler = self.scheduler
+        num_shared, num_saved = pool.sharing
         return EngineStats(
             num_total_blocks=pool.num_blocks,
             num_free_blocks=pool.num_free_blocks,
@@ -236,6 +294,9 @@ class LLMEngine:
             prefix_cache_queries=self.kv_cache.stats.prefix_queries,
             prefix_cache_hits=self.kv_cache.stats.prefix_hits,
             num_cow_copies=self.kv_cache.stats.cow_copies,
+            num_shared_blocks=num_shared,
+            num_blocks_saved_by_sharing=num_saved,
+            peak_used_blocks=pool.peak_used_blocks,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
         )

@@ -17,6 +17,7 @@ from pagefleet.engine.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
     DecodeBucket,
+    PagedBatch,
     PrefillChunk,
     allocate_kv_cache,
 )
@@ -86,7 +87,6 @@ class ModelRunner:
         for pairs, source, target in (
             (copies.swap_out, self.kv_caches, self.host_caches),
             (copies.swap_in, self.host_caches, self.kv_caches),
-            (copies.device, self.kv_caches, self.kv_caches),
         ):
             if not pairs:
                 continue
@@ -95,6 +95,10 @@ class ModelRunner:
             for (src_k, src_v), (dst_k, dst_v) in zip(source, target, strict=True):
                 dst_k[dst.to(dst_k.device)] = src_k[src.to(src_k.device)].to(dst_k.device)
                 dst_v[dst.to(dst_v.device)] = src_v[src.to(src_v.device)].to(dst_v.device)
+        if copies.device:
+            mapping = torch.tensor(copies.device, dtype=torch.int64, device=self.device)
+            for key_cache, value_cache in self.kv_caches:
+                self.backend.copy_blocks(key_cache, value_cache, mapping)
 
     @torch.inference_mode()
     def execute(
@@ -152,16 +156,46 @@ class ModelRunner:
                     )
                 )
             last_rows.append(row + num_new - 1)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decode_buckets=self._decode_buckets(decode_rows, decode_context, decode_tables),
-            prefills=prefills,
-        )
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if self.backend.uses_block_tables:
+            metadata = AttentionMetadata(slot_mapping, paged=self._paged_batch(chunks))
+        else:
+            metadata = AttentionMetadata(
+                slot_mapping, self._decode_buckets(decode_rows, decode_context, decode_tables), prefills
+            )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             metadata,
             last_rows,
+        )
+
+    def _paged_batch(self, chunks: list[ScheduledChunk]) -> PagedBatch:
+        decodes = [c for c in chunks if c.num_new_tokens == 1]
+        prefills = [c for c in chunks if c.num_new_tokens != 1]
+
+        def tables_and_lengths(group: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+            lengths = [c.seq.num_computed_tokens + c.num_new_tokens for c in group]
+            width = max((-(-n // self.block_size) for n in lengths), default=0)
+            tables = [c.seq.block_ids[: -(-n // self.block_size)] for c, n in zip(group, lengths, strict=True)]
+            padded = [table + [0] * (width - len(table)) for table in tables]
+            return (
+                torch.tensor(padded, dtype=torch.int32, device=self.device).view(len(group), width),
+                torch.tensor(lengths, dtype=torch.int32, device=self.device),
+            )
+
+        decode_tables, decode_lengths = tables_and_lengths(decodes)
+        prefill_tables, prefill_lengths = tables_and_lengths(prefills)
+        cu_seqlens = np.cumsum([0] + [c.num_new_tokens for c in prefills])
+        return PagedBatch(
+            num_decodes=len(decodes),
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lengths,
+            prefill_block_tables=prefill_tables,
+            prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=self.device),
+            prefill_context_lens=prefill_lengths,
+            max_prefill_len=max((c.num_new_tokens for c in prefills), default=0),
+            sliding_window=self.model_config.sliding_window,
         )
 
     def _decode_buckets(self, rows: list[int], context: list[int], tables: list[list[int]]) -> list[DecodeBucket]:

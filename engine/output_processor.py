@@ -67,19 +67,12 @@ class OutputProcessor:
         return entry
 
     def make_output(self, request: Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.logprobs,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in request.sequences
-        ]
-        num_completion = sum(seq.num_output_tokens for seq in request.sequences)
+        if request.beam is not None:
+            outputs = self._beam_outputs(request)
+            num_completion = sum(len(output.token_ids) for output in outputs)
+        else:
+            outputs = self._sample_outputs(request)
+            num_completion = sum(seq.num_output_tokens for seq in request.sequences)
         metrics = {"arrival_time": request.arrival_time}
         if request.first_token_time is not None:
             metrics["first_token_time"] = request.first_token_time
@@ -88,8 +81,50 @@ class OutputProcessor:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
-            finished=all(seq.is_finished for seq in request.sequences),
+            finished=request.is_done or request.is_finished,
             usage=Usage(request.num_prompt_tokens, num_completion, request.num_cached_tokens),
             prompt_logprobs=request.prompt_logprobs,
             metrics=metrics,
         )
+
+    def _sample_outputs(self, request: Request) -> list[CompletionOutput]:
+        """Every sample; with best_of > n, the n with the highest cumulative logprob."""
+        seqs = request.sequences
+        if len(seqs) > request.params.n:
+            seqs = sorted(seqs, key=lambda seq: -seq.cumulative_logprob)[: request.params.n]
+        return [
+            CompletionOutput(
+                index=index,
+                text=seq.text,
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for index, seq in enumerate(seqs)
+        ]
+
+    def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
+        """The n best finished beams once the search ends; the running beams before."""
+        assert request.beam is not None
+        skip_special = request.params.skip_special_tokens
+        if request.beam.done:
+            beams = [(h.token_ids, h.cumulative_logprob, h.finish_reason) for h in request.beam.finished]
+        else:
+            beams = [(seq.output_token_ids, seq.cumulative_logprob, seq.finish_reason) for seq in request.sequences]
+        outputs = []
+        for index, (token_ids, cumulative_logprob, finish_reason) in enumerate(beams[: request.params.n]):
+            last = token_ids[-1] if token_ids else None
+            stop_reason = last if finish_reason == "stop" and last in request.params.stop_token_ids else None
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=self.detokenizer.tokenizer.decode(token_ids, skip_special_tokens=skip_special),
+                    token_ids=token_ids,
+                    cumulative_logprob=cumulative_logprob,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                )
+            )
+        return outputs

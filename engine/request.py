@@ -1,9 +1,11 @@
 """A request and its sequences: the state the scheduler and the block manager share.
 
-A request holds one prompt and n sequences (samples). Until its prompt is computed the
-request is *unforked*: only sequence 0 runs, so the prompt is prefilled once. When
-sequence 0 reaches the end of the prompt the others fork from it, sharing every prompt
-block (the last, part-filled one included) by reference count.
+A request holds one prompt and its sequences: `best_of` (else n) samples, or up to
+`beam_width` beams. Until its prompt is computed the request is *unforked*: only sequence 0
+runs, so the prompt is prefilled once. When sequence 0 reaches the end of the prompt the
+others fork from it, sharing every prompt block (the last, part-filled one included) by
+reference count. A beam-search request starts with one sequence; beams fork from beams as
+the search goes (see beam_search.py).
 
 Every sequence has `num_computed_tokens` catching up to `num_tokens`; this one rule covers
 prefill, chunked prefill, prefix-cache hits and recompute after preemption.
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagefleet.engine.beam_search import BeamSearchState
 from pagefleet.engine.outputs import PositionLogprobs
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -75,22 +78,30 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     is_forked: bool = False
+    # False only with block sharing off: every sequence then computes its own prompt.
+    shares_prompt: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     is_prefix_counted: bool = False  # the prompt entered the prefix-cache statistics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    beam: BeamSearchState | None = None  # set for beam search
 
     def __post_init__(self) -> None:
         num_prompt = len(self.prompt_token_ids)
         if not self.sequences:
-            self.sequences = [Sequence(i, list(self.prompt_token_ids), num_prompt) for i in range(self.params.n)]
-        self.is_forked = len(self.sequences) == 1
+            count = 1 if self.params.use_beam_search else self.params.num_sequences
+            self.sequences = [Sequence(i, list(self.prompt_token_ids), num_prompt) for i in range(count)]
+        self.reset_fork()
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no distribution
         if self.params.seed is not None:
             for seq in self.sequences:
                 seq.generator = torch.Generator().manual_seed(self.params.seed * 1_000_003 + seq.index)
+
+    def reset_fork(self) -> None:
+        """Back to before the fork point (new, or preempted by recompute)."""
+        self.is_forked = len(self.sequences) == 1 or not self.shares_prompt
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -99,6 +110,11 @@ class Request:
     @property
     def unfinished_sequences(self) -> list[Sequence]:
         return [seq for seq in self.sequences if not seq.is_finished]
+
+    @property
+    def num_seq_slots(self) -> int:
+        """Sequences this request may run at once (what max_num_seqs counts)."""
+        return self.beam.width if self.beam is not None else len(self.unfinished_sequences)
 
     @property
     def active_sequences(self) -> list[Sequence]:
@@ -115,6 +131,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_done(self) -> bool:
+        """Nothing left to compute: every sample finished, or the beam search ended."""
+        if self.beam is not None:
+            return self.beam.done
+        return all(seq.is_finished for seq in self.sequences)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

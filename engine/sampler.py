@@ -8,7 +8,7 @@ E ~ Exp(1)), which equals drawing from p and needs no cumulative sum.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,15 @@ class SampleResult:
     # Rows whose request asked for logprobs -> their details, in `details`.
     detail_rows: dict[int, int]
     details: TokenLogprobs | None
+    # Beam-search rows -> their row in `beam_candidates`: each beam's best next tokens.
+    beam_rows: dict[int, int] = field(default_factory=dict)
+    beam_candidates: BeamCandidates | None = None
+
+
+@dataclass(slots=True)
+class BeamCandidates:
+    logprobs: torch.Tensor  # [rows, K] float32, best first
+    token_ids: torch.Tensor  # [rows, K]
 
 
 class Sampler:
@@ -70,7 +79,26 @@ class Sampler:
         if rows:  # only rows that asked pay for ranks and top-k
             index = torch.tensor(rows)
             details = token_logprobs(raw_logits[index], chosen[index], [params[i].logprobs or 0 for i in rows])
-        return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), {row: r for r, row in enumerate(rows)}, details)
+        detail_rows = {row: r for r, row in enumerate(rows)}
+        result = SampleResult(chosen.tolist(), chosen_logprobs.tolist(), detail_rows, details)
+        beam_rows = [i for i, p in enumerate(params) if p.use_beam_search]
+        if beam_rows:
+            result.beam_rows = {row: r for r, row in enumerate(beam_rows)}
+            result.beam_candidates = self._beam_candidates(raw_logits, beam_rows, seqs, params)
+        return result
+
+    def _beam_candidates(
+        self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], params: list[SamplingParams]
+    ) -> BeamCandidates:
+        """Each beam's best next tokens by log-probability; enough that the search can take
+        its best `beams_to_keep` continuations overall from them."""
+        logprobs = torch.log_softmax(logits[torch.tensor(rows)], dim=-1)
+        # Like transformers' min-new-tokens processor: stop tokens masked after the softmax.
+        logprobs = self._apply_min_tokens(logprobs, [seqs[i] for i in rows], [params[i] for i in rows])
+        num_stop = len(self.eos_token_ids) + max(len(params[i].stop_token_ids) for i in rows)
+        k = min(logprobs.shape[1], max((2 + num_stop) * params[i].beam_width for i in rows))
+        values, token_ids = logprobs.topk(k, dim=-1)
+        return BeamCandidates(values, token_ids)
 
     def _apply_penalties(
         self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]
@@ -110,7 +138,7 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         chosen = logits.argmax(dim=-1)
-        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy and not p.use_beam_search]
         if not sampled_rows:
             return chosen
         index = torch.tensor(sampled_rows)

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagefleet.engine.errors import InvalidParameterError
 
 _MAX_LOGPROBS = 20
+# Sampling fields beam search must leave alone (temperature is ignored: beams rank by logprob).
+_SAMPLING_DEFAULTS: dict[str, object] = {
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logprobs": None,
+    "prompt_logprobs": None,
+    "stop": [],
+}
 
 
 @dataclass(slots=True)
@@ -16,11 +29,22 @@ class SamplingParams:
     Defaults follow vLLM: `max_tokens=16`, `temperature=1.0`, no top-k/top-p/min-p
     filtering. `temperature=0` means greedy. `top_k <= 0` disables top-k.
 
+    `best_of` sequences are generated and the `n` with the highest cumulative logprob
+    returned. With `use_beam_search`, `beam_width` beams are searched (ranked like
+    transformers: cumulative logprob / generated length ** `length_penalty`;
+    `early_stopping` is True, False or "never") and the `n` best finished beams returned;
+    beam search is deterministic, so the sampling fields must keep their defaults.
+
     Raises:
         InvalidParameterError: (a ValueError) naming the first invalid field.
     """
 
     n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -52,6 +76,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            fail("best_of", f"must be an integer >= n={self.n}, got {self.best_of!r}")
+        if self.use_beam_search:
+            self._validate_beam_search(fail)
         if self.temperature < 0:
             fail("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -80,6 +108,26 @@ class SamplingParams:
             fail("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+
+    def _validate_beam_search(self, fail: Callable[[str, str], None]) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            fail("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        if self.n > self.beam_width:
+            fail("n", f"beam search returns at most beam_width={self.beam_width} sequences, got n={self.n}")
+        if self.best_of is not None:
+            fail("best_of", "is for sampling; beam search keeps beam_width candidates")
+        if self.early_stopping not in (True, False, "never"):
+            fail("early_stopping", f'must be True, False or "never", got {self.early_stopping!r}')
+        for name, default in _SAMPLING_DEFAULTS.items():
+            if getattr(self, name) != default:
+                fail(name, "beam search is deterministic and does not use it")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs at once for this request."""
+        if self.use_beam_search:
+            return self.beam_width
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def is_greedy(self) -> bool:

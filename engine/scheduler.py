@@ -56,7 +56,7 @@ class Scheduler:
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(r.unfinished_sequences) for r in self.running)
+        return sum(r.num_seq_slots for r in self.running)
 
     def add(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=lambda r: r.arrival_index)
@@ -102,16 +102,17 @@ class Scheduler:
     def _schedule_waiting(self, plan: SchedulePlan, budget: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if self.num_running_seqs + len(request.unfinished_sequences) > self.config.max_num_seqs:
+            if self.num_running_seqs + request.num_seq_slots > self.config.max_num_seqs:
                 break
+            starts_afresh = request.status == RequestStatus.WAITING and not request.sequences[0].block_ids
             if request.status == RequestStatus.SWAPPED:
                 if not self._try_swap_in(request):
                     break
-            elif not request.sequences[0].block_ids:
+            elif starts_afresh:
                 self._take_prefix_hits(request)
             scheduled = self._try_schedule_request(request, plan, budget)
             if scheduled is None:
-                if request.status == RequestStatus.WAITING and not request.is_forked:
+                if starts_afresh:
                     self.kv_cache.free(request.sequences[0])  # give back prefix hits
                 break  # strict FCFS: a later request may not overtake the head of the queue
             self.waiting.pop(0)
@@ -149,12 +150,22 @@ class Scheduler:
         """Allocate slots for the request's next tokens; None (nothing changed) if blocks
         run out. Returns the number of tokens scheduled."""
         wanted = []
+        reaches_end = []
         for seq in request.active_sequences:
-            num_new = min(request.compute_target(seq) - seq.num_computed_tokens, budget)
-            if num_new <= 0:
-                continue
-            wanted.append((seq, num_new))
-            budget -= num_new
+            remaining = request.compute_target(seq) - seq.num_computed_tokens
+            num_new = min(remaining, budget)
+            reaches_end.append(num_new == remaining)
+            if num_new > 0:
+                wanted.append((seq, num_new))
+                budget -= num_new
+        if request.beam is not None and request.is_forked and not all(reaches_end):
+            # Beams pick their next tokens together, from logits of the same step: a beam
+            # whose last token fits keeps it back until every beam's does.
+            wanted = [
+                (seq, n - 1) if n == request.compute_target(seq) - seq.num_computed_tokens else (seq, n)
+                for seq, n in wanted
+            ]
+            wanted = [(seq, n) for seq, n in wanted if n > 0]
         needed = sum(self.kv_cache.blocks_needed(seq, n) for seq, n in wanted)
         if needed > self.kv_cache.num_free_blocks:
             return None
@@ -174,7 +185,7 @@ class Scheduler:
             self.stats.num_preemptions_swap += 1
         else:
             self.kv_cache.free_request(request)
-            request.is_forked = len(request.sequences) == 1
+            request.reset_fork()
             request.status = RequestStatus.WAITING
             self.stats.num_preemptions_recompute += 1
         logger.info("preempted request %s by %s", request.request_id, "swap" if swap else "recompute")

@@ -19,6 +19,9 @@ from typing import Protocol
 
 import torch
 
+from pagefleet.kernels.copy_blocks import copy_blocks_torch
+from pagefleet.kernels.reshape_and_cache import reshape_and_cache_torch
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -44,16 +47,40 @@ class DecodeBucket:
 
 
 @dataclass(slots=True)
+class PagedBatch:
+    """The step as the Triton kernels read it: block tables and lengths.
+
+    Decode rows are 0..num_decodes-1 of the flat batch; prefill chunk i is rows
+    num_decodes + cu_seqlens[i] .. num_decodes + cu_seqlens[i + 1].
+    """
+
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decodes] int32
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_cu_seqlens: torch.Tensor  # [num_prefills + 1] int32
+    prefill_context_lens: torch.Tensor  # [num_prefills] int32, cached prefix + chunk
+    max_prefill_len: int
+    sliding_window: int | None
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of every row
-    decode_buckets: list[DecodeBucket] = field(default_factory=list)
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)  # torch backend
+    prefills: list[PrefillChunk] = field(default_factory=list)  # torch backend
+    paged: PagedBatch | None = None  # backends with `uses_block_tables`
 
 
 class AttentionBackend(Protocol):
     """Writes a layer's new keys/values into its cache and computes attention."""
 
     name: str
+    uses_block_tables: bool  # wants AttentionMetadata.paged rather than buckets and chunks
+
+    def copy_blocks(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+        """Copy block mapping[i, 0] onto mapping[i, 1] in both caches (copy-on-write)."""
+        ...
 
     def forward(
         self,
@@ -94,9 +121,12 @@ def allocate_kv_cache(
 
 
 class TorchAttentionBackend:
-    """Plain-torch attention: the CPU path and the reference for the Triton kernels."""
+    """Plain-torch attention, the CPU path: the kernels' torch references for cache writes
+    and copies, and attention batched for the CPU (decodes gathered in buckets of similar
+    length, prefills through SDPA), checked against the kernels' references in tests."""
 
     name = "torch"
+    uses_block_tables = False
 
     def __init__(self) -> None:
         # Gathered keys/values are tens of MB a layer; reusing one buffer avoids a fresh
@@ -112,6 +142,9 @@ class TorchAttentionBackend:
             self._workspace[key] = buffer
         return buffer[:numel].view(shape)
 
+    def copy_blocks(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+        copy_blocks_torch(key_cache, value_cache, block_mapping)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -122,12 +155,11 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        reshape_and_cache_torch(key, value, key_cache, value_cache, metadata.slot_mapping)
         keys, values = head_major(key_cache), head_major(value_cache)
         num_kv_heads, num_blocks, block_size, head_dim = keys.shape
         flat_keys = keys.view(num_kv_heads, num_blocks * block_size, head_dim)
         flat_values = values.view(num_kv_heads, num_blocks * block_size, head_dim)
-        flat_keys.index_copy_(1, metadata.slot_mapping, key.transpose(0, 1))
-        flat_values.index_copy_(1, metadata.slot_mapping, value.transpose(0, 1))
 
         output = torch.empty_like(query)
         for bucket in metadata.decode_buckets:

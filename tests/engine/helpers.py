@@ -11,7 +11,7 @@ from pagefleet.engine import LLM
 
 
 @cache
-def _hf_model(model_dir: Path):  # type: ignore[no-untyped-def]
+def hf_model(model_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
@@ -19,7 +19,7 @@ def _hf_model(model_dir: Path):  # type: ignore[no-untyped-def]
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """transformers' greedy continuation and the log-probability of each chosen token."""
-    model = _hf_model(model_dir)
+    model = hf_model(model_dir)
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
@@ -36,7 +36,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> tuple[
 
 def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> list[float]:
     with torch.no_grad():
-        logits = _hf_model(model_dir)(torch.tensor([prompt])).logits[0].float()
+        logits = hf_model(model_dir)(torch.tensor([prompt])).logits[0].float()
     logprobs = torch.log_softmax(logits, -1)
     return [logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
 

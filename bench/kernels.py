@@ -1,0 +1,175 @@
+"""Paged-attention kernels vs their torch references and vs SDPA on gathered keys.
+
+    python bench/kernels.py [--dtype bfloat16] [--batches 1 16 64 256] [--contexts 128 1024 8192]
+
+On CUDA: decode and prefill time of the Triton kernels, of their torch references, and of
+`scaled_dot_product_attention` on keys/values gathered into contiguous tensors first (the
+gather is timed too: it is what a non-paged kernel would need), with the decode kernel's
+achieved memory bandwidth as a fraction of the device's peak. Shapes are Llama-3-8B's
+attention (32 query heads, 8 kv heads, head_dim 128), block size 16.
+
+On a CPU there is no GPU to time the kernels on: it says so and reports the torch path
+(the engine's CPU attention backend) for the small shapes instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+from common import progress
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def _time(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
+    """Median seconds per call, after a warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def _paged_inputs(batch: int, context: int, dtype: torch.dtype, device: torch.device):  # type: ignore[no-untyped-def]
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    key_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    value_cache = torch.randn_like(key_cache)
+    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return key_cache, value_cache, tables, lengths
+
+
+def _gathered_sdpa(query, key_cache, value_cache, tables, lengths, causal: bool):  # type: ignore[no-untyped-def]
+    batch, context = tables.shape[0], int(lengths[0])
+    keys = key_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)  # [b, kvh, L, D]
+    values = value_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)
+    q = query.view(batch, -1, NUM_HEADS, HEAD_DIM).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=causal, enable_gqa=True)
+
+
+def _peak_bandwidth(device: torch.device) -> float | None:
+    props = torch.cuda.get_device_properties(device)
+    clock_khz = getattr(props, "memory_clock_rate", None)
+    bus_bits = getattr(props, "memory_bus_width", None)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8  # double data rate
+
+
+def bench_cuda(batches: list[int], contexts: list[int], dtype: torch.dtype) -> None:
+    from pagefleet.kernels.paged_attention_decode import paged_attention_decode, paged_attention_decode_torch
+    from pagefleet.kernels.paged_attention_prefill import paged_attention_prefill
+
+    device = torch.device("cuda")
+    peak = _peak_bandwidth(device)
+    scale = HEAD_DIM**-0.5
+    print(
+        f"{torch.cuda.get_device_name(device)}, {dtype}, peak bandwidth {peak / 1e9 if peak else float('nan'):.0f} GB/s"
+    )
+    print("decode: batch context | triton ms (bandwidth) | torch reference ms | gather+SDPA ms")
+    for batch in batches:
+        for context in contexts:
+            key_cache, value_cache, tables, lengths = _paged_inputs(batch, context, dtype, device)
+            query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+            args = (query, key_cache, value_cache, tables, lengths, scale)
+            ours = _time(lambda: paged_attention_decode(*args), device)
+            reference = _time(lambda: paged_attention_decode_torch(*args), device, repeats=3)
+            sdpa = _time(lambda: _gathered_sdpa(query[:, None], key_cache, value_cache, tables, lengths, False), device)
+            moved = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * key_cache.element_size()
+            fraction = f"{moved / ours / peak:.0%} of peak" if peak else f"{moved / ours / 1e9:.0f} GB/s"
+            print(
+                f"decode  {batch:4d} {context:5d} | {ours * 1e3:8.3f} ({fraction}) | {reference * 1e3:9.2f} "
+                f"(x{reference / ours:.1f}) | {sdpa * 1e3:8.3f} (x{sdpa / ours:.2f})",
+                flush=True,
+            )
+    print("prefill: sequences x tokens (whole prompts) | triton ms | gather+SDPA ms")
+    for batch in [b for b in batches if b <= 16]:
+        for context in [c for c in contexts if c <= 4096]:
+            key_cache, value_cache, tables, lengths = _paged_inputs(batch, context, dtype, device)
+            query = torch.randn(batch * context, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+            cu_seqlens = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * context
+            args = (query, key_cache, value_cache, tables, cu_seqlens, lengths, scale, context)
+            ours = _time(lambda: paged_attention_prefill(*args), device)
+            sdpa = _time(lambda: _gathered_sdpa(query, key_cache, value_cache, tables, lengths, True), device)
+            print(
+                f"prefill {batch:4d} {context:5d} | {ours * 1e3:8.3f} | {sdpa * 1e3:8.3f} (x{sdpa / ours:.2f})",
+                flush=True,
+            )
+
+
+def bench_cpu(dtype: torch.dtype) -> None:
+    """The engine's CPU attention (TorchAttentionBackend) vs gathered SDPA, small shapes."""
+    from pagefleet.engine.layers.attention import (
+        AttentionMetadata,
+        DecodeBucket,
+        TorchAttentionBackend,
+        allocate_kv_cache,
+    )
+
+    print("No GPU present: the Triton kernels are checked by the interpreter and compiled for sm_90/sm_80 in tests,")
+    print("but cannot be timed here. The CPU path (the engine's torch backend), decode:")
+    print("batch context | torch backend ms | gather+SDPA ms")
+    device = torch.device("cpu")
+    backend = TorchAttentionBackend()
+    scale = HEAD_DIM**-0.5
+    for batch in (1, 16, 64):
+        for context in (128, 1024):
+            _, _, tables, lengths = _paged_inputs(batch, context, dtype, device)
+            key_cache = allocate_kv_cache(tables.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, device)
+            value_cache = allocate_kv_cache(tables.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, device)
+            key_cache.normal_()
+            value_cache.normal_()
+            query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype)
+            new = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+            slots = tables[:, -1].long() * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
+
+            def ours() -> torch.Tensor:
+                bucket = DecodeBucket(
+                    rows=torch.arange(batch),
+                    block_ids=tables.flatten().long(),
+                    num_blocks=tables.shape[1],
+                    masked=torch.zeros(batch, tables.shape[1] * BLOCK_SIZE, dtype=torch.bool),
+                )
+                metadata = AttentionMetadata(slots, decode_buckets=[bucket])
+                return backend.forward(query, new, new, key_cache, value_cache, metadata, scale)
+
+            torch_ms = _time(ours, device, repeats=5)
+            sdpa_ms = _time(
+                lambda: _gathered_sdpa(query[:, None], key_cache, value_cache, tables, lengths, False),
+                device,
+                repeats=5,
+            )
+            print(
+                f"decode {batch:4d} {context:5d} | {torch_ms * 1e3:8.2f} | {sdpa_ms * 1e3:8.2f} (x{sdpa_ms / torch_ms:.2f})"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[128, 1024, 8192])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if torch.cuda.is_available():
+        progress("timing the Triton kernels on CUDA")
+        bench_cuda(args.batches, args.contexts, dtype)
+    else:
+        progress("no CUDA device: timing the CPU path")
+        bench_cpu(torch.float32 if args.dtype == "float16" else dtype)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The attention backend production GPUs use: the Triton kernels of `pagefleet.kernels`.
+
+On a CPU it runs only under the Triton interpreter (TRITON_INTERPRET=1 before start), which
+is how the engine's exactness tests check it without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagefleet.engine.layers.attention import AttentionMetadata
+from pagefleet.kernels.copy_blocks import copy_blocks
+from pagefleet.kernels.paged_attention_decode import paged_attention_decode
+from pagefleet.kernels.paged_attention_prefill import paged_attention_prefill
+from pagefleet.kernels.reshape_and_cache import reshape_and_cache
+
+
+class TritonAttentionBackend:
+    name = "triton"
+    uses_block_tables = True
+
+    def copy_blocks(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+        copy_blocks(key_cache, value_cache, block_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        batch = metadata.paged
+        assert batch is not None, "the model runner builds block tables for this backend"
+        reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        decodes = batch.num_decodes
+        if decodes:
+            output[:decodes] = paged_attention_decode(
+                query[:decodes],
+                key_cache,
+                value_cache,
+                batch.decode_block_tables,
+                batch.decode_context_lens,
+                scale,
+                batch.sliding_window,
+            )
+        if decodes < query.shape[0]:
+            output[decodes:] = paged_attention_prefill(
+                query[decodes:],
+                key_cache,
+                value_cache,
+                batch.prefill_block_tables,
+                batch.prefill_cu_seqlens,
+                batch.prefill_context_lens,
+                scale,
+                batch.max_prefill_len,
+                batch.sliding_window,
+            )
+        return output

@@ -1,0 +1,99 @@
+"""Compile every kernel for real GPUs on a machine without one.
+
+    python -m pagefleet.kernels.gpu_compile [--targets 90 80]
+
+triton's wheel carries its own PTX assembler, so `triton.compile` builds real cubins for
+Hopper (sm_90) and Ampere (sm_80) on a CPU. This catches what the interpreter lets through
+(constructs the GPU compiler rejects, type errors in unexercised branches). Must run
+without TRITON_INTERPRET, which replaces the kernels by interpreted functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import time
+from typing import Any
+
+_INDEX_POINTERS = {
+    "block_tables_ptr": "*i32",
+    "context_lens_ptr": "*i32",
+    "cu_seqlens_ptr": "*i32",
+    "slot_mapping_ptr": "*i64",
+    "block_mapping_ptr": "*i64",
+}
+_DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
+    """(name, @triton.jit function, constexpr values) for every kernel."""
+    from pagefleet.kernels.copy_blocks import _copy_blocks_kernel
+    from pagefleet.kernels.paged_attention_decode import DEFAULT_TILE_N, _paged_attention_decode_kernel
+    from pagefleet.kernels.paged_attention_prefill import DEFAULT_BLOCK_M, _paged_attention_prefill_kernel
+    from pagefleet.kernels.reshape_and_cache import _reshape_and_cache_kernel
+
+    return [
+        ("reshape_and_cache", _reshape_and_cache_kernel, {"BLOCK_D": 128}),
+        ("paged_attention_decode", _paged_attention_decode_kernel, {"BLOCK_D": 128, "TILE_N": DEFAULT_TILE_N}),
+        (
+            "paged_attention_prefill",
+            _paged_attention_prefill_kernel,
+            {"BLOCK_M": DEFAULT_BLOCK_M, "BLOCK_D": 128, "TILE_N": DEFAULT_TILE_N},
+        ),
+        ("copy_blocks", _copy_blocks_kernel, {"BLOCK_S": 16, "BLOCK_D": 128}),
+    ]
+
+
+def _signature(fn: Any, dtype: str) -> dict[str, str]:
+    signature = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name.isupper():
+            signature[name] = "constexpr"
+        elif name in _INDEX_POINTERS:
+            signature[name] = _INDEX_POINTERS[name]
+        elif name.endswith("_ptr"):
+            signature[name] = f"*{dtype}"
+        elif name == "scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    return signature
+
+
+def compile_all(capabilities: list[int], dtypes: list[str]) -> list[str]:
+    """Compile every kernel for every target and dtype; returns one line per cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    lines = []
+    for capability in capabilities:
+        target = GPUTarget("cuda", capability, 32)
+        for name, fn, constexprs in _kernels():
+            for dtype in dtypes:
+                started = time.perf_counter()
+                source = ASTSource(fn=fn, signature=_signature(fn, _DTYPES[dtype]), constexprs=constexprs)
+                compiled = triton.compile(source, target=target)
+                cubin = compiled.asm["cubin"]
+                lines.append(
+                    f"sm_{capability} {name:24s} {dtype}: {len(cubin)} bytes of cubin "
+                    f"in {time.perf_counter() - started:.1f}s"
+                )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", nargs="+", type=int, default=[90, 80], help="CUDA compute capabilities")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=sorted(_DTYPES))
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("gpu_compile: unset TRITON_INTERPRET; interpreted kernels cannot be compiled")
+    for line in compile_all(args.targets, args.dtypes):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
