@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from common import progress
@@ -82,9 +83,10 @@ def bench_cuda(batches: list[int], contexts: list[int], dtype: torch.dtype) -> N
             key_cache, value_cache, tables, lengths = _paged_inputs(batch, context, dtype, device)
             query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
             args = (query, key_cache, value_cache, tables, lengths, scale)
-            ours = _time(lambda: paged_attention_decode(*args), device)
-            reference = _time(lambda: paged_attention_decode_torch(*args), device, repeats=3)
-            sdpa = _time(lambda: _gathered_sdpa(query[:, None], key_cache, value_cache, tables, lengths, False), device)
+            ours = _time(partial(paged_attention_decode, *args), device)
+            reference = _time(partial(paged_attention_decode_torch, *args), device, repeats=3)
+            gathered = (query[:, None], key_cache, value_cache, tables, lengths, False)
+            sdpa = _time(partial(_gathered_sdpa, *gathered), device)
             moved = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * key_cache.element_size()
             fraction = f"{moved / ours / peak:.0%} of peak" if peak else f"{moved / ours / 1e9:.0f} GB/s"
             print(
@@ -99,8 +101,8 @@ def bench_cuda(batches: list[int], contexts: list[int], dtype: torch.dtype) -> N
             query = torch.randn(batch * context, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
             cu_seqlens = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * context
             args = (query, key_cache, value_cache, tables, cu_seqlens, lengths, scale, context)
-            ours = _time(lambda: paged_attention_prefill(*args), device)
-            sdpa = _time(lambda: _gathered_sdpa(query, key_cache, value_cache, tables, lengths, True), device)
+            ours = _time(partial(paged_attention_prefill, *args), device)
+            sdpa = _time(partial(_gathered_sdpa, query, key_cache, value_cache, tables, lengths, True), device)
             print(
                 f"prefill {batch:4d} {context:5d} | {ours * 1e3:8.3f} | {sdpa * 1e3:8.3f} (x{sdpa / ours:.2f})",
                 flush=True,
@@ -133,24 +135,20 @@ def bench_cpu(dtype: torch.dtype) -> None:
             new = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
             slots = tables[:, -1].long() * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
 
-            def ours() -> torch.Tensor:
-                bucket = DecodeBucket(
-                    rows=torch.arange(batch),
-                    block_ids=tables.flatten().long(),
-                    num_blocks=tables.shape[1],
-                    masked=torch.zeros(batch, tables.shape[1] * BLOCK_SIZE, dtype=torch.bool),
-                )
-                metadata = AttentionMetadata(slots, decode_buckets=[bucket])
-                return backend.forward(query, new, new, key_cache, value_cache, metadata, scale)
-
-            torch_ms = _time(ours, device, repeats=5)
-            sdpa_ms = _time(
-                lambda: _gathered_sdpa(query[:, None], key_cache, value_cache, tables, lengths, False),
-                device,
-                repeats=5,
+            bucket = DecodeBucket(
+                rows=torch.arange(batch),
+                block_ids=tables.flatten().long(),
+                num_blocks=tables.shape[1],
+                masked=torch.zeros(batch, tables.shape[1] * BLOCK_SIZE, dtype=torch.bool),
             )
+            metadata = AttentionMetadata(slots, decode_buckets=[bucket])
+            step = (query, new, new, key_cache, value_cache, metadata, scale)
+            torch_ms = _time(partial(backend.forward, *step), device, repeats=5)
+            gathered = (query[:, None], key_cache, value_cache, tables, lengths, False)
+            sdpa_ms = _time(partial(_gathered_sdpa, *gathered), device, repeats=5)
             print(
-                f"decode {batch:4d} {context:5d} | {torch_ms * 1e3:8.2f} | {sdpa_ms * 1e3:8.2f} (x{sdpa_ms / torch_ms:.2f})"
+                f"decode {batch:4d} {context:5d} | {torch_ms * 1e3:8.2f} | {sdpa_ms * 1e3:8.2f} "
+                f"(x{sdpa_ms / torch_ms:.2f})"
             )
 
 

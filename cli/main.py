@@ -11,7 +11,7 @@ import sys
 # threads spin and starve whatever else shares these cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from pagefleet.cli import generate  # noqa: E402
+from pagefleet.cli import generate, serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
     generate.register(commands)
-    args = parser.parse_args(argv)
+    serve.register(commands)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.flags = extra
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -83,7 +83,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=request.is_done or request.is_finished,
             usage=Usage(request.num_prompt_tokens, num_completion, request.num_cached_tokens),
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
             metrics=metrics,
         )
 
@@ -98,7 +98,7 @@ class OutputProcessor:
                 text=seq.text,
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.logprobs,
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),  # a snapshot: the engine appends
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             )

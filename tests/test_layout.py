@@ -19,7 +19,8 @@ def test_stdlib_operator_stays_importable_from_the_repository_root() -> None:
 
 
 def test_subpackages_map_to_their_folders() -> None:
-    for name, folder in [("pagefleet.engine", "engine"), ("pagefleet.kernels", "kernels"), ("pagefleet.cli", "cli")]:
+    pairs = [("pagefleet.engine", "engine"), ("pagefleet.kernels", "kernels"), ("pagefleet.cli", "cli")]
+    for name, folder in pairs + [("pagefleet.protocol", "protocol")]:
         module = importlib.import_module(name)
         assert Path(module.__file__).parent == ROOT / folder
 
@@ -27,3 +28,10 @@ def test_subpackages_map_to_their_folders() -> None:
 def test_no_top_level_python_module_is_named_after_a_part() -> None:
     for forbidden in ("operator.py", "engine.py", "gateway.py"):
         assert not (ROOT / forbidden).exists()
+
+
+def test_shared_contracts_import_without_torch() -> None:
+    """The gateway and the operator import pagefleet.protocol; it must stay light."""
+    code = "import sys, pagefleet.protocol.openai, pagefleet.protocol.replica; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

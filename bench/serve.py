@@ -1,0 +1,143 @@
+"""HTTP serving vs offline: the throughput workload through `pagefleet serve`, streamed.
+
+    python bench/serve.py [--requests 64] [--threads 2]
+
+The same fixed workload as bench/throughput.py (64 requests, prompts of 64..512 tokens,
+128 output tokens with ignore_eos, greedy, SmolLM2 float32) runs twice in one process
+tree: offline through `LLM`, then through a `pagefleet serve` process with every request
+sent at once by concurrent streaming clients (`/v1/completions`, stream=True). Reports
+time to first token and inter-token latency (p50, p99), output tokens/s, and the ratio of
+HTTP to offline throughput (target: at least 85%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from common import Workload, fixed_workload, progress
+
+MODEL = "smollm2-135m-instruct"
+ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(4 << 30), "--max-num-batched-tokens", "1024"]
+
+
+@dataclass(slots=True)
+class StreamTimes:
+    ttft: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def start_server(threads: int) -> tuple[subprocess.Popen[bytes], str]:
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", MODEL, "--port", str(port)]
+    command += ENGINE_FLAGS
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if process.poll() is not None:
+            raise SystemExit("pagefleet serve exited during start-up")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+async def stream_one(client, url: str, prompt: list[int], max_tokens: int) -> StreamTimes:  # type: ignore[no-untyped-def]
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    times = StreamTimes()
+    started = last = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                if times.ttft == 0.0:
+                    times.ttft = now - started
+                else:
+                    times.gaps.append(now - last)
+                last = now
+            if chunk.get("usage"):
+                times.tokens = chunk["usage"]["completion_tokens"]
+    return times
+
+
+async def run_http(url: str, workload: Workload) -> tuple[list[StreamTimes], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(workload.prompts) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(stream_one(client, url, prompt, workload.output_tokens) for prompt in workload.prompts)
+        )
+        return list(results), time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+    from throughput import run_engine
+
+    torch.set_num_threads(args.threads)
+    workload = fixed_workload(num_requests=args.requests)
+    progress(f"offline: {len(workload.prompts)} requests through LLM")
+    offline = run_engine(workload, "float32")
+    progress("HTTP: starting pagefleet serve")
+    process, url = start_server(args.threads)
+    try:
+        progress(f"HTTP: {len(workload.prompts)} concurrent streams")
+        streams, seconds = asyncio.run(run_http(url, workload))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    tokens = sum(s.tokens for s in streams)
+    assert tokens == workload.total_output_tokens, f"{tokens} tokens streamed, expected {workload.total_output_tokens}"
+    http_rate = tokens / seconds
+    ttft = [s.ttft for s in streams]
+    gaps = [g for s in streams for g in s.gaps]
+    print(
+        f"offline {offline.tokens_per_s:.1f} tok/s | HTTP streaming {http_rate:.1f} tok/s "
+        f"(x{http_rate / offline.tokens_per_s:.2f} of offline) | TTFT p50 {percentile(ttft, 0.5):.2f}s "
+        f"p99 {percentile(ttft, 0.99):.2f}s | inter-token p50 {percentile(gaps, 0.5) * 1e3:.0f}ms "
+        f"p99 {percentile(gaps, 0.99) * 1e3:.0f}ms",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

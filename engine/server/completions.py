@@ -1,0 +1,191 @@
+"""`POST /v1/completions`: one engine request per prompt, `n` choices each."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagefleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.serving import (
+    ChunkWriter,
+    OpenAIError,
+    ServerState,
+    check_admission,
+    finish_reason,
+    generate,
+    merge,
+    sampling_params,
+    sse,
+    start_all,
+    usage,
+)
+from pagefleet.protocol.openai import CompletionRequest
+
+
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError(400, "prompt: must not be empty", "prompt")
+    if all(isinstance(item, int) for item in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _params(body: CompletionRequest) -> SamplingParams:
+    extra: dict[str, Any] = {}
+    if body.logprobs is not None:
+        extra["logprobs"] = body.logprobs
+        if body.echo:
+            extra["prompt_logprobs"] = body.logprobs
+    if body.use_beam_search:
+        # vLLM's convention: best_of is the beam width; the n best beams are returned.
+        extra.update(use_beam_search=True, beam_width=body.best_of or body.n, length_penalty=body.length_penalty)
+    elif body.best_of is not None:
+        extra["best_of"] = body.best_of
+    return sampling_params(body, body.max_tokens, **extra)
+
+
+class _LogprobsBuilder:
+    """The completions API's logprobs object, built up position by position."""
+
+    def __init__(self, num_top: int) -> None:
+        self.num_top = num_top
+        self.value: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.offset = 0
+
+    def add(self, token_id: int, position: PositionLogprobs | None) -> None:
+        if position is None:  # the first prompt token has no distribution
+            text, logprob, top = "", None, None
+        else:
+            chosen = position[token_id]
+            text, logprob = chosen.decoded_token, chosen.logprob
+            top = {lp.decoded_token: lp.logprob for lp in position.values() if lp.rank <= self.num_top}
+        self.value["tokens"].append(text)
+        self.value["token_logprobs"].append(logprob)
+        self.value["top_logprobs"].append(top)
+        self.value["text_offset"].append(self.offset)
+        self.offset += len(text)
+
+
+def _choice_logprobs(
+    body: CompletionRequest, output: RequestOutput, completion: CompletionOutput, start: int = 0
+) -> dict[str, list[Any]] | None:
+    """Logprobs of `completion`'s tokens from `start` (and of the prompt first, with echo)."""
+    if completion.logprobs is None or body.logprobs is None:
+        return None
+    echo = body.echo
+    builder = _LogprobsBuilder(body.logprobs)
+    if echo and start == 0 and output.prompt_logprobs is not None:
+        for token_id, position in zip(output.prompt_token_ids, output.prompt_logprobs, strict=False):
+            builder.add(token_id, position)
+    for token_id, position in zip(completion.token_ids[start:], completion.logprobs[start:], strict=True):
+        builder.add(token_id, position)
+    return builder.value
+
+
+async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
+    engine = state.ready_engine(body.model)
+    if body.stream and body.best_of is not None and body.best_of > body.n:
+        raise OpenAIError(400, "best_of: cannot be used with stream (the best are known only at the end)", "best_of")
+    check_admission(engine, state.settings)
+    params = _params(body)
+    prompts = _prompts(body)
+    streams = await start_all([generate(state, engine, prompt, params) for prompt in prompts])
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _stream(state, body, response_id, streams, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals = await asyncio.gather(*(_last(stream) for stream in streams))
+    choices = []
+    for prompt_index, output in enumerate(finals):
+        prompt_text = _prompt_text(state, output)
+        for completion in output.outputs:
+            choices.append(
+                {
+                    "index": prompt_index * body.n + completion.index,
+                    "text": (prompt_text if body.echo else "") + completion.text,
+                    "logprobs": _choice_logprobs(body, output, completion),
+                    "finish_reason": finish_reason(completion.finish_reason),
+                    "stop_reason": completion.stop_reason,
+                }
+            )
+    return JSONResponse(
+        {
+            "id": response_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": state.settings.model_name,
+            "choices": choices,
+            "usage": usage(list(finals)),
+        }
+    )
+
+
+def _prompt_text(state: ServerState, output: RequestOutput) -> str:
+    if output.prompt is not None:
+        return output.prompt
+    assert state.engine is not None
+    return str(state.engine.tokenizer.decode(output.prompt_token_ids))
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async with aclosing(stream):  # type: ignore[type-var]
+        async for output in stream:
+            final = output
+    assert final is not None, "the engine ends every request with an output"
+    return final
+
+
+async def _stream(
+    state: ServerState,
+    body: CompletionRequest,
+    response_id: str,
+    streams: list[AsyncIterator[RequestOutput]],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    sent_chars: dict[int, int] = {}  # choice index -> characters sent
+    sent_tokens: dict[int, int] = {}
+    finished: set[int] = set()
+    finals: dict[int, RequestOutput] = {}
+
+    chunk = ChunkWriter(response_id, "text_completion", state.settings.model_name, include_usage)
+
+    async for prompt_index, output in merge(streams):
+        choices = []
+        for completion in output.outputs:
+            index = prompt_index * body.n + completion.index
+            if index in finished:
+                continue
+            text = completion.text
+            first = index not in sent_chars
+            start_chars, start_tokens = sent_chars.get(index, 0), sent_tokens.get(index, 0)
+            delta = text[start_chars:]
+            if first and body.echo:
+                delta = _prompt_text(state, output) + delta
+            reason = finish_reason(completion.finish_reason)
+            if delta or reason is not None or first:
+                logprobs = _choice_logprobs(body, output, completion, start_tokens)
+                choices.append(
+                    {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason, "stop_reason": None}
+                )
+                sent_chars[index], sent_tokens[index] = len(text), len(completion.token_ids)
+            if completion.finished:
+                finished.add(index)
+        if output.finished:
+            finals[prompt_index] = output
+        if choices:
+            yield chunk(choices)
+    if include_usage:
+        yield chunk([], usage([finals[i] for i in sorted(finals)]))
+    yield sse("[DONE]")

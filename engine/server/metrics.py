@@ -1,0 +1,81 @@
+"""Prometheus metrics, named `pagefleet:*` after vLLM's `vllm:*` so dashboards map over.
+
+Engine figures (requests, blocks, prefix cache, preemptions, copies, token counts) are read
+from `EngineStats` at scrape time; latencies are histograms observed by the handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagefleet.engine.llm_engine import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class EngineCollector(Collector):
+    """Gauges and counters straight from the engine's stats, labelled by model."""
+
+    def __init__(self, model_name: str, read_stats: Callable[[], EngineStats | None]) -> None:
+        self.model_name = model_name
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read_stats()
+        if stats is None:  # still loading
+            return
+        label = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"pagefleet:{name}", doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"pagefleet:{name}", doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests being computed.", stats.num_running_requests)
+        yield gauge("num_requests_waiting", "Requests queued or preempted.", stats.num_waiting_requests)
+        yield gauge("num_requests_swapped", "Requests preempted to host memory.", stats.num_swapped_requests)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", stats.kv_usage)
+        yield gauge("num_free_blocks", "KV blocks free now.", stats.num_free_blocks)
+        yield gauge("num_total_blocks", "KV blocks in the cache.", stats.num_total_blocks)
+        yield gauge("num_cached_blocks", "KV blocks holding a reusable prefix.", stats.num_cached_blocks)
+        yield gauge("num_shared_blocks", "KV blocks referenced by several sequences.", stats.num_shared_blocks)
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
+        )
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits)
+        preemptions = CounterMetricFamily(
+            "pagefleet:num_preemptions", "Requests preempted, by mode.", labels=["model_name", "mode"]
+        )
+        preemptions.add_metric([self.model_name, "recompute"], stats.num_preemptions_recompute)
+        preemptions.add_metric([self.model_name, "swap"], stats.num_preemptions_swap)
+        yield preemptions
+        yield counter("cow_copies", "Copy-on-write block copies.", stats.num_cow_copies)
+        yield counter("prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+
+
+class ServerMetrics:
+    """One registry per server (so tests can run several in a process)."""
+
+    def __init__(self, model_name: str, read_stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(model_name, read_stats))
+
+        def histogram(name: str, doc: str) -> Any:
+            return Histogram(
+                f"pagefleet:{name}", doc, ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS
+            ).labels(model_name)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time from request to its first token.")
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between a request's tokens.")
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Time from request to its last token.")

@@ -1,0 +1,99 @@
+"""Publishes this replica's KV capacity to Redis (the record of protocol/replica.py).
+
+The record is refreshed every `publish_interval` seconds, and at once when free blocks or
+the queue move a lot, with a TTL so that a dead replica vanishes by itself. Redis being
+down never stops serving: the failure is logged once, and publication resumes by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from pagefleet.engine.llm_engine import EngineStats
+from pagefleet.protocol.replica import ReplicaRecord, record_key
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1  # how often a large change is looked for between regular refreshes
+_LARGE_CHANGE = 0.1  # of the total blocks
+
+
+class CapacityPublisher:
+    def __init__(
+        self,
+        redis_url: str,
+        model_name: str,
+        replica_id: str,
+        url: str,
+        max_model_len: int,
+        read_stats: Callable[[], EngineStats],
+        interval: float,
+        ttl: float,
+    ) -> None:
+        self.client = redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.key = record_key(model_name, replica_id)
+        self.model_name, self.replica_id, self.url = model_name, replica_id, url
+        self.max_model_len = max_model_len
+        self.read_stats = read_stats
+        self.interval, self.ttl = interval, ttl
+        self._last: EngineStats | None = None
+        self._last_time = 0.0
+        self._redis_down = False
+
+    def record(self, stats: EngineStats) -> ReplicaRecord:
+        return ReplicaRecord(
+            replica_id=self.replica_id,
+            model=self.model_name,
+            url=self.url,
+            free_blocks=stats.num_free_blocks,
+            total_blocks=stats.num_total_blocks,
+            block_size=stats.block_size,
+            running=stats.num_running_requests,
+            waiting=stats.num_waiting_requests,
+            max_model_len=self.max_model_len,
+        )
+
+    async def run(self) -> None:
+        """Publish until cancelled."""
+        while True:
+            stats = self.read_stats()
+            if time.monotonic() - self._last_time >= self.interval or self._changed_a_lot(stats):
+                await self.publish(stats)
+            await asyncio.sleep(_POLL_S)
+
+    def _changed_a_lot(self, stats: EngineStats) -> bool:
+        last = self._last
+        if last is None:
+            return True
+        moved = abs(stats.num_free_blocks - last.num_free_blocks)
+        return moved >= _LARGE_CHANGE * stats.num_total_blocks or (stats.num_waiting_requests > 0) != (
+            last.num_waiting_requests > 0
+        )
+
+    async def publish(self, stats: EngineStats) -> None:
+        self._last, self._last_time = stats, time.monotonic()
+        try:
+            await self.client.set(self.key, self.record(stats).model_dump_json(), px=int(self.ttl * 1000))
+        except (RedisError, OSError) as error:
+            if not self._redis_down:
+                logger.warning("cannot publish to Redis (%s); serving on, will retry", error)
+            self._redis_down = True
+            return
+        if self._redis_down:
+            logger.info("Redis is reachable again; publishing")
+        self._redis_down = False
+
+    async def remove(self) -> None:
+        """Delete the record (graceful shutdown); best effort."""
+        try:
+            await self.client.delete(self.key)
+        except (RedisError, OSError) as error:
+            logger.warning("could not remove %s from Redis: %s", self.key, error)
+        finally:
+            await self.client.aclose()

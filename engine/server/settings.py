@@ -1,0 +1,87 @@
+"""Settings of `pagefleet serve`: command-line flags and `PAGEFLEET_ENGINE_*` variables."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.protocol.replica import PUBLISH_INTERVAL_S, RECORD_TTL_S
+
+
+def _default(name: str) -> Any:
+    return EngineConfig.__dataclass_fields__[name].default
+
+
+# Fields of EngineConfig that `serve` exposes under the same names.
+ENGINE_FIELDS = (
+    "dtype",
+    "block_size",
+    "kv_cache_memory",
+    "num_kv_blocks",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "preemption_mode",
+    "swap_space",
+    "seed",
+    "device",
+    "attention_backend",
+)
+
+
+class ServerSettings(BaseSettings):
+    """`pagefleet serve --model ... --port ...`; every flag also reads from the environment
+    as PAGEFLEET_ENGINE_<NAME> (e.g. PAGEFLEET_ENGINE_REDIS_URL)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PAGEFLEET_ENGINE_", cli_kebab_case=True, cli_prog_name="pagefleet serve"
+    )
+
+    model: str = Field(_default("model"), description="built-in name, HF directory or .gguf file")
+    served_model_name: str | None = Field(None, description="the name clients send as `model` (default: --model)")
+    host: str = "127.0.0.1"
+    port: int = 8001
+    advertise_url: str | None = Field(
+        None, description="URL the fleet reaches this replica at (default http://host:port)"
+    )
+    replica_id: str | None = Field(None, description="this replica's id in Redis (default hostname-port)")
+    redis_url: str | None = Field(None, description="publish KV capacity here, e.g. redis://localhost:6379/0")
+    publish_interval: float = PUBLISH_INTERVAL_S
+    record_ttl: float = RECORD_TTL_S
+    max_waiting_requests: int = Field(256, description="queued requests beyond which new ones get 503")
+    max_request_bytes: int = Field(1 << 20, description="larger request bodies get 413")
+    log_level: str = "INFO"
+
+    dtype: str = _default("dtype")
+    block_size: int = _default("block_size")
+    kv_cache_memory: float | None = None
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = _default("max_num_seqs")
+    max_num_batched_tokens: int = _default("max_num_batched_tokens")
+    enable_prefix_caching: bool = _default("enable_prefix_caching")
+    preemption_mode: str = _default("preemption_mode")
+    swap_space: int = _default("swap_space")
+    seed: int = _default("seed")
+    device: str = _default("device")
+    attention_backend: str = _default("attention_backend")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"
+
+    @property
+    def replica(self) -> str:
+        return self.replica_id or f"{socket.gethostname()}-{self.port}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, **{name: getattr(self, name) for name in ENGINE_FIELDS})

@@ -1,0 +1,100 @@
+"""The OpenAI API shapes that the engine server and the gateway both speak.
+
+Requests are validated here; unknown fields are accepted and ignored, as OpenAI clients
+send fields that servers do not implement. Responses are built by the server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields that completions and chat share (vLLM's extensions included)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text; content parts of type "text" are joined."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """`{"error": {"message", "type", "param", "code"}}`, as OpenAI answers errors."""
+
+    error: ErrorBody
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    body = ErrorBody(message=message, type=ERROR_TYPES.get(status, "error"), param=param, code=status)
+    return ErrorResponse(error=body).model_dump()

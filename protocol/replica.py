@@ -1,0 +1,47 @@
+"""The replica record: how an engine replica tells the fleet how much KV room it has.
+
+Each replica writes one record per served model to Redis, as JSON under
+`pagefleet:replica:<model>:<replica_id>`, with a TTL of a few seconds, refreshed at least
+every `PUBLISH_INTERVAL_S` (and at once on a large change). A replica that dies stops
+refreshing and its record expires by itself; one that shuts down cleanly deletes it.
+See docs/redis-protocol.md.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, Field
+
+KEY_PREFIX = "pagefleet:replica:"
+PUBLISH_INTERVAL_S = 0.5
+RECORD_TTL_S = 3.0
+
+
+class ReplicaRecord(BaseModel):
+    replica_id: str
+    model: str = Field(description="the served model name clients send as `model`")
+    url: str = Field(description="base URL of the replica's OpenAI API, e.g. http://10.0.0.5:8000")
+    free_blocks: int = Field(ge=0, description="KV blocks an allocation may take now")
+    total_blocks: int = Field(gt=0)
+    block_size: int = Field(gt=0, description="token slots per block")
+    running: int = Field(ge=0, description="requests being computed")
+    waiting: int = Field(ge=0, description="requests queued or preempted")
+    max_model_len: int = Field(gt=0)
+    timestamp: float = Field(default_factory=time.time, description="Unix time of this report")
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks
+
+    def is_fresh(self, now: float | None = None, ttl: float = RECORD_TTL_S) -> bool:
+        return (now if now is not None else time.time()) - self.timestamp <= ttl
+
+
+def record_key(model: str, replica_id: str) -> str:
+    return f"{KEY_PREFIX}{model}:{replica_id}"
+
+
+def model_pattern(model: str = "*") -> str:
+    """A SCAN pattern for one model's records (or every model's)."""
+    return f"{KEY_PREFIX}{model}:*"

@@ -1,0 +1,209 @@
+"""The engine server through the official `openai` client and raw HTTP: completions, chat,
+streaming, n, logprobs, stop, seeds, errors, disconnects, continuous batching."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import EngineServer, metrics, start_server, stop_server, wait_for
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server: EngineServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _all_blocks_free(server: EngineServer) -> bool:
+    sample = metrics(server)
+    return (
+        sample["pagefleet:num_free_blocks"] == sample["pagefleet:num_total_blocks"]
+        and sample["pagefleet:num_requests_running"] == 0
+        and sample["pagefleet:num_requests_waiting"] == 0
+    )
+
+
+def test_models_health_version_tokenize(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [tiny_server.model]
+    assert httpx.get(f"{tiny_server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{tiny_server.url}/version").json()["version"]
+    tokens = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "Hello world"}
+    chat = httpx.post(f"{tiny_server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > tokens["count"] - 2
+
+
+def test_completion_stream_equals_non_stream(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    args = dict(model=tiny_server.model, prompt="The quick brown fox", max_tokens=12, temperature=0.0, logprobs=2)
+    whole = client.completions.create(**args)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == 12 and all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    streamed_tokens = [
+        t for c in chunks if c.choices for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])
+    ]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert streamed_tokens == choice.logprobs.tokens, "token-level equality of stream and non-stream"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_chat_stream_order_and_usage(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    args = dict(model=tiny_server.model, messages=messages, max_tokens=10, temperature=0.0)
+    whole = client.chat.completions.create(**args)
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_n_seed_stop_and_chat_logprobs(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    model = tiny_server.model
+    sampled = dict(model=model, prompt="Paris is", max_tokens=8, temperature=1.0, seed=11, n=2)
+    first = client.completions.create(**sampled)
+    again = client.completions.create(**sampled)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices], "seeded sampling reproduces"
+    greedy = client.completions.create(model=model, prompt="Paris is", max_tokens=8, temperature=0.0)
+    text = greedy.choices[0].text
+    stop = text[3:6]
+    stopped = client.completions.create(model=model, prompt="Paris is", max_tokens=8, temperature=0.0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.index(stop)]
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(item.top_logprobs) == 3 for item in content)
+    assert all(item.top_logprobs[0].logprob >= item.logprob for item in content)
+
+
+def test_concurrent_streams_are_batched(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    """16 streams at once run together (continuous batching through HTTP), and every block
+    comes back afterwards."""
+    most_running = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal most_running
+        while not stop.is_set():
+            most_running = max(most_running, int(metrics(tiny_server)["pagefleet:num_requests_running"]))
+
+    def stream(index: int) -> str:
+        chunks = client.completions.create(
+            model=tiny_server.model,
+            prompt=f"Request {index}:",
+            max_tokens=48,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(stream, range(16)))
+    stop.set()
+    watcher.join()
+    assert all(texts)
+    assert most_running >= 8, f"at most {most_running} requests ran together"
+    wait_for(lambda: _all_blocks_free(tiny_server))
+
+
+def test_disconnect_mid_stream_frees_blocks(tiny_server: EngineServer) -> None:
+    body = {"model": tiny_server.model, "prompt": "Long story:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in received)
+        assert metrics(tiny_server)["pagefleet:num_requests_running"] == 1
+    # Closed after a few tokens of 400: the server aborts the request and frees its blocks.
+    wait_for(lambda: _all_blocks_free(tiny_server))
+    assert metrics(tiny_server)["pagefleet:generation_tokens_total"] < 10_000
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "message"),
+    [
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
+        ({"prompt": "hi", "n": 0}, 400, "n", "n"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+        ({"prompt": ""}, 400, "prompt", "empty"),
+        ({"prompt": "hi " * 600}, 400, "prompt", "context window of 512 tokens"),
+        ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
+        ({}, 400, "prompt", "prompt"),
+        ({"prompt": "hi", "model": "no-such-model"}, 404, "model", "no-such-model"),
+        ({"prompt": "hi", "use_beam_search": True, "n": 2, "top_p": 0.5}, 400, "top_p", "beam search"),
+    ],
+)
+def test_errors_are_openai_shaped(tiny_server: EngineServer, body: dict, status: int, param: str, message: str) -> None:
+    response = httpx.post(f"{tiny_server.url}/v1/completions", json={"model": tiny_server.model, **body})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and message in error["message"]
+
+
+def test_prompt_too_long_says_both_lengths(tiny_server: EngineServer) -> None:
+    response = httpx.post(
+        f"{tiny_server.url}/v1/completions", json={"model": tiny_server.model, "prompt": list(range(1, 301)) * 2}
+    )
+    assert response.status_code == 400
+    assert "600 tokens" in response.json()["error"]["message"] and "512" in response.json()["error"]["message"]
+
+
+def test_malformed_and_oversized_bodies(tiny_server: EngineServer) -> None:
+    broken = httpx.post(
+        f"{tiny_server.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
+    huge = httpx.post(f"{tiny_server.url}/v1/completions", json={"model": tiny_server.model, "prompt": "x" * (2 << 20)})
+    assert huge.status_code == 413 and "exceeds" in huge.json()["error"]["message"]
+    no_messages = httpx.post(
+        f"{tiny_server.url}/v1/chat/completions", json={"model": tiny_server.model, "messages": []}
+    )
+    assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"
+
+
+def test_full_queue_answers_503_with_retry_after(tiny_llama: Path, tmp_path: Path) -> None:
+    server = start_server(
+        str(tiny_llama), tmp_path / "full.log", "--max-waiting-requests", "0", "--num-kv-blocks", "64"
+    )
+    try:
+        response = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": "hi"})
+        assert response.status_code == 503 and response.headers["retry-after"]
+        assert response.json()["error"]["type"] == "service_unavailable"
+    finally:
+        stop_server(server)
+
+
+def test_several_prompts_echo_and_beam_search(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    model = tiny_server.model
+    greedy = dict(model=model, max_tokens=6, temperature=0.0)
+    alone = [client.completions.create(prompt=p, **greedy).choices[0].text for p in ("One", "Two three")]
+    both = client.completions.create(prompt=["One", "Two three"], n=2, **greedy)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    streamed = list(client.completions.create(prompt=["One", "Two three"], stream=True, **greedy))
+    for index, expected in enumerate(alone):
+        assert "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == index) == expected
+    echoed = client.completions.create(prompt="One", echo=True, **greedy)
+    assert echoed.choices[0].text == "One" + alone[0]
+    beams = client.completions.create(
+        prompt="One", n=2, best_of=3, extra_body={"use_beam_search": True, "ignore_eos": True}, **greedy
+    )
+    assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text

@@ -1,0 +1,23 @@
+"""`pagefleet serve` settings: flags, PAGEFLEET_ENGINE_* variables, and the engine config."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagefleet.engine.server.settings import ServerSettings
+
+
+def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEFLEET_ENGINE_REDIS_URL", "redis://cache:6379/1")
+    monkeypatch.setenv("PAGEFLEET_ENGINE_BLOCK_SIZE", "32")
+    settings = ServerSettings(_cli_parse_args=["--model", "/models/x", "--port", "9000", "--num-kv-blocks", "64"])  # type: ignore[call-arg]
+    assert settings.redis_url == "redis://cache:6379/1"
+    assert settings.model_name == "/models/x" and settings.url == "http://127.0.0.1:9000"
+    config = settings.engine_config()
+    assert (config.model, config.block_size, config.num_kv_blocks) == ("/models/x", 32, 64)
+
+
+def test_invalid_engine_setting_fails_clearly() -> None:
+    settings = ServerSettings(_cli_parse_args=["--preemption-mode", "sometimes"])  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="preemption_mode"):
+        settings.engine_config()
