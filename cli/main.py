@@ -11,7 +11,7 @@ import sys
 # threads spin and starve whatever else shares these cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from pagefleet.cli import generate, serve  # noqa: E402
+from pagefleet.cli import gateway, generate, serve, up  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     generate.register(commands)
     serve.register(commands)
+    gateway.register(commands)
+    up.register(commands)
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_flags", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -24,5 +24,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(_cli_parse_args=args.flags)  # type: ignore[call-arg]
     logging.getLogger("pagefleet").setLevel(settings.log_level.upper())
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+    )
     return 0

@@ -35,3 +35,12 @@ def test_shared_contracts_import_without_torch() -> None:
     code = "import sys, pagefleet.protocol.openai, pagefleet.protocol.replica; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_gateway_imports_without_torch() -> None:
+    code = (
+        "import sys, pagefleet.gateway.app, pagefleet.cli.up, pagefleet.cli.gateway; "
+        "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -128,7 +128,7 @@ def test_prefill_sliding_window_and_whole_prompt(window: int) -> None:
     key_cache, value_cache = _caches(8, 2, 64, torch.float32, head_major=True)
     query_lens, context_lens = [20, 3], [20, 30]  # a whole prompt, and a chunk after 27 cached
     tables = _block_tables(context_lens, 8)
-    cu_seqlens = torch.tensor([0, 20, 23], dtype=torch.int32)
+    cu_seqlens = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
     query = torch.randn(23, 4, 64)
     args = (query, key_cache, value_cache, tables, cu_seqlens, torch.tensor(context_lens), 0.125)
     expected = paged_attention_prefill_torch(*args, sliding_window=window)

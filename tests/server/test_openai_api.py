@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import EngineServer, metrics, start_server, stop_server, wait_for
+from tests.processes import EngineServer, metrics, start_server, stop_server, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import redis
 
 from pagefleet.protocol.replica import ReplicaRecord, model_pattern, record_key
-from tests.server.conftest import RedisProcess, start_server, stop_server, wait_for
+from tests.processes import RedisProcess, start_server, stop_server, wait_for
 
 TTL = "1.5"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.server.conftest import EngineServer, start_server, stop_server
+from tests.processes import EngineServer, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

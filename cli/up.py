@@ -1,0 +1,218 @@
+"""`pagefleet up`: a whole local fleet on one machine, for trying pagefleet in a minute.
+
+Starts, as child processes: Redis (Debian's redis-server), the engine replicas of every
+model in the fleet file (by default two replicas of SmolLM2-135M-Instruct in float32 and
+one in bfloat16 under its own name), and the gateway. Waits until every part is healthy and
+the gateway sees every model, prints how to call it, and stops everything on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, Field
+
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+class ModelSpec(BaseModel):
+    name: str = Field(description="the served model name clients send")
+    model: str = Field(description="built-in name, HF directory or .gguf file")
+    replicas: int = Field(1, ge=1)
+    flags: list[str] = Field(default_factory=list, description="extra `pagefleet serve` flags")
+
+
+class FleetSpec(BaseModel):
+    host: str = "127.0.0.1"
+    redis_port: int = 6390
+    gateway_port: int = 8000
+    first_engine_port: int = 8001
+    gateway_flags: list[str] = Field(default_factory=list)
+    log_dir: Path = Path(".fleet/logs")
+    models: list[ModelSpec] = Field(
+        default_factory=lambda: [
+            ModelSpec(
+                name="smollm2-135m-instruct",
+                model="smollm2-135m-instruct",
+                replicas=2,
+                flags=["--dtype", "float32", "--kv-cache-memory", str(256 << 20)],
+            ),
+            ModelSpec(
+                name="smollm2-135m-instruct-bf16",
+                model="smollm2-135m-instruct",
+                replicas=1,
+                flags=["--dtype", "bfloat16", "--kv-cache-memory", str(256 << 20)],
+            ),
+        ]
+    )
+
+
+def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = commands.add_parser("up", help="run a local fleet: Redis, engine replicas and the gateway")
+    parser.add_argument("--fleet", type=Path, default=None, help="a fleet.yaml (default: ./fleet.yaml if present)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the fleet to be ready")
+    parser.set_defaults(run=run)
+
+
+def _say(message: str) -> None:
+    print(f"[up] {message}", flush=True)
+
+
+class Fleet:
+    """The child processes of one `pagefleet up`; `stop()` ends all of them."""
+
+    def __init__(self, spec: FleetSpec) -> None:
+        self.spec = spec
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        spec.log_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{self.spec.host}:{self.spec.redis_port}/0"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.gateway_port}"
+
+    def spawn(self, name: str, command: list[str], threads: int = 1) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+        with open(self.spec.log_dir / f"{name}.log", "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.children.append((name, process))
+        return process
+
+    def start_redis(self) -> None:
+        binary = REDIS_SERVER if os.path.exists(REDIS_SERVER) else shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("pagefleet up: redis-server is missing; `bash scripts/setup.sh` installs it (apt)")
+        self.spawn(
+            "redis",
+            [binary, "--port", str(self.spec.redis_port), "--bind", self.spec.host, "--save", "", "--appendonly", "no"],
+        )
+
+    def start_engine(self, model: ModelSpec, index: int, port: int) -> str:
+        replica = f"{model.name}-{index}"
+        command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", model.model]
+        command += ["--served-model-name", model.name, "--replica-id", replica, "--host", self.spec.host]
+        command += ["--port", str(port), "--redis-url", self.redis_url, *model.flags]
+        self.spawn(replica, command)
+        return f"http://{self.spec.host}:{port}"
+
+    def start_gateway(self) -> None:
+        command = [sys.executable, "-m", "pagefleet.cli.main", "gateway", "--host", self.spec.host]
+        command += ["--port", str(self.spec.gateway_port), "--redis-url", self.redis_url, *self.spec.gateway_flags]
+        self.spawn("gateway", command)
+
+    def check_alive(self) -> None:
+        for name, process in self.children:
+            if process.poll() is not None:
+                log = self.spec.log_dir / f"{name}.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                raise SystemExit(f"pagefleet up: {name} exited (code {process.returncode}); {log}:\n{tail}")
+
+    def wait_healthy(self, url: str, deadline: float) -> None:
+        import httpx
+
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise SystemExit(f"pagefleet up: {url} was not healthy in time; logs in {self.spec.log_dir}")
+
+    def wait_models(self, names: set[str], deadline: float) -> None:
+        import httpx
+
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                listed = httpx.get(f"{self.gateway_url}/v1/models", timeout=1).json()["data"]
+                ready = {m["id"]: m["replicas"] for m in listed}
+                if all(name in ready for name in names):
+                    return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise SystemExit("pagefleet up: the gateway did not see every model in time")
+
+    def stop(self) -> None:
+        for _, process in reversed(self.children):
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + 20
+        for _, process in self.children:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def load_spec(path: Path | None) -> FleetSpec:
+    if path is None and Path("fleet.yaml").exists():
+        path = Path("fleet.yaml")
+    if path is None:
+        return FleetSpec()
+    return FleetSpec.model_validate(yaml.safe_load(path.read_text()) or {})
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.fleet)
+    fleet = Fleet(spec)
+    started = time.monotonic()
+    deadline = started + args.timeout
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # also when started with SIGINT ignored (a background job)
+    try:
+        fleet.start_redis()
+        _say(f"redis on {fleet.redis_url} (logs in {spec.log_dir}/)")
+        fleet.start_gateway()
+        port = spec.first_engine_port
+        engines: list[tuple[str, str]] = []
+        for model in spec.models:
+            for index in range(model.replicas):
+                url = fleet.start_engine(model, index, port)
+                engines.append((f"{model.name}-{index}", url))
+                port += 1
+                if len(engines) == 1:  # the first converts and caches shared weights for the rest
+                    _say(f"loading {model.name} (the first start converts its weights once, ~30 s)")
+                    fleet.wait_healthy(url, deadline)
+        for name, url in engines:
+            fleet.wait_healthy(url, deadline)
+            _say(f"{name} ready at {url}")
+        fleet.wait_healthy(fleet.gateway_url, deadline)
+        fleet.wait_models({m.name for m in spec.models}, deadline)
+        first = spec.models[0].name
+        _say(f"fleet ready in {time.monotonic() - started:.0f} s: gateway at {fleet.gateway_url}")
+        _say(f"dashboard: {fleet.gateway_url}/dashboard")
+        _say("try:")
+        print(
+            f"  curl -s {fleet.gateway_url}/v1/chat/completions -H 'content-type: application/json' \\\n"
+            f'    -d \'{{"model": "{first}", "messages": [{{"role": "user", "content": '
+            f'"What is the capital of France?"}}]}}\'',
+            flush=True,
+        )
+        _say("Ctrl-C stops the fleet")
+        while True:
+            fleet.check_alive()
+            time.sleep(1)
+    except KeyboardInterrupt:
+        _say("stopping")
+        return 0
+    finally:
+        fleet.stop()

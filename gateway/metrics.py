@@ -1,0 +1,35 @@
+"""The gateway's Prometheus metrics (`pagefleet_gateway:*`), per model and replica."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pagefleet_gateway:requests", "Requests proxied, by status.", ["model", "replica", "status"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.errors = Counter(
+            "pagefleet_gateway:errors", "Requests answered with an error by the gateway.", ["model", "reason"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.failovers = Counter(
+            "pagefleet_gateway:failovers", "Replicas that failed before the first byte.", ["model", "replica"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.routing_decisions = Counter(
+            "pagefleet_gateway:routing_decisions", "Replicas chosen, by policy.", ["model", "replica", "policy"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.rate_limited = Counter(
+            "pagefleet_gateway:rate_limited", "Requests refused by a rate limit.", ["model"], registry=self.registry
+        )
+        self.upstream_latency = Histogram(
+            "pagefleet_gateway:upstream_first_byte_seconds", "Time until the replica's response starts.",
+            ["model", "replica"], registry=self.registry, buckets=_BUCKETS,
+        )  # fmt: skip

