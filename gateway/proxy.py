@@ -153,7 +153,6 @@ class Proxy:
                     route.release, model, replica.replica_id, replica.url, f"HTTP {upstream.status_code}"
                 )
                 continue
-            await route.release()  # the replica holds the request's blocks now
             self.metrics.upstream_latency.labels(model, replica.replica_id).observe(time.monotonic() - started)
             self.metrics.requests.labels(model, replica.replica_id, str(upstream.status_code)).inc()
             response_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}

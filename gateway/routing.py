@@ -70,7 +70,7 @@ async def _nothing() -> None:
 @dataclass(slots=True)
 class Route:
     replica: ReplicaRecord
-    release: Release = field(default=_nothing)  # drop the promise (response started, or failed)
+    release: Release = field(default=_nothing)  # drop the promise (the replica failed)
 
 
 class RoutingPolicy(Protocol):

@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The dashboard test drives a real headless Chromium (Debian's, with its chromedriver).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  echo "[test] installing chromium and chromium-driver (apt)"
+  SUDO=$([[ $(id -u) -eq 0 ]] && echo "" || echo "sudo")
+  $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium chromium-driver >/dev/null
+fi
 # Two shared cores: one OpenMP thread per process, and no spin-waiting.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=PASSIVE TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest "$@"
