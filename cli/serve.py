@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -16,15 +15,10 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from pagefleet.cli.web import run_app
     from pagefleet.engine.server.app import create_app
     from pagefleet.engine.server.settings import ServerSettings
 
     settings = ServerSettings(_cli_parse_args=args.flags)  # type: ignore[call-arg]
-    logging.getLogger("pagefleet").setLevel(settings.log_level.upper())
-    app = create_app(settings)
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
-    )
+    run_app(create_app(settings), settings.host, settings.port, settings.log_level)
     return 0

@@ -71,6 +71,22 @@ class EngineServer:
         self.process.wait()
 
 
+def wait_healthy(name: str, process: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> None:
+    """Until `url`/health answers 200; the process's log in the error if it dies or hangs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited early:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"{name} did not become healthy:\n{log.read_text()[-3000:]}")
+
+
 def start_server(model: str, log: Path, *flags: str, timeout: float = 240) -> EngineServer:
     """`pagefleet serve` in its own process, once /health answers 200."""
     port = free_port()
@@ -79,18 +95,8 @@ def start_server(model: str, log: Path, *flags: str, timeout: float = 240) -> En
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"pagefleet serve exited early:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return EngineServer(url, model, process, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"pagefleet serve did not become healthy:\n{log.read_text()[-3000:]}")
+    wait_healthy("pagefleet serve", process, url, log, timeout)
+    return EngineServer(url, model, process, log)
 
 
 def stop_server(server: EngineServer) -> None:
@@ -133,18 +139,8 @@ def start_gateway(redis_url: str, log: Path, *flags: str, timeout: float = 60) -
     with open(log, "wb") as output:
         process = subprocess.Popen([*command, *flags], stdout=output, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"pagefleet gateway exited early:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return GatewayProcess(url, process, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"pagefleet gateway did not become healthy:\n{log.read_text()[-3000:]}")
+    wait_healthy("pagefleet gateway", process, url, log, timeout)
+    return GatewayProcess(url, process, log)
 
 
 def stop_process(process: subprocess.Popen[bytes]) -> None:

@@ -49,6 +49,9 @@ class EngineCollector(Collector):
         yield gauge("num_total_blocks", "KV blocks in the cache.", stats.num_total_blocks)
         yield gauge("num_cached_blocks", "KV blocks holding a reusable prefix.", stats.num_cached_blocks)
         yield gauge("num_shared_blocks", "KV blocks referenced by several sequences.", stats.num_shared_blocks)
+        yield gauge(
+            "num_blocks_saved_by_sharing", "Block copies that sharing avoids now.", stats.num_blocks_saved_by_sharing
+        )
         yield counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
         )

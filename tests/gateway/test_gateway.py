@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -69,27 +67,18 @@ def test_streaming_through_the_gateway_is_token_identical(fleet: Fleet) -> None:
     assert tokens(fleet.gateway.url) == direct
 
 
-def test_kv_routing_prefers_the_replica_with_more_free_blocks(fleet: Fleet) -> None:
-    """Fill tiny-a directly (around the gateway); the gateway then sends work to tiny-b."""
-    busy_body = {"model": "tiny", "prompt": list(range(1, 150)), "max_tokens": 300, "ignore_eos": True}
-    fillers = [
-        threading.Thread(
-            target=httpx.post,
-            args=(f"{fleet.replicas['tiny-a'].url}/v1/completions",),
-            kwargs={"json": busy_body, "timeout": 120},
-        )
-        for _ in range(2)
-    ]
-    for thread in fillers:
-        thread.start()
+def test_kv_routing_prefers_the_replica_with_more_free_blocks(fleet: Fleet, tiny_llama: Path) -> None:
+    """A replica with three times the free blocks of the others takes the requests."""
+    big = start_replica(tiny_llama, fleet.logs, fleet.redis, "tiny-big", "--num-kv-blocks", "600")
     try:
-        wait_for(lambda: metrics(fleet.replicas["tiny-a"])["pagefleet:num_free_blocks"] < 150)
-        time.sleep(1.0)  # the record and the gateway's view catch up
+        wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 3)
         served = [_complete(fleet.gateway.url).headers["x-pagefleet-replica"] for _ in range(4)]
-        assert served == ["tiny-b"] * 4
+        assert served == ["tiny-big"] * 4
+        decisions = httpx.get(f"{fleet.gateway.url}/metrics").text
+        assert 'pagefleet_gateway:routing_decisions_total{model="tiny",policy="kv",replica="tiny-big"} 4.0' in decisions
     finally:
-        for thread in fillers:
-            thread.join()
+        stop_server(big)
+    wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 2)
 
 
 def test_two_gateways_share_reservations(fleet: Fleet, tmp_path: Path) -> None:

@@ -38,6 +38,9 @@ def test_models_health_version_tokenize(tiny_server: EngineServer, client: opena
     assert text == {"prompt": "Hello world"}
     chat = httpx.post(f"{tiny_server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > tokens["count"] - 2
+    exported = metrics(tiny_server)
+    for name in ("num_shared_blocks", "num_blocks_saved_by_sharing", "cow_copies_total", "prefix_cache_hits_total"):
+        assert f"pagefleet:{name}" in exported
 
 
 def test_completion_stream_equals_non_stream(tiny_server: EngineServer, client: openai.OpenAI) -> None:
