@@ -42,5 +42,13 @@ def fixed_workload(
     return Workload(prompts, output_tokens)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)

@@ -1,13 +1,17 @@
 """What the gateway costs: the same requests sent to one replica directly and through the
 gateway, in one run.
 
-    python bench/gateway_overhead.py [--requests 200] [--clients 16]
+    python bench/gateway_overhead.py [--requests 400] [--clients 16] [--policy kv]
 
-One SmolLM2 replica (float32, one thread), Redis and the gateway, started by the same code
-as `pagefleet up`. Latency: sequential one-token completions, alternating direct and
-gateway calls; the added p50 is the difference of the medians (target: at most 1 ms).
-Throughput: `--clients` concurrent streams of 32 tokens each, direct then through the
-gateway; the ratio of output tokens/s (target: at least 90%).
+One replica of the small random-weight Llama of bench/routing.py (float32, one thread; a
+one-token answer takes about 12 ms, so the gateway's share stands out from the engine's
+jitter), Redis and the gateway, started by the same code as `pagefleet up`.
+
+Latency: sequential one-token completions, alternating direct and gateway calls; the added
+latency is the median of the paired differences (each gateway call minus the direct call
+just before it, which cancels drift; target: at most 1 ms). Throughput: `--clients`
+concurrent streams of 32 tokens, direct then through the gateway; the ratio of output
+tokens/s (target: at least 90%).
 """
 
 from __future__ import annotations
@@ -20,29 +24,22 @@ import time
 from pathlib import Path
 
 import httpx
-from common import progress
+from common import free_port, progress
+from routing import build_model
 
 from pagefleet.cli.up import Fleet, FleetSpec, ModelSpec
 
-MODEL = "smollm2-135m-instruct"
+MODEL = "small"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_fleet(log_dir: Path, policy: str) -> tuple[Fleet, str]:
+def start_fleet(log_dir: Path, policy: str, model_dir: Path) -> tuple[Fleet, str]:
     spec = FleetSpec(
         gateway_flags=["--policy", policy],
         redis_port=free_port(),
         gateway_port=free_port(),
         first_engine_port=free_port(),
         log_dir=log_dir,
-        models=[ModelSpec(name=MODEL, model=MODEL, replicas=1, flags=["--dtype", "float32"])],
+        models=[ModelSpec(name=MODEL, model=str(model_dir), replicas=1, flags=["--dtype", "float32"])],
     )
     fleet = Fleet(spec)
     deadline = time.monotonic() + 600
@@ -88,14 +85,14 @@ async def throughput(url: str, clients: int, rounds: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--policy", default="kv", help="the gateway's routing policy")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as logs:
-        progress("starting Redis, one SmolLM2 replica and the gateway")
-        fleet, replica = start_fleet(Path(logs), args.policy)
+        progress("building the small model; starting Redis, one replica and the gateway")
+        fleet, replica = start_fleet(Path(logs), args.policy, build_model(Path(logs) / "small"))
         try:
             progress(f"latency: {args.requests} one-token requests each way")
             direct, through = latencies(replica, fleet.gateway_url, args.requests)
@@ -104,7 +101,7 @@ def main() -> None:
             gateway_rate = asyncio.run(throughput(fleet.gateway_url, args.clients, args.rounds))
         finally:
             fleet.stop()
-    added = statistics.median(through) - statistics.median(direct)
+    added = statistics.median(g - d for g, d in zip(through, direct, strict=True))
     print(
         f"latency p50 direct {statistics.median(direct) * 1e3:.2f} ms, through the gateway "
         f"{statistics.median(through) * 1e3:.2f} ms (added {added * 1e3:.2f} ms) | throughput direct "

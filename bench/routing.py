@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from common import progress
-from gateway_overhead import free_port
+from common import free_port, progress
 
 from pagefleet.cli.up import Fleet, FleetSpec, ModelSpec
 

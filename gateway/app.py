@@ -1,24 +1,29 @@
-"""The gateway's FastAPI app: auth and rate limits, routing, proxying, models, metrics and
-the dashboard."""
+"""The gateway's app: auth and rate limits, routing, proxying, models, metrics and the
+dashboard.
+
+The two proxied routes are plain ASGI in front of FastAPI (they are the hot path: FastAPI's
+request and response machinery cost more than the rest of the hop); everything else is
+FastAPI.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
 import redis.asyncio as redis
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive, Scope, Send
 
 from pagefleet.gateway.dashboard import PAGE, dashboard_data
 from pagefleet.gateway.limits import RateLimiter
 from pagefleet.gateway.metrics import GatewayMetrics
-from pagefleet.gateway.proxy import BadRequest, Proxy, describe, error
+from pagefleet.gateway.proxy import ASGIResponse, BadRequest, Proxy, describe, error
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import RoutingPolicy, make_policy
 from pagefleet.gateway.settings import GatewaySettings
@@ -34,50 +39,45 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     api_keys = settings.keys()
     default_policy = make_policy(settings.policy, client)
     policies: dict[str, RoutingPolicy] = {m: make_policy(p, client) for m, p in settings.model_policies.items()}
-    timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
-    http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
-    proxy = Proxy(http, registry, metrics, settings.failover_attempts, settings.exclude_failed_for)
+    proxy = Proxy(registry, metrics, settings.failover_attempts, settings.exclude_failed_for)
     seen_models: set[str] = set()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with contextlib.suppress(Exception):
             await registry.refresh()  # a first view before serving, if Redis is up
+        await proxy.start(settings.connect_timeout, settings.read_timeout)
         task = asyncio.create_task(registry.run())
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await http.aclose()
+        await proxy.close()
         await client.aclose()
 
     app = FastAPI(title="pagefleet gateway", lifespan=lifespan)
 
-    def api_key(request: Request) -> str | None:
-        header = request.headers.get("authorization", "")
-        return header[7:].strip() if header.lower().startswith("bearer ") else None
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        response = await decide(scope["path"], headers, receive)
+        await response(scope, receive, send)
 
-    async def route(request: Request, path: str, chat: bool) -> Response:
-        key = api_key(request)
+    async def decide(path: str, headers: dict[str, str], receive: Receive) -> ASGIResponse:
+        authorization = headers.get("authorization", "")
+        key = authorization[7:].strip() if authorization.lower().startswith("bearer ") else None
         if api_keys and key not in api_keys:
             return error(401, "A valid API key is required (Authorization: Bearer <key>).")
-        declared = request.headers.get("content-length")
-        if declared is not None and int(declared) > settings.max_request_bytes:
-            return error(413, f"The request body exceeds {settings.max_request_bytes} bytes.")
-        body = await request.body()
-        if len(body) > settings.max_request_bytes:
+        body = await _read_body(receive, headers, settings.max_request_bytes)
+        if body is None:
             return error(413, f"The request body exceeds {settings.max_request_bytes} bytes.")
         try:
-            shape = describe(body, chat)
+            shape = describe(body, chat=path == "/v1/chat/completions")
         except BadRequest as exc:
             return error(400, str(exc), exc.param)
         model = shape.model
         if not registry.is_available:
             metrics.errors.labels(model, "registry_unavailable").inc()
-            return error(
-                503,
-                "The replica registry is unavailable (Redis unreachable); retry shortly.",
-                headers={"Retry-After": "5"},
-            )
+            message = "The replica registry is unavailable (Redis unreachable); retry shortly."
+            return error(503, message, headers={"Retry-After": "5"})
         seen_models.update(registry.models())
         if model not in seen_models:
             metrics.errors.labels("", "unknown_model").inc()  # no label per made-up name
@@ -87,19 +87,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             verdict = await limiter.check(key, shape.tokens)
             if not verdict.allowed:
                 metrics.rate_limited.labels(model).inc()
-                return error(
-                    429, f"Rate limit exceeded: {verdict.reason}.", headers={"Retry-After": str(verdict.retry_after)}
-                )
+                retry = {"Retry-After": str(verdict.retry_after)}
+                return error(429, f"Rate limit exceeded: {verdict.reason}.", headers=retry)
         policy = policies.get(model, default_policy)
-        return await proxy.forward(path, body, dict(request.headers), shape, policy)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await route(request, "/v1/completions", chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await route(request, "/v1/chat/completions", chat=True)
+        return await proxy.forward(path, body, headers, shape, policy)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -133,4 +124,37 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     requests[model] = requests.get(model, 0.0) + sample.value
         return dashboard_data(registry, requests)
 
-    return app
+    return ProxyRoutes(app, route)  # type: ignore[return-value]
+
+
+PROXY_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class ProxyRoutes:
+    """POST to a proxied route goes to `handle` as plain ASGI; anything else to FastAPI."""
+
+    def __init__(self, app: FastAPI, handle: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app, self.handle = app, handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXY_ROUTES:
+            await self.handle(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+async def _read_body(receive: Receive, headers: dict[str, str], limit: int) -> bytes | None:
+    """The request body, or None if it is over `limit` bytes (declared or sent)."""
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)

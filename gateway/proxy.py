@@ -1,24 +1,26 @@
 """Forwarding one OpenAI request to a replica, with failover before the first byte.
 
-One shared httpx client; hop-by-hop headers and the client's API key are not forwarded; a
-request id is added. Responses (SSE streams included) are relayed chunk by chunk without
-buffering; a client that goes away closes the upstream connection, which aborts the
-request on the replica.
+One shared aiohttp session (an upstream call costs a third of httpx's here); hop-by-hop
+headers and the client's API key are not forwarded; a request id is added. A JSON answer is
+read whole and sent in one write; an SSE stream is relayed chunk by chunk without
+buffering, and a client that goes away closes the upstream connection, which aborts the
+request on the replica. Responses are written straight to ASGI: this is the hot path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+import aiohttp
+from starlette.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
 
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
@@ -110,22 +112,26 @@ def describe(body: bytes, chat: bool) -> RequestShape:
 
 
 class Proxy:
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        registry: ReplicaRegistry,
-        metrics: GatewayMetrics,
-        attempts: int,
-        exclude_for: float,
-    ) -> None:
-        self.client, self.registry, self.metrics = client, registry, metrics
+    def __init__(self, registry: ReplicaRegistry, metrics: GatewayMetrics, attempts: int, exclude_for: float) -> None:
+        self.session: aiohttp.ClientSession | None = None  # opened inside the server's loop (start)
+        self.registry, self.metrics = registry, metrics
         self.attempts, self.exclude_for = attempts, exclude_for
+
+    async def start(self, connect_timeout: float, read_timeout: float) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
+        connector = aiohttp.TCPConnector(limit=1000, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
 
     async def forward(
         self, path: str, body: bytes, headers: dict[str, str], shape: RequestShape, policy: RoutingPolicy
-    ) -> Response:
+    ) -> ASGIResponse:
+        assert self.session is not None, "Proxy.start() opens the session"
         request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
-        forwarded = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP} | {"x-request-id": request_id}
+        forwarded = {k: v for k, v in headers.items() if k not in HOP_BY_HOP} | {"x-request-id": request_id}
         tried: set[str] = set()
         model = shape.model
         for _ in range(self.attempts):
@@ -141,25 +147,18 @@ class Proxy:
             self.metrics.routing_decisions.labels(model, replica.replica_id, policy.name).inc()
             started = time.monotonic()
             try:
-                upstream = await self.client.send(
-                    self.client.build_request("POST", replica.url + path, content=body, headers=forwarded), stream=True
-                )
-            except httpx.TransportError as exc:
+                upstream = await self.session.post(replica.url + path, data=body, headers=forwarded)
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 await self._failed(route.release, model, replica.replica_id, replica.url, repr(exc))
                 continue
-            if upstream.status_code >= 500:
-                await upstream.aclose()
-                await self._failed(
-                    route.release, model, replica.replica_id, replica.url, f"HTTP {upstream.status_code}"
-                )
+            if upstream.status >= 500:
+                upstream.release()
+                await self._failed(route.release, model, replica.replica_id, replica.url, f"HTTP {upstream.status}")
                 continue
             self.metrics.upstream_latency.labels(model, replica.replica_id).observe(time.monotonic() - started)
-            self.metrics.requests.labels(model, replica.replica_id, str(upstream.status_code)).inc()
-            response_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
-            response_headers |= {"x-request-id": request_id, "x-pagefleet-replica": replica.replica_id}
-            return StreamingResponse(
-                _relay(upstream, request_id), status_code=upstream.status_code, headers=response_headers
-            )
+            self.metrics.requests.labels(model, replica.replica_id, str(upstream.status)).inc()
+            extra = [(b"x-request-id", request_id.encode()), (b"x-pagefleet-replica", replica.replica_id.encode())]
+            return Relay(upstream, request_id, extra)
         self.metrics.errors.labels(model, "no_replica").inc()
         return error(
             503, f"No replica of `{model}` could take the request; retry shortly.", headers={"Retry-After": "1"}
@@ -172,13 +171,55 @@ class Proxy:
         logger.warning("replica %s failed before the first byte (%s); trying another", replica_id, reason)
 
 
-async def _relay(upstream: httpx.Response, request_id: str) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as exc:  # after the first byte: tell the client in the stream
-        logger.warning("request %s: the replica failed mid-response: %r", request_id, exc)
-        message = error_response(502, "The replica failed during the response.")
-        yield f"data: {json.dumps(message)}\n\n".encode()
-    finally:
-        await upstream.aclose()
+class Relay:
+    """The replica's response, written to the client as an ASGI response."""
+
+    def __init__(self, upstream: aiohttp.ClientResponse, request_id: str, extra: list[tuple[bytes, bytes]]) -> None:
+        self.upstream, self.request_id = upstream, request_id
+        kept = [(k, v) for k, v in upstream.raw_headers if k.decode("latin-1").lower() not in HOP_BY_HOP]
+        self.headers = kept + extra
+        self.streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.streaming:
+            try:
+                body = await self.upstream.read()
+            finally:
+                self.upstream.release()
+            headers = self.headers + [(b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": self.upstream.status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        # A stream: relay until it ends, or until the client goes away (then drop upstream).
+        relay = asyncio.ensure_future(self._relay(send))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait([relay, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (relay, watch):
+                task.cancel()
+            await asyncio.gather(relay, watch, return_exceptions=True)
+            self.upstream.close()  # no-op once fully read; otherwise aborts the request upstream
+        if relay.done() and not relay.cancelled() and relay.exception() is not None:
+            raise relay.exception()  # type: ignore[misc]
+
+    async def _relay(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.upstream.status, "headers": self.headers})
+        try:
+            async for chunk in self.upstream.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, TimeoutError) as exc:  # after the first byte: say so in the stream
+            logger.warning("request %s: the replica failed mid-response: %r", self.request_id, exc)
+            message = error_response(502, "The replica failed during the response.")
+            await send(
+                {"type": "http.response.body", "body": f"data: {json.dumps(message)}\n\n".encode(), "more_body": True}
+            )
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+ASGIResponse = Relay | JSONResponse
