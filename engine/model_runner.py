@@ -50,6 +50,17 @@ class PromptLogprobs:
     values: TokenLogprobs  # one row per position of the chunk that has a next prompt token
 
 
+@dataclass(slots=True)
+class _Prefill:
+    """One prefill chunk of a step, before it becomes a backend's metadata."""
+
+    row: int  # its first row in the flat batch
+    num_new: int
+    end: int  # cached prefix + this chunk
+    table: list[int]  # the blocks covering [0, end)
+    context_slots: np.ndarray  # [end] cache slot of every context position
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
@@ -127,42 +138,39 @@ class ModelRunner:
         slots: list[int] = []
         last_rows: list[int] = []
         decode_rows, decode_context, decode_tables = [], [], []
-        prefills: list[PrefillChunk] = []
+        prefills: list[_Prefill] = []
         for chunk in chunks:
             seq, start, num_new = chunk.seq, chunk.seq.num_computed_tokens, chunk.num_new_tokens
             end = start + num_new
             row = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
-            table = seq.block_ids
+            table = seq.block_ids[: (end + bs - 1) // bs]
             if num_new == 1:
                 assert not prefills, "decode chunks must come before prefill chunks"
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 decode_rows.append(row)
                 decode_context.append(end)
-                decode_tables.append(table[: (end + bs - 1) // bs])
+                decode_tables.append(table)
             else:
                 pos = np.arange(end)
                 context_slots = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
                 positions.extend(range(start, end))
                 slots.extend(context_slots[start:end].tolist())
-                prefills.append(
-                    PrefillChunk(
-                        row,
-                        num_new,
-                        end,
-                        torch.from_numpy(context_slots).to(self.device),
-                        self.model_config.sliding_window,
-                    )
-                )
+                prefills.append(_Prefill(row, num_new, end, table, context_slots))
             last_rows.append(row + num_new - 1)
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         if self.backend.uses_block_tables:
-            metadata = AttentionMetadata(slot_mapping, paged=self._paged_batch(chunks))
+            paged = self._paged_batch(decode_context, decode_tables, prefills)
+            metadata = AttentionMetadata(slot_mapping, paged=paged)
         else:
-            metadata = AttentionMetadata(
-                slot_mapping, self._decode_buckets(decode_rows, decode_context, decode_tables), prefills
-            )
+            window = self.model_config.sliding_window
+            chunk_metadata = [
+                PrefillChunk(p.row, p.num_new, p.end, torch.from_numpy(p.context_slots).to(self.device), window)
+                for p in prefills
+            ]
+            buckets = self._decode_buckets(decode_rows, decode_context, decode_tables)
+            metadata = AttentionMetadata(slot_mapping, buckets, chunk_metadata)
         return (
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -170,31 +178,25 @@ class ModelRunner:
             last_rows,
         )
 
-    def _paged_batch(self, chunks: list[ScheduledChunk]) -> PagedBatch:
-        decodes = [c for c in chunks if c.num_new_tokens == 1]
-        prefills = [c for c in chunks if c.num_new_tokens != 1]
+    def _paged_batch(
+        self, decode_lengths: list[int], decode_tables: list[list[int]], prefills: list[_Prefill]
+    ) -> PagedBatch:
+        def padded(tables: list[list[int]]) -> torch.Tensor:
+            width = max((len(t) for t in tables), default=0)
+            rows = [t + [0] * (width - len(t)) for t in tables]
+            return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(tables), width)
 
-        def tables_and_lengths(group: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-            lengths = [c.seq.num_computed_tokens + c.num_new_tokens for c in group]
-            width = max((-(-n // self.block_size) for n in lengths), default=0)
-            tables = [c.seq.block_ids[: -(-n // self.block_size)] for c, n in zip(group, lengths, strict=True)]
-            padded = [table + [0] * (width - len(table)) for table in tables]
-            return (
-                torch.tensor(padded, dtype=torch.int32, device=self.device).view(len(group), width),
-                torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            )
+        def lengths(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
 
-        decode_tables, decode_lengths = tables_and_lengths(decodes)
-        prefill_tables, prefill_lengths = tables_and_lengths(prefills)
-        cu_seqlens = np.cumsum([0] + [c.num_new_tokens for c in prefills])
         return PagedBatch(
-            num_decodes=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_context_lens=decode_lengths,
-            prefill_block_tables=prefill_tables,
-            prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=self.device),
-            prefill_context_lens=prefill_lengths,
-            max_prefill_len=max((c.num_new_tokens for c in prefills), default=0),
+            num_decodes=len(decode_lengths),
+            decode_block_tables=padded(decode_tables),
+            decode_context_lens=lengths(decode_lengths),
+            prefill_block_tables=padded([p.table for p in prefills]),
+            prefill_cu_seqlens=lengths(np.cumsum([0] + [p.num_new for p in prefills]).tolist()),
+            prefill_context_lens=lengths([p.end for p in prefills]),
+            max_prefill_len=max((p.num_new for p in prefills), default=0),
             sliding_window=self.model_config.sliding_window,
         )
 
