@@ -11,7 +11,7 @@ import sys
 # threads spin and starve whatever else shares these cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from pagefleet.cli import gateway, generate, serve, up  # noqa: E402
+from pagefleet.cli import gateway, generate, kube_operator, serve, up  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.register(commands)
     gateway.register(commands)
     up.register(commands)
+    kube_operator.register(commands)
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_flags", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

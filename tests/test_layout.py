@@ -18,11 +18,21 @@ def test_stdlib_operator_stays_importable_from_the_repository_root() -> None:
     assert engine_file == str(ROOT / "engine" / "__init__.py")
 
 
+def test_the_operator_folder_never_shadows_the_stdlib_even_without_site() -> None:
+    """operator/ has no __init__.py on purpose: as a namespace portion it loses to any
+    regular module, so `import operator` finds the stdlib even when nothing preloaded it."""
+    assert not (ROOT / "operator" / "__init__.py").exists()
+    code = "import operator; print(operator.__file__)"
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert not out.stdout.strip().startswith(str(ROOT))
+
+
 def test_subpackages_map_to_their_folders() -> None:
     pairs = [("pagefleet.engine", "engine"), ("pagefleet.kernels", "kernels"), ("pagefleet.cli", "cli")]
     for name, folder in pairs + [("pagefleet.protocol", "protocol")]:
         module = importlib.import_module(name)
         assert Path(module.__file__).parent == ROOT / folder
+    assert str(ROOT / "operator") in list(importlib.import_module("pagefleet.operator").__path__)
 
 
 def test_no_top_level_python_module_is_named_after_a_part() -> None:
@@ -41,6 +51,16 @@ def test_gateway_imports_without_torch() -> None:
     code = (
         "import sys, pagefleet.gateway.app, pagefleet.cli.up, pagefleet.cli.gateway; "
         "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_operator_imports_neither_torch_nor_the_engine() -> None:
+    code = (
+        "import sys, pagefleet.operator.main, pagefleet.cli.kube_operator; "
+        "heavy = ('torch', 'transformers', 'pagefleet.engine', 'pagefleet.gateway'); "
+        "print(sorted(m for m in heavy if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

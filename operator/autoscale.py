@@ -1,0 +1,94 @@
+"""Replica count from KV-cache pressure: a pure decision, kept apart from the API calls.
+
+    wanted = ceil(reporting_replicas * mean_kv_utilization / targetKVUtilization)
+    wanted = max(wanted, current + 1)         if requests are waiting for room
+    wanted = current                          if |utilization / target - 1| <= 10 % and none wait
+    wanted = clamp(wanted, minReplicas, maxReplicas)
+
+Like the Horizontal Pod Autoscaler, recommendations are remembered for the stabilization
+windows: a scale-up takes the lowest recommendation of the scale-up window (0 s: at once),
+a scale-down the highest of the scale-down window, and only once the operator has watched
+for a whole window, so a short lull never removes a replica that is needed again a minute
+later.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pagefleet.operator.replicas import KVSummary
+from pagefleet.operator.spec import Autoscaling
+
+TOLERANCE = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replicas: int
+    reason: str  # ScaledUp, ScaledDown, or why nothing changed
+    message: str
+
+    def changes(self, current: int) -> bool:
+        return self.replicas != current
+
+
+@dataclass(slots=True)
+class ScaleHistory:
+    """Recommendations of one resource, oldest first: (time, replicas)."""
+
+    started_s: float
+    recommendations: list[tuple[float, int]] = field(default_factory=list)
+    last_reason: str = ""  # events are posted when the reason changes, not every period
+
+    def remember(self, now_s: float, replicas: int, keep_s: float) -> None:
+        self.recommendations.append((now_s, replicas))
+        self.recommendations = [(t, r) for t, r in self.recommendations if now_s - t <= keep_s]
+
+    def within(self, now_s: float, window_s: float) -> list[int]:
+        return [r for t, r in self.recommendations if now_s - t <= window_s]
+
+
+def recommend(current: int, kv: KVSummary, policy: Autoscaling) -> tuple[int, str]:
+    """The replica count the current pressure asks for, within the bounds, and why."""
+    target = policy.target_kv_utilization
+    ratio = kv.mean_utilization / target
+    if kv.waiting_requests > 0:
+        wanted = max(math.ceil(kv.reporting_replicas * ratio), current + 1)
+        why = f"{kv.waiting_requests} requests wait for KV room"
+    elif abs(ratio - 1) <= TOLERANCE:
+        wanted, why = current, "KV utilization is within 10% of the target"
+    else:
+        wanted = math.ceil(kv.reporting_replicas * ratio)
+        why = f"mean KV utilization {kv.mean_utilization:.0%} against a target of {target:.0%}"
+    bounded = min(max(wanted, policy.min_replicas), policy.max_replicas)
+    if bounded != wanted:
+        why += f" (wanted {wanted}, bounded to {policy.min_replicas}..{policy.max_replicas})"
+    return bounded, why
+
+
+def decide(current: int, kv: KVSummary, policy: Autoscaling, history: ScaleHistory, now_s: float) -> Decision:
+    """The next replica count for a resource with `current` replicas."""
+    if not policy.min_replicas <= current <= policy.max_replicas:
+        bounded = min(max(current, policy.min_replicas), policy.max_replicas)
+        reason = "ScaledUp" if bounded > current else "ScaledDown"
+        return Decision(bounded, reason, f"{current} replicas is outside {policy.min_replicas}..{policy.max_replicas}")
+    if kv.reporting_replicas == 0:
+        return Decision(current, "NoReports", "no replica reports its KV cache yet")
+    wanted, why = recommend(current, kv, policy)
+    up_window = policy.scale_up_stabilization_window_seconds
+    down_window = policy.scale_down_stabilization_window_seconds
+    history.remember(now_s, wanted, keep_s=max(up_window, down_window))
+    if wanted > current:
+        replicas = max(current, min(history.within(now_s, up_window)))
+        if replicas > current:
+            return Decision(replicas, "ScaledUp", why)
+        return Decision(current, "ScaleUpStabilizing", f"{why}; waiting out the {up_window}s scale-up window")
+    if wanted < current:
+        if now_s - history.started_s < down_window:
+            return Decision(current, "ScaleDownStabilizing", f"{why}; watched for less than {down_window}s")
+        replicas = min(current, max(history.within(now_s, down_window)))
+        if replicas < current:
+            return Decision(replicas, "ScaledDown", why)
+        return Decision(current, "ScaleDownStabilizing", f"{why}; a higher recommendation is within {down_window}s")
+    return Decision(current, "Steady", why)

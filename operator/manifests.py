@@ -1,0 +1,244 @@
+"""The objects one InferenceDeployment becomes, built by pure functions.
+
+Deployment (engine pods running `pagefleet serve`), Service and PodDisruptionBudget, all
+labelled with the model and the resource and owned by the resource (deleting it deletes
+them). Nothing here talks to the API: the reconciler applies what these return, and the
+tests validate it against the official schemas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagefleet.operator.settings import OperatorSettings
+from pagefleet.operator.spec import MODELS_MOUNT, InferenceDeploymentSpec
+
+GROUP, VERSION, KIND, PLURAL = "pagefleet.io", "v1alpha1", "InferenceDeployment", "inferencedeployments"
+API_VERSION = f"{GROUP}/{VERSION}"
+NAME_LABEL = "pagefleet.io/inference-deployment"
+MODEL_LABEL = "pagefleet.io/model"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "pagefleet-operator"}
+_CACHE_MOUNT = "/var/cache/pagefleet"
+_STARTUP_SECONDS = 900  # converting a GGUF model or loading a large one takes minutes
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The InferenceDeployment the objects belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def of(cls, body: Any) -> Owner:
+        meta = body["metadata"]
+        return cls(meta["name"], meta["namespace"], meta["uid"])
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def served_model_name(owner: Owner, spec: InferenceDeploymentSpec) -> str:
+    return spec.served_model_name or owner.name
+
+
+def label_value(text: str) -> str:
+    """A label value for any served name (labels allow [A-Za-z0-9._-], at most 63 chars)."""
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:63]
+    return cleaned.strip("._-") or "model"
+
+
+def selector_labels(owner: Owner) -> dict[str, str]:
+    return {NAME_LABEL: owner.name, "app.kubernetes.io/component": "engine"}
+
+
+def labels(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, str]:
+    return {
+        **selector_labels(owner),
+        MODEL_LABEL: label_value(served_model_name(owner, spec)),
+        "app.kubernetes.io/name": "pagefleet-engine",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/part-of": "pagefleet",
+        **MANAGED_BY,
+    }
+
+
+def selector_text(owner: Owner) -> str:
+    """The label selector of the engine pods as text (status.selector, for `kubectl scale`/HPA)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(owner).items()))
+
+
+def _metadata(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    return {
+        "name": owner.name,
+        "namespace": owner.namespace,
+        "labels": labels(owner, spec),
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int) -> list[str]:
+    engine = spec.engine
+    args = [
+        "serve",
+        "--model", spec.model.engine_argument,
+        "--served-model-name", served_model_name(owner, spec),
+        "--host", "0.0.0.0",
+        "--port", str(port),
+        "--advertise-url", f"http://$(POD_IP):{port}",  # the API server expands $(VAR) from env
+        "--replica-id", "$(POD_NAME)",
+        "--redis-url", "$(PAGEFLEET_REDIS_URL)",
+        "--block-size", str(engine.block_size),
+        "--max-num-seqs", str(engine.max_num_seqs),
+    ]  # fmt: skip
+    if engine.dtype != "auto":
+        args += ["--dtype", engine.dtype]
+    if engine.kv_cache_memory is not None:
+        args += ["--kv-cache-memory", repr(engine.kv_cache_bytes_or_fraction)]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if spec.resources.gpus:
+        args += ["--device", "cuda"]
+    return args + list(engine.extra_args)
+
+
+def _resources(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    wanted = spec.resources
+    requests = {"cpu": wanted.cpu or "1", "memory": wanted.memory or "2Gi"}
+    limits: dict[str, Any] = {"memory": wanted.memory_limit or requests["memory"]}
+    if wanted.cpu_limit is not None:
+        limits["cpu"] = wanted.cpu_limit
+    if wanted.gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = wanted.gpus
+    return {"requests": requests, "limits": limits}
+
+
+def _environment(owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
+    if settings.engine_redis_secret:
+        secret, _, key = settings.engine_redis_secret.partition("/")
+        redis: dict[str, Any] = {"valueFrom": {"secretKeyRef": {"name": secret, "key": key or "url"}}}
+    else:
+        redis = {"value": settings.engine_redis_url or settings.redis_url}
+    env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "PAGEFLEET_REDIS_URL", **redis},
+        {"name": "PAGEFLEET_SERVED_MODEL_NAME", "value": served_model_name(owner, spec)},
+        {"name": "PAGEFLEET_CACHE_DIR", "value": _CACHE_MOUNT},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    return env + [variable.model_dump(by_alias=True, exclude_none=True) for variable in spec.env]
+
+
+def _probe(port: int, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def _volumes(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "cache", "emptyDir": {}},  # converted weights; the root filesystem stays read-only
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": _CACHE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
+    source = spec.model.volume
+    if source is not None:
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True}})
+        mount = {"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}
+        mounts.append(mount | ({"subPath": source.sub_path} if source.sub_path else {}))
+    if spec.resources.gpus:  # the engine's shared memory for CUDA IPC
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def deployment(owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
+    port = settings.engine_port
+    volumes, mounts = _volumes(spec)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.image or settings.engine_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "args": engine_args(owner, spec, port),
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": _environment(owner, spec, settings),
+        "resources": _resources(spec),
+        "startupProbe": _probe(port, period=5, failures=_STARTUP_SECONDS // 5),
+        "readinessProbe": _probe(port, period=5, failures=2),
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if settings.liveness_probe:
+        container["livenessProbe"] = _probe(port, period=10, failures=6)
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": 30,  # the engine drains and deletes its Redis record
+        "enableServiceLinks": False,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, spec),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(owner)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": labels(owner, spec)}, "spec": pod_spec},
+        },
+    }
+
+
+def service(owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, spec),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner),
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """At most one engine pod down at a time for voluntary disruptions (node drains)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, spec),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner)}},
+    }
+
+
+def desired_objects(owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
+    return [deployment(owner, spec, settings), service(owner, spec, settings), pod_disruption_budget(owner, spec)]

@@ -1,0 +1,140 @@
+"""One idempotent reconcile of an InferenceDeployment.
+
+validate the spec -> build the desired objects (manifests.py) -> apply them -> compute the
+status. Applying is get, then create if missing or merge-patch if any field we set differs
+from what the cluster holds; fields the cluster adds (defaults, status) are left alone, so
+a second reconcile of an unchanged resource writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from pagefleet.operator import manifests, status
+from pagefleet.operator.autoscale import ScaleHistory
+from pagefleet.operator.kube import KINDS_BY_API_KIND, KubeApi
+from pagefleet.operator.replicas import KVSummary, read_records
+from pagefleet.operator.settings import OperatorSettings
+from pagefleet.operator.spec import InferenceDeploymentSpec, InvalidSpec, parse_spec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """What every handler shares: settings, the API client, Redis, autoscaling histories."""
+
+    settings: OperatorSettings
+    kube: KubeApi
+    redis: redis.Redis
+    histories: dict[str, ScaleHistory] = field(default_factory=dict)  # by namespace/name
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a reconcile did: the objects it created or patched, and the status to write."""
+
+    spec: InferenceDeploymentSpec | None
+    applied: list[str]
+    status_patch: dict[str, Any]
+    kv: KVSummary
+    invalid: InvalidSpec | None = None
+
+
+def is_subset(wanted: Any, actual: Any) -> bool:
+    """Whether every field of `wanted` has the same value in `actual` (quantities compared
+    as text: the API server returns the integer 1 as "1")."""
+    if isinstance(wanted, dict):
+        if not isinstance(actual, dict):
+            return False
+        return all(
+            (value is None and key not in actual) or is_subset(value, actual.get(key)) for key, value in wanted.items()
+        )
+    if isinstance(wanted, list):
+        return (
+            isinstance(actual, list)
+            and len(wanted) == len(actual)
+            and all(is_subset(w, a) for w, a in zip(wanted, actual, strict=True))
+        )
+    if isinstance(wanted, bool) or isinstance(actual, bool):
+        return wanted is actual
+    return wanted == actual or (wanted is not None and actual is not None and str(wanted) == str(actual))
+
+
+def _with_removals(desired: dict[str, Any]) -> dict[str, Any]:
+    """Merge-patch removes only what is null: optional pod fields the spec dropped."""
+    if desired["kind"] == "Deployment":
+        pod = desired["spec"]["template"]["spec"]
+        pod.setdefault("nodeSelector", None)
+        pod.setdefault("tolerations", None)
+    return desired
+
+
+async def apply(kube: KubeApi, desired: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """(the object as the cluster now holds it, "created"/"patched" or None if untouched)."""
+    kind = KINDS_BY_API_KIND[desired["kind"]]
+    meta = desired["metadata"]
+    current = await kube.get(kind, meta["namespace"], meta["name"])
+    if current is None:
+        return await kube.create(kind, meta["namespace"], desired), "created"
+    desired = _with_removals(desired)
+    if is_subset(desired, current):
+        return current, None
+    return await kube.patch(kind, meta["namespace"], meta["name"], desired), "patched"
+
+
+async def reconcile(runtime: Runtime, body: Any) -> Outcome:
+    """Bring one resource's objects to its spec; the status fields that changed.
+
+    Raises ApiError (transient or not) and Redis errors; an invalid spec is not an error
+    here but an outcome with `invalid` set, conditions saying why and nothing applied.
+    """
+    owner = manifests.Owner.of(body)
+    generation = body["metadata"].get("generation")
+    current_status = dict(body.get("status") or {})
+    try:
+        spec = parse_spec(dict(body.get("spec") or {}))
+    except InvalidSpec as invalid:
+        conditions = status.merge_conditions(
+            current_status.get("conditions", []), status.invalid_spec_conditions(str(invalid)), generation
+        )
+        wanted = {"conditions": conditions} | ({"observedGeneration": generation} if generation else {})
+        return Outcome(None, [], status.changed_fields(current_status, wanted), KVSummary.of([]), invalid)
+
+    applied: list[str] = []
+    deployment: dict[str, Any] = {}
+    for desired in manifests.desired_objects(owner, spec, runtime.settings):
+        held, action = await apply(runtime.kube, desired)
+        if action is not None:
+            applied.append(f"{action} {desired['kind']} {owner.namespace}/{owner.name}")
+        if desired["kind"] == "Deployment":
+            deployment = held
+    name = manifests.served_model_name(owner, spec)
+    try:
+        kv = KVSummary.of(await read_records(runtime.redis, name))
+    except (RedisError, OSError) as error:  # the objects are still applied; KV figures unknown
+        logger.warning("cannot read the replicas of %s from Redis: %s", name, error)
+        kv = KVSummary.of([])
+    state = deployment.get("status", {}) or {}
+    ready = state.get("readyReplicas", 0) or 0
+    wanted = {
+        "servedModelName": name,
+        "replicas": state.get("replicas", 0) or 0,
+        "readyReplicas": ready,
+        "readyText": f"{ready}/{spec.replicas}",
+        "selector": manifests.selector_text(owner),
+        "kv": status.kv_status(kv),
+        "conditions": status.merge_conditions(
+            current_status.get("conditions", []),
+            status.conditions_for(spec.replicas, deployment, kv, spec.autoscaling.target_kv_utilization),
+            generation,
+        ),
+    }
+    if generation is not None:
+        wanted["observedGeneration"] = generation
+    return Outcome(spec, applied, status.changed_fields(current_status, wanted), kv)

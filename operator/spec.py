@@ -1,0 +1,159 @@
+"""The InferenceDeployment spec as a pydantic model: the CRD's schema in Python.
+
+The API server checks the CRD's schema and CEL rules when a resource is written; the
+operator checks again here (a resource written before a CRD upgrade, or to a server that
+skips CEL, must still fail cleanly), and the tests hold the two to the same intent. Field
+names are the CRD's camelCase ones; defaults are the CRD's defaults.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+BUILTIN_MODELS = ("smollm2-135m-instruct",)
+MODELS_MOUNT = "/models"
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_QUANTITY_TEXT = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+_QUANTITY_SCALE = {None: 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class ModelVolume(_Spec):
+    claim_name: str = Field(min_length=1)
+    sub_path: str | None = None
+
+
+class ModelSource(_Spec):
+    builtin: Literal["smollm2-135m-instruct"] | None = None
+    path: str | None = Field(None, min_length=1)
+    gguf: str | None = Field(None, pattern=r"\.gguf$")
+    volume: ModelVolume | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        if sum(value is not None for value in (self.builtin, self.path, self.gguf)) != 1:
+            raise ValueError("set exactly one of model.builtin, model.path and model.gguf")
+        if self.volume is not None and self.builtin is not None:
+            raise ValueError("model.volume holds model.path or model.gguf, not a built-in model")
+        return self
+
+    @property
+    def engine_argument(self) -> str:
+        """What `pagefleet serve --model` gets inside the container."""
+        if self.builtin is not None:
+            return self.builtin
+        location = self.path or self.gguf or ""
+        return f"{MODELS_MOUNT}/{location.lstrip('/')}" if self.volume is not None else location
+
+
+Quantity = int | Annotated[str, StringConstraints(pattern=_QUANTITY_TEXT)]
+"""A Kubernetes quantity: 500m, 2, 4Gi."""
+
+
+class Resources(_Spec):
+    cpu: Quantity | None = None
+    memory: Quantity | None = None
+    cpu_limit: Quantity | None = None
+    memory_limit: Quantity | None = None
+    gpus: int = Field(0, ge=0, le=16)
+
+
+class EngineSettings(_Spec):
+    block_size: Literal[8, 16, 32] = 16
+    kv_cache_memory: str | None = Field(
+        None, pattern=r"^([0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?|0?\.[0-9]+|1(\.0+)?)$"
+    )
+    max_model_len: int | None = Field(None, ge=16)
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1, le=1)
+    extra_args: list[str] = []
+
+    @property
+    def kv_cache_bytes_or_fraction(self) -> float | None:
+        """`--kv-cache-memory`: a fraction of free memory (at most 1) or a byte count."""
+        text = self.kv_cache_memory
+        if text is None:
+            return None
+        if text.startswith(".") or text.startswith("0.") or re.fullmatch(r"1(\.0+)?", text):
+            return float(text)
+        match = _QUANTITY.match(text)
+        assert match is not None, "the field's pattern admits only quantities and fractions"
+        return float(match.group(1)) * _QUANTITY_SCALE[match.group(2)]
+
+
+class Autoscaling(_Spec):
+    enabled: bool = False
+    min_replicas: int = Field(1, ge=0, le=1000)
+    max_replicas: int = Field(4, ge=1, le=1000)
+    target_kv_utilization: float = Field(0.7, gt=0, le=1, alias="targetKVUtilization")
+    scale_up_stabilization_window_seconds: int = Field(0, ge=0, le=3600)
+    scale_down_stabilization_window_seconds: int = Field(300, ge=0, le=3600)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.minReplicas must not exceed autoscaling.maxReplicas")
+        return self
+
+
+class Toleration(_Spec):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(_Spec):
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+
+class InferenceDeploymentSpec(_Spec):
+    model: ModelSource
+    served_model_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+    image: str | None = Field(None, min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    replicas: int = Field(1, ge=0, le=1000)
+    resources: Resources = Field(default_factory=lambda: Resources.model_validate({}))
+    engine: EngineSettings = Field(default_factory=lambda: EngineSettings.model_validate({}))
+    autoscaling: Autoscaling = Field(default_factory=lambda: Autoscaling.model_validate({}))
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    env: list[EnvVar] = []
+
+    @model_validator(mode="after")
+    def _devices(self) -> InferenceDeploymentSpec:
+        if self.engine.tensor_parallel_size > 1 and self.resources.gpus < self.engine.tensor_parallel_size:
+            raise ValueError("engine.tensorParallelSize needs at least as many resources.gpus")
+        return self
+
+
+class InvalidSpec(ValueError):
+    """The spec breaks the schema; `field` is the camelCase path of the first problem."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+def parse_spec(spec: dict[str, Any]) -> InferenceDeploymentSpec:
+    """The validated spec, or InvalidSpec naming the first offending field."""
+    try:
+        return InferenceDeploymentSpec.model_validate(spec)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise InvalidSpec(f"spec.{field}" if field else "spec", message) from None

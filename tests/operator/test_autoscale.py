@@ -1,0 +1,65 @@
+"""The autoscaler's decisions on synthetic reports and clocks: up at once, down only after
+the window, never outside min/max."""
+
+from __future__ import annotations
+
+from pagefleet.operator.autoscale import ScaleHistory, decide, recommend
+from pagefleet.operator.replicas import KVSummary
+from pagefleet.operator.spec import Autoscaling
+
+POLICY = Autoscaling(enabled=True, min_replicas=1, max_replicas=5, target_kv_utilization=0.5)
+
+
+def kv(replicas: int, utilization: float, waiting: int = 0) -> KVSummary:
+    total = 100 * replicas
+    return KVSummary(replicas, round(total * (1 - utilization)), total, utilization, waiting)
+
+
+def test_the_recommendation_is_the_formula_bounded() -> None:
+    assert recommend(2, kv(2, 0.9), POLICY) == (4, "mean KV utilization 90% against a target of 50%")
+    assert recommend(2, kv(2, 0.52), POLICY)[0] == 2  # within the 10% tolerance
+    assert recommend(2, kv(2, 0.2), POLICY)[0] == 1
+    assert recommend(4, kv(4, 1.0), POLICY)[0] == 5  # 8 wanted, bounded by maxReplicas
+    assert recommend(1, kv(1, 0.3, waiting=4), POLICY)[0] == 2  # a queue always asks for one more
+    assert recommend(1, kv(1, 0.0), POLICY)[0] == 1  # never below minReplicas
+
+
+def test_scale_up_is_immediate_with_no_up_window() -> None:
+    history = ScaleHistory(started_s=0.0)
+    decision = decide(2, kv(2, 0.95), POLICY, history, now_s=1.0)
+    assert (decision.replicas, decision.reason) == (4, "ScaledUp")
+
+
+def test_scale_up_window_takes_the_lowest_recent_recommendation() -> None:
+    policy = POLICY.model_copy(update={"scale_up_stabilization_window_seconds": 60})
+    history = ScaleHistory(started_s=0.0)
+    assert decide(2, kv(2, 0.5), policy, history, now_s=0.0).replicas == 2
+    assert decide(2, kv(2, 0.95), policy, history, now_s=30.0).reason == "ScaleUpStabilizing"
+    assert decide(2, kv(2, 0.95), policy, history, now_s=61.0).replicas == 4
+
+
+def test_scale_down_waits_for_the_whole_window_of_low_pressure() -> None:
+    history = ScaleHistory(started_s=0.0)
+    window = POLICY.scale_down_stabilization_window_seconds
+    for now in range(0, window, 10):
+        decision = decide(4, kv(4, 0.1), POLICY, history, now_s=float(now))
+        assert (decision.replicas, decision.reason) == (4, "ScaleDownStabilizing")
+    decision = decide(4, kv(4, 0.1), POLICY, history, now_s=float(window))
+    assert (decision.replicas, decision.reason) == (1, "ScaledDown")
+
+
+def test_a_busy_moment_inside_the_window_holds_the_replicas() -> None:
+    history = ScaleHistory(started_s=0.0)
+    window = POLICY.scale_down_stabilization_window_seconds
+    decide(4, kv(4, 0.5), POLICY, history, now_s=float(window))  # a steady recommendation of 4
+    for now in range(window + 10, 2 * window, 10):
+        assert decide(4, kv(4, 0.1), POLICY, history, now_s=float(now)).replicas == 4
+    assert decide(4, kv(4, 0.1), POLICY, history, now_s=float(2 * window + 1)).replicas == 1
+
+
+def test_out_of_bounds_replicas_come_back_at_once_and_no_reports_change_nothing() -> None:
+    history = ScaleHistory(started_s=0.0)
+    assert decide(9, kv(9, 0.5), POLICY, history, now_s=0.0).replicas == 5
+    assert decide(0, kv(0, 0.0), POLICY, history, now_s=0.0).replicas == 1
+    decision = decide(3, KVSummary.of([]), POLICY, history, now_s=0.0)
+    assert (decision.replicas, decision.reason) == (3, "NoReports")

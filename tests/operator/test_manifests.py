@@ -1,0 +1,149 @@
+"""What the operator builds, checked without a cluster: against the official Kubernetes
+schemas (kubernetes-validate), the CRD's own schema (jsonschema) and the CEL rules' intent
+(the pydantic spec)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from pagefleet.operator import manifests
+from pagefleet.operator.settings import OperatorSettings
+from pagefleet.operator.spec import InferenceDeploymentSpec, InvalidSpec, parse_spec
+from tests.operator.cluster import CRD_PATH
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+K8S_VERSION = "1.37.0"
+OWNER = manifests.Owner("smollm2", "models", "0b7c1d2e-1111-2222-3333-444455556666")
+
+
+def crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())  # type: ignore[no-any-return]
+
+
+def crd_validator() -> jsonschema.Draft4Validator:
+    """The CRD's openAPIV3Schema as JSON Schema (OpenAPI 3.0 keeps draft-4's boolean
+    exclusiveMinimum; the x-kubernetes-* keys are annotations to jsonschema)."""
+    return jsonschema.Draft4Validator(crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+def example(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())  # type: ignore[no-any-return]
+
+
+SPECS: dict[str, dict[str, Any]] = {
+    "minimal": {"model": {"builtin": "smollm2-135m-instruct"}},
+    "gguf on a volume": {
+        "model": {"gguf": "smol/model.gguf", "volume": {"claimName": "weights", "subPath": "v1"}},
+        "engine": {"kvCacheMemory": "2Gi", "dtype": "bfloat16", "extraArgs": ["--seed", "1"]},
+        "resources": {"cpu": "500m", "memory": "1Gi", "cpuLimit": 2, "memoryLimit": "2Gi"},
+        "env": [
+            {"name": "EXTRA", "value": "1"},
+            {"name": "SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+    },
+    **{path.stem: example(path)["spec"] for path in EXAMPLES},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_built_object_passes_the_official_schemas(name: str) -> None:
+    spec = parse_spec(SPECS[name])
+    for settings in (OperatorSettings(), OperatorSettings(engine_redis_secret="redis/url")):
+        for obj in manifests.desired_objects(OWNER, spec, settings):
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_the_crd_passes_the_official_schema_and_every_example_passes_the_crd() -> None:
+    kubernetes_validate.validate(crd(), K8S_VERSION, strict=True)
+    validator = crd_validator()
+    for path in EXAMPLES:
+        body = example(path)
+        validator.validate(body)
+        parse_spec(body["spec"])
+        assert body["apiVersion"] == manifests.API_VERSION and body["kind"] == manifests.KIND
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "spec.autoscaling"),
+        ({"model": {"builtin": "smollm2-135m-instruct", "path": "/w"}}, "spec.model"),
+        ({"model": {}}, "spec.model"),
+        ({"model": {"builtin": "smollm2-135m-instruct", "volume": {"claimName": "c"}}}, "spec.model"),
+    ],
+)
+def test_cel_rules_hold_in_pydantic_where_the_json_schema_alone_lets_them_pass(
+    change: dict[str, Any], field: str
+) -> None:
+    body = example(EXAMPLES[0])
+    body["spec"] |= change
+    crd_validator().validate(body)  # structurally fine: only the CEL rule catches it
+    with pytest.raises(InvalidSpec) as caught:
+        parse_spec(body["spec"])
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"replicas": -1}, "spec.replicas"),
+        ({"engine": {"blockSize": 12}}, "spec.engine.blockSize"),
+        ({"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
+        ({"autoscaling": {"targetKVUtilization": 0}}, "spec.autoscaling.targetKVUtilization"),
+        ({"resources": {"memory": "3 gigs"}}, "spec.resources.memory"),
+        ({"unknownField": 1}, "spec.unknownField"),
+    ],
+)
+def test_schema_violations_fail_both_the_crd_and_pydantic_naming_the_field(change: dict[str, Any], field: str) -> None:
+    body = example(EXAMPLES[0])
+    body["spec"] |= change
+    if field != "spec.unknownField":  # the API server prunes unknown fields; the operator refuses them
+        with pytest.raises(jsonschema.ValidationError):
+            crd_validator().validate(body)
+    with pytest.raises(InvalidSpec) as caught:
+        parse_spec(body["spec"])
+    assert caught.value.field.startswith(field)
+
+
+def _crd_properties(schema: dict[str, Any]) -> dict[str, Any]:
+    return schema.get("properties", {})
+
+
+def _compare(model: type[BaseModel], schema: dict[str, Any], path: str) -> None:
+    fields = {info.alias or name: info for name, info in model.model_fields.items()}
+    assert set(fields) == set(_crd_properties(schema)), path
+    for alias, info in fields.items():
+        prop = schema["properties"][alias]
+        if "default" in prop:
+            assert info.default == prop["default"], f"{path}.{alias}"
+        nested = [t for t in getattr(info.annotation, "__args__", (info.annotation,)) if isinstance(t, type)]
+        for kind in nested:
+            if issubclass(kind, BaseModel) and prop.get("type") == "object":
+                _compare(kind, prop, f"{path}.{alias}")
+
+
+def test_the_pydantic_spec_mirrors_the_crd_field_for_field_with_the_same_defaults() -> None:
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    _compare(InferenceDeploymentSpec, schema, "spec")
+
+
+def test_engine_arguments_follow_the_spec() -> None:
+    spec = parse_spec(copy.deepcopy(SPECS["gpu-autoscaling"]))
+    args = manifests.engine_args(OWNER, spec, 8000)
+    assert args[args.index("--model") + 1] == "/models/llama-3.2-1b"
+    assert args[args.index("--kv-cache-memory") + 1] == "0.9"
+    assert args[args.index("--device") + 1] == "cuda"
+    deployment = manifests.deployment(OWNER, spec, OperatorSettings())
+    limits = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 1
+    two_gib = parse_spec({"model": {"builtin": "smollm2-135m-instruct"}, "engine": {"kvCacheMemory": "2Gi"}})
+    assert two_gib.engine.kv_cache_bytes_or_fraction == 2 * 2**30

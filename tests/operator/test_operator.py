@@ -1,0 +1,247 @@
+"""The operator against a KMock Kubernetes API and a real Redis: objects, status, updates,
+deletion, invalid specs, autoscaling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from pagefleet.operator.settings import OperatorSettings
+from pagefleet.protocol.replica import ReplicaRecord, record_key
+from tests.operator.cluster import Cluster
+from tests.operator.conftest import NAMESPACE, Client, eventually
+
+
+def resource(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "pagefleet.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"model": {"builtin": "smollm2-135m-instruct"}, **spec},
+    }
+
+
+def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:
+    found = [c for c in body.get("status", {}).get("conditions", []) if c["type"] == kind]
+    assert found, f"no {kind} condition yet"
+    return found[0]
+
+
+def publish(client: redis.Redis, model: str, replica_id: str, free: int, total: int = 100, waiting: int = 0) -> None:
+    record = ReplicaRecord(
+        replica_id=replica_id, model=model, url=f"http://{replica_id}:8000", free_blocks=free,
+        total_blocks=total, block_size=16, running=1, waiting=waiting, max_model_len=2048,
+    )  # fmt: skip
+    client.set(record_key(model, replica_id), record.model_dump_json(), px=60_000)
+
+
+def test_a_resource_becomes_a_deployment_service_and_pdb_owned_by_it(
+    operator: OperatorSettings, client: Client, cluster: Cluster
+) -> None:
+    client.create(resource("smollm2", servedModelName="smol", replicas=2, engine={"maxNumSeqs": 32}))
+    deployment = eventually(lambda: client.deployment("smollm2"))
+    uid = client.get("smollm2")["metadata"]["uid"]
+    owner = {"apiVersion": "pagefleet.io/v1alpha1", "kind": "InferenceDeployment", "name": "smollm2", "uid": uid}
+
+    assert deployment["metadata"]["ownerReferences"] == [owner | {"controller": True, "blockOwnerDeletion": True}]
+    assert deployment["metadata"]["labels"]["pagefleet.io/model"] == "smol"
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == operator.engine_image
+    args = container["args"]
+    assert args[:5] == ["serve", "--model", "smollm2-135m-instruct", "--served-model-name", "smol"]
+    assert args[args.index("--max-num-seqs") + 1] == "32"
+    assert args[args.index("--redis-url") + 1] == "$(PAGEFLEET_REDIS_URL)"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PAGEFLEET_REDIS_URL"] == operator.redis_url
+    assert env["PAGEFLEET_SERVED_MODEL_NAME"] == "smol"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+    service = client.core.read_namespaced_service("smollm2", NAMESPACE, _preload_content=False).json()
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert service["metadata"]["ownerReferences"][0]["uid"] == uid
+    pdb = client.policy.read_namespaced_pod_disruption_budget("smollm2", NAMESPACE, _preload_content=False).json()
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == uid
+
+    body = eventually(lambda: client.get("smollm2") if "status" in client.get("smollm2") else None)
+    assert body["status"]["servedModelName"] == "smol"
+    assert body["status"]["readyText"] == "0/2"
+    assert condition(body, "Ready")["status"] == "False"
+    assert condition(body, "KVCachePressure")["reason"] == "NoReports"
+    # kopf's bookkeeping lives in pagefleet.io annotations, not in .status, plus our finalizer
+    assert body["metadata"]["finalizers"] == ["pagefleet.io/finalizer"]
+    annotations = body["metadata"].get("annotations", {})
+    assert annotations and all(key.startswith("pagefleet.io/") for key in annotations)
+    assert set(body["status"]) <= {
+        "observedGeneration", "servedModelName", "replicas", "readyReplicas", "readyText", "selector", "kv",
+        "conditions", "lastScaleTime",
+    }  # fmt: skip
+
+
+def test_a_spec_change_rolls_through_and_status_follows_the_deployment_and_redis(
+    operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
+) -> None:
+    client.create(resource("smol", replicas=1))
+    eventually(lambda: client.deployment("smol"))
+    client.patch("smol", {"spec": {"replicas": 2, "engine": {"dtype": "bfloat16"}, "resources": {"memory": "6Gi"}}})
+
+    def rolled() -> dict[str, Any]:
+        deployment = client.deployment("smol")
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert deployment["spec"]["replicas"] == 2
+        assert container["args"][container["args"].index("--dtype") + 1] == "bfloat16"
+        assert container["resources"]["requests"]["memory"] == "6Gi"
+        return deployment
+
+    eventually(rolled)
+    # The cluster brings the pods up; their records reach Redis.
+    client.apps.patch_namespaced_deployment_status(
+        "smol",
+        NAMESPACE,
+        {"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 2}},
+    )
+    publish(redis_client, "smol", "smol-a", free=20)
+    publish(redis_client, "smol", "smol-b", free=40, waiting=3)
+
+    def status() -> dict[str, Any]:
+        body = client.get("smol")
+        assert body["status"]["observedGeneration"] == body["metadata"]["generation"] == 2
+        assert body["status"]["readyText"] == "2/2"
+        assert body["status"]["kv"] == {
+            "freeBlocks": 60, "totalBlocks": 200, "utilization": 0.7, "utilizationText": "70%",
+            "waitingRequests": 3, "reportingReplicas": 2,
+        }  # fmt: skip
+        return body
+
+    body = eventually(status)
+    assert condition(body, "Ready")["reason"] == "AllReplicasReady"
+    assert condition(body, "Progressing")["status"] == "False"
+    assert condition(body, "Degraded")["status"] == "False"
+    assert condition(body, "KVCachePressure")["reason"] == "RequestsWaiting"
+
+
+def test_a_second_reconcile_writes_nothing(
+    api_server: Any, client: Client, cluster: Cluster, redis_server: Any
+) -> None:
+    from pagefleet.operator.kube import INFERENCE_DEPLOYMENTS, KubeApi
+    from pagefleet.operator.main import _login
+    from pagefleet.operator.reconcile import Runtime, reconcile
+    from tests.operator.conftest import operator_settings
+
+    client.create(resource("quiet", nodeSelector={"pool": "cpu"}))
+
+    async def twice() -> tuple[list[str], list[str], dict[str, Any], int]:
+        import redis.asyncio as aioredis
+
+        runtime = Runtime(operator_settings(redis_server.url), KubeApi(_login), aioredis.from_url(redis_server.url))
+        try:
+            first = await reconcile(runtime, client.get("quiet"))
+            await runtime.kube.patch(
+                INFERENCE_DEPLOYMENTS, NAMESPACE, "quiet", {"status": first.status_patch}, "status"
+            )
+            writes = len(cluster.writes)
+            second = await reconcile(runtime, client.get("quiet"))
+            return first.applied, second.applied, second.status_patch, len(cluster.writes) - writes
+        finally:
+            await runtime.kube.close()
+            await runtime.redis.aclose()
+
+    import asyncio
+
+    first, second, status_patch, writes = asyncio.run(twice())
+    assert first == [f"created {kind} {NAMESPACE}/quiet" for kind in ("Deployment", "Service", "PodDisruptionBudget")]
+    assert second == [] and status_patch == {} and writes == 0
+
+
+def test_an_invalid_spec_says_which_field_and_creates_nothing(
+    operator: OperatorSettings, client: Client, cluster: Cluster
+) -> None:
+    client.create(resource("broken", autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2}))
+
+    def refused() -> dict[str, Any]:
+        ready = condition(client.get("broken"), "Ready")
+        assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+        return ready
+
+    ready = eventually(refused)
+    assert "spec.autoscaling" in ready["message"] and "minReplicas" in ready["message"]
+    events = eventually(lambda: [e for e in cluster.objects.values() if e.get("reason") == "InvalidSpec"])
+    assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "broken"
+    assert ("POST", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments") not in cluster.writes
+    # No crash loop: the operator goes on serving other resources, and the fixed one.
+    client.patch("broken", {"spec": {"autoscaling": {"minReplicas": 1}}})
+    eventually(lambda: client.deployment("broken"))
+    eventually(lambda: condition(client.get("broken"), "Ready")["reason"] == "ReplicasNotReady")
+
+
+def test_deletion_removes_the_models_records_from_redis_then_the_resource(
+    operator: OperatorSettings, client: Client, redis_client: redis.Redis
+) -> None:
+    client.create(resource("gone", servedModelName="gone-model"))
+    eventually(lambda: client.get("gone")["metadata"].get("finalizers"))
+    publish(redis_client, "gone-model", "r1", free=10)
+    publish(redis_client, "other-model", "r1", free=10)
+    client.delete("gone")
+
+    def deleted() -> bool:
+        try:
+            client.get("gone")
+        except Exception as error:  # the official client's 404
+            return getattr(error, "status", None) == 404
+        return False
+
+    eventually(deleted)
+    assert redis_client.keys("pagefleet:replica:gone-model:*") == []
+    assert redis_client.keys("pagefleet:replica:other-model:*") != []
+
+
+def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
+    operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
+) -> None:
+    autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetKVUtilization": 0.5}
+    publish(redis_client, "busy", "busy-a", free=5)  # 95% used against a target of 50%
+    client.create(resource("busy", replicas=1, autoscaling=autoscaling))
+    eventually(lambda: client.get("busy")["spec"]["replicas"] == 2, timeout=3 * operator.reconcile_interval_s + 2)
+    assert any(path.endswith("/inferencedeployments/busy/scale") for _, path in cluster.writes)
+    eventually(lambda: client.deployment("busy")["spec"]["replicas"] == 2)
+    events = eventually(lambda: [e for e in cluster.objects.values() if e.get("reason") == "ScaledUp"])
+    assert "1 -> 2 replicas" in events[0]["message"]
+    # Never past maxReplicas, however high the pressure.
+    publish(redis_client, "busy", "busy-b", free=0, waiting=10)
+    eventually(lambda: client.get("busy")["spec"]["replicas"] == 3)
+    publish(redis_client, "busy", "busy-c", free=0, waiting=10)
+    import time
+
+    time.sleep(3 * operator.reconcile_interval_s)
+    assert client.get("busy")["spec"]["replicas"] == 3
+
+
+def test_without_autoscaling_the_operator_never_writes_replicas(
+    operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
+) -> None:
+    publish(redis_client, "manual", "manual-a", free=0, waiting=5)
+    client.create(resource("manual", replicas=1))
+    eventually(lambda: client.deployment("manual"))
+    client.patch("manual", {"spec": {"replicas": 4}})  # an HPA or `kubectl scale`
+    eventually(lambda: client.deployment("manual")["spec"]["replicas"] == 4)
+    import time
+
+    time.sleep(2 * operator.reconcile_interval_s)
+    assert client.get("manual")["spec"]["replicas"] == 4
+    assert not any(path.endswith("/scale") for _, path in cluster.writes)
+
+
+def test_transient_api_errors_are_retried_with_backoff(
+    operator: OperatorSettings, client: Client, cluster: Cluster
+) -> None:
+    create = ("POST", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments")
+    cluster.failures[create] = 2
+    client.create(resource("flaky"))
+    eventually(lambda: client.deployment("flaky"), timeout=20)
+    assert cluster.writes.count(create) == 3
