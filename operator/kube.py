@@ -49,9 +49,9 @@ KINDS_BY_API_KIND = {"Deployment": DEPLOYMENTS, "Service": SERVICES, "PodDisrupt
 # and kopf's (watching and patching the resources, posting events). The chart's RBAC must
 # grant all of these (tests/charts checks it).
 PERMISSIONS: dict[tuple[str, str], frozenset[str]] = {
-    ("pagefleet.io", "inferencedeployments"): frozenset({"get", "list", "watch", "patch"}),  # kopf
-    ("pagefleet.io", "inferencedeployments/status"): frozenset({"get", "patch"}),
-    ("pagefleet.io", "inferencedeployments/scale"): frozenset({"get", "patch"}),  # the autoscaler
+    ("pagefleet.io", "inferencedeployments"): frozenset({"list", "watch", "patch"}),  # kopf
+    ("pagefleet.io", "inferencedeployments/status"): frozenset({"patch"}),  # kopf, writing our status
+    ("pagefleet.io", "inferencedeployments/scale"): frozenset({"patch"}),  # the autoscaler
     ("apps", "deployments"): frozenset({"get", "create", "patch"}),
     ("", "services"): frozenset({"get", "create", "patch"}),
     ("policy", "poddisruptionbudgets"): frozenset({"get", "create", "patch"}),

@@ -122,16 +122,29 @@ def _resources(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def _environment(owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
+def _secret_ref(name_and_key: str, default_key: str) -> dict[str, Any]:
+    secret, _, key = name_and_key.partition("/")
+    return {"valueFrom": {"secretKeyRef": {"name": secret, "key": key or default_key}}}
+
+
+def _redis_environment(settings: OperatorSettings) -> list[dict[str, Any]]:
+    """PAGEFLEET_REDIS_URL: from a Secret, or a value that may say $(REDIS_PASSWORD), which
+    the kubelet fills in from the password Secret (defined first, as expansion requires)."""
+    env: list[dict[str, Any]] = []
+    if settings.engine_redis_password_secret:
+        env.append({"name": "REDIS_PASSWORD", **_secret_ref(settings.engine_redis_password_secret, "password")})
     if settings.engine_redis_secret:
-        secret, _, key = settings.engine_redis_secret.partition("/")
-        redis: dict[str, Any] = {"valueFrom": {"secretKeyRef": {"name": secret, "key": key or "url"}}}
+        env.append({"name": "PAGEFLEET_REDIS_URL", **_secret_ref(settings.engine_redis_secret, "url")})
     else:
-        redis = {"value": settings.engine_redis_url or settings.redis_url}
+        env.append({"name": "PAGEFLEET_REDIS_URL", "value": settings.engine_redis_url or settings.redis_url})
+    return env
+
+
+def _environment(owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "PAGEFLEET_REDIS_URL", **redis},
+        *_redis_environment(settings),
         {"name": "PAGEFLEET_SERVED_MODEL_NAME", "value": served_model_name(owner, spec)},
         {"name": "PAGEFLEET_CACHE_DIR", "value": _CACHE_MOUNT},
         {"name": "HF_HUB_OFFLINE", "value": "1"},

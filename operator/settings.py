@@ -19,6 +19,10 @@ class OperatorSettings(BaseSettings):
     engine_redis_secret: str | None = Field(
         None, description="take the engines' Redis URL from this Secret instead, as name/key"
     )
+    engine_redis_password_secret: str | None = Field(
+        None,
+        description="give the engines REDIS_PASSWORD from this Secret (name/key), for $(REDIS_PASSWORD) in the URL",
+    )
     engine_image: str = Field("ghcr.io/pagefleet/engine:0.1.0", description="engine image when a spec names none")
     engine_port: int = 8000
     reconcile_interval_s: float = Field(10.0, gt=0, description="the periodic reconcile: status and autoscaling")

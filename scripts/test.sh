@@ -10,6 +10,7 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
   SUDO=$([[ $(id -u) -eq 0 ]] && echo "" || echo "sudo")
   $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium chromium-driver >/dev/null
 fi
+bash scripts/fetch-helm.sh  # the chart's tests run a real helm
 # Two shared cores: one OpenMP thread per process, and no spin-waiting.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=PASSIVE TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest "$@"

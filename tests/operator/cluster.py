@@ -55,9 +55,13 @@ class Cluster(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.writes: list[tuple[str, str]] = []  # (method, path) of every write
         self.failures: dict[tuple[str, str], int] = {}  # (method, path): answer 503 this many times
+        self.operator_calls: set[tuple[str, str, str]] = set()  # (group, resource, verb) the operator used
 
     async def _handle(self, request: kmock.Request) -> Any:
         method = str(request.method.value).upper()
+        agent = request.headers.get("User-Agent", "")
+        if agent.startswith(("kopf/", "pagefleet-operator")):
+            self.operator_calls.update(_rbac_terms(method, request.url.path, dict(request.params)))
         if method in WRITE_METHODS:
             self.writes.append((method, request.url.path))
         if self.failures.get((method, request.url.path), 0) > 0:
@@ -94,6 +98,28 @@ class Cluster(kmock.KubernetesEmulator):
         if spec_changes is not None and _merge(current.get("spec", {}), spec_changes) != current.get("spec", {}):
             merged_meta["generation"] = meta.get("generation", 1) + 1
         return data
+
+
+def _rbac_terms(method: str, path: str, params: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(API group, resource[/subresource], verb) of a call, as RBAC rules name it; none for
+    discovery, which every authenticated client may read."""
+    parts = path.strip("/").split("/")
+    if parts[0] == "api":
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis" and len(parts) > 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return []
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    if not rest:  # /api/v1, discovery
+        return []
+    resource, name, sub = rest[0], rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
+    if method == "GET":
+        verb = "get" if name else ("watch" if params.get("watch") in ("true", "1") else "list")
+    else:
+        verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+    return [(group, f"{resource}/{sub}" if sub else resource, verb)]
 
 
 def _merge(base: Any, patch: Any) -> Any:

@@ -15,6 +15,7 @@ import kubernetes
 import pytest
 import redis
 
+from pagefleet.operator.kube import PERMISSIONS
 from pagefleet.operator.main import run_operator
 from pagefleet.operator.settings import OperatorSettings
 from tests.operator.cluster import ApiServer, Cluster
@@ -126,6 +127,14 @@ def operator(api_server: ApiServer, redis_server: RedisProcess) -> Iterator[Oper
     thread.join(30)
     assert not thread.is_alive(), "the operator did not stop"
     assert not errors, errors
+    # Every call the operator made is one that kube.PERMISSIONS (and so the RBAC) grants.
+    assert api_server.cluster is not None
+    calls = api_server.cluster.operator_calls
+    assert calls, "the operator made no calls"
+    refused = {
+        (group, resource, verb) for group, resource, verb in calls if verb not in PERMISSIONS.get((group, resource), ())
+    }
+    assert not refused, f"calls outside kube.PERMISSIONS: {sorted(refused)}"
 
 
 def eventually(check: Callable[[], Any], timeout: float = 15.0, interval: float = 0.1) -> Any:

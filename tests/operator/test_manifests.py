@@ -57,7 +57,11 @@ SPECS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_every_built_object_passes_the_official_schemas(name: str) -> None:
     spec = parse_spec(SPECS[name])
-    for settings in (OperatorSettings(), OperatorSettings(engine_redis_secret="redis/url")):
+    secrets = OperatorSettings(
+        engine_redis_url="redis://:$(REDIS_PASSWORD)@redis.pagefleet.svc:6379/0",
+        engine_redis_password_secret="pagefleet-redis/password",
+    )
+    for settings in (OperatorSettings(), OperatorSettings(engine_redis_secret="redis/url"), secrets):
         for obj in manifests.desired_objects(OWNER, spec, settings):
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 

@@ -1,0 +1,275 @@
+"""The Helm chart, rendered by a real helm (scripts/fetch-helm.sh) with several value sets:
+lint, the objects, the official Kubernetes schemas, values.schema.json, RBAC against the
+operator's own table of API calls."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from pagefleet.operator.kube import PERMISSIONS
+from pagefleet.operator.settings import OperatorSettings
+from pagefleet.operator.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "pagefleet"
+HELM = ROOT / ".tools" / "helm"
+K8S_VERSION = "1.37.0"
+NAMESPACE = "pagefleet"
+
+
+def helm(*args: str, values: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run helm; `values` go in as a values file on stdin."""
+    if not HELM.exists():
+        pytest.fail(f"{HELM} is missing: bash scripts/fetch-helm.sh (scripts/test.sh runs it)")
+    stdin = None if values is None else json.dumps(values)
+    extra = [] if values is None else ["--values", "-"]
+    return subprocess.run([str(HELM), *args, *extra], input=stdin, capture_output=True, text=True, timeout=120)
+
+
+def render(values: dict[str, Any] | None = None, release: str = "pf", crds: bool = False) -> list[dict[str, Any]]:
+    flags = ["--include-crds"] if crds else []
+    result = helm("template", release, str(CHART), "--namespace", NAMESPACE, *flags, values=values or {})
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def render_error(values: dict[str, Any]) -> str:
+    result = helm("template", "pf", str(CHART), values=values)
+    assert result.returncode != 0, "helm accepted bad values"
+    return result.stderr
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{len(found)} {kind} {name or ''}"
+    return found[0]
+
+
+def kinds(docs: list[dict[str, Any]]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def crd_validator() -> jsonschema.Draft4Validator:
+    crd = yaml.safe_load((ROOT / "crds" / "inferencedeployments.pagefleet.io.yaml").read_text())
+    return jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+FIRST_MODEL = {
+    "name": "smollm2",
+    "spec": {"model": {"builtin": "smollm2-135m-instruct"}, "replicas": 2, "engine": {"maxNumSeqs": 32}},
+}
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "external redis": {"redis": {"enabled": False, "external": {"url": "rediss://:secret@redis.example:6380/0"}}},
+    "external redis from a secret": {"redis": {"enabled": False, "external": {"existingSecret": "my-redis"}}},
+    "gateway autoscaling and ingress": {
+        "gateway": {
+            "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
+            "ingress": {"enabled": True, "className": "nginx", "tls": {"enabled": True, "secretName": "tls"}},
+        }
+    },
+    "a first model": {"models": [FIRST_MODEL]},
+    "api keys from an existing secret": {"gateway": {"apiKeys": {"enabled": True, "existingSecret": "keys"}}},
+    "api keys created by the chart": {
+        "gateway": {
+            "apiKeys": {"enabled": True, "keys": ["sk-first-key", "sk-second-key"]},
+            "rateLimits": {"requestsPerMinute": 60},
+        }
+    },
+    "watched namespaces, persistent redis": {
+        "operator": {"watchNamespaces": ["models-a", "models-b"]},
+        "redis": {"persistence": {"enabled": True, "size": "2Gi"}},
+    },
+}
+
+
+def test_lint_strict_passes() -> None:
+    result = helm("lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_rendered_object_passes_the_official_schemas(name: str) -> None:
+    docs = render(VALUE_SETS[name], crds=True)
+    for doc in docs:
+        if doc["kind"] == "InferenceDeployment":
+            crd_validator().validate(doc)
+            parse_spec(doc["spec"])
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            pod = doc["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True, doc["metadata"]["name"]
+            for container in pod["containers"]:
+                assert container["resources"]["requests"], container["name"]
+                assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_defaults_install_the_operator_gateway_redis_and_crd() -> None:
+    docs = render(crds=True)
+    assert kinds(docs) == sorted([
+        "ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "Deployment", "Deployment",
+        "Pod", "Secret", "Service", "Service", "ServiceAccount", "StatefulSet",
+    ])  # fmt: skip
+    gateway = find(docs, "Deployment", "pf-pagefleet-gateway")
+    assert gateway["spec"]["replicas"] == 2
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "ghcr.io/pagefleet/gateway:0.1.0" and container["args"] == ["gateway"]
+    env = env_of(container)
+    assert env["PAGEFLEET_GATEWAY_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@pf-pagefleet-redis.pagefleet.svc:6379/0"
+    assert env["REDIS_PASSWORD"]["secretKeyRef"] == {"name": "pf-pagefleet-redis", "key": "password"}
+    assert list(env) == ["REDIS_PASSWORD", "PAGEFLEET_GATEWAY_REDIS_URL"]  # defined before it is referenced
+    operator = find(docs, "Deployment", "pf-pagefleet-operator")
+    assert operator["spec"]["replicas"] == 1 and operator["spec"]["strategy"]["type"] == "Recreate"
+    operator_env = env_of(operator["spec"]["template"]["spec"]["containers"][0])
+    # Engines get $(REDIS_PASSWORD) unexpanded and the Secret to fill it from.
+    assert operator_env["PAGEFLEET_OPERATOR_ENGINE_REDIS_URL"].startswith("redis://:$$(REDIS_PASSWORD)@")
+    assert operator_env["PAGEFLEET_OPERATOR_ENGINE_REDIS_PASSWORD_SECRET"] == "pf-pagefleet-redis/password"
+    assert operator_env["PAGEFLEET_OPERATOR_ENGINE_IMAGE"] == "ghcr.io/pagefleet/engine:0.1.0"
+    redis = find(docs, "StatefulSet")
+    assert redis["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    secret = find(docs, "Secret", "pf-pagefleet-redis")
+    assert len(secret["data"]["password"]) > 20
+    test_pod = find(docs, "Pod")
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert "/v1/models" in test_pod["spec"]["containers"][0]["args"][0]
+
+
+def test_the_operator_settings_from_the_chart_parse() -> None:
+    """The operator's environment, as rendered, is accepted by OperatorSettings."""
+    docs = render({"operator": {"watchNamespaces": ["a", "b"], "reconcileIntervalSeconds": 5}})
+    env = env_of(find(docs, "Deployment", "pf-pagefleet-operator")["spec"]["template"]["spec"]["containers"][0])
+    plain = {k.removeprefix("PAGEFLEET_OPERATOR_").lower(): v for k, v in env.items() if isinstance(v, str)}
+    settings = OperatorSettings(**{k: json.loads(v) if k == "namespaces" else v for k, v in plain.items()})
+    assert settings.namespaces == ["a", "b"] and settings.reconcile_interval_s == 5.0
+
+
+def test_the_chart_crd_is_byte_identical_to_the_repository_crd() -> None:
+    chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
+    root_crds = sorted(p.name for p in (ROOT / "crds").iterdir())
+    assert chart_crds == root_crds
+    for name in root_crds:
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), name
+
+
+def _rules_as_permissions(rules: list[dict[str, Any]]) -> dict[tuple[str, str], frozenset[str]]:
+    granted: dict[tuple[str, str], frozenset[str]] = {}
+    for rule in rules:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted[(group, resource)] = granted.get((group, resource), frozenset()) | set(rule["verbs"])
+    return granted
+
+
+def test_operator_rbac_grants_exactly_the_calls_the_operator_makes() -> None:
+    """kube.PERMISSIONS is enforced by the operator's API client and checked against every
+    call the operator made in tests/operator; the chart must grant exactly that."""
+    cluster_wide = render()
+    assert _rules_as_permissions(find(cluster_wide, "ClusterRole")["rules"]) == PERMISSIONS
+    binding = find(cluster_wide, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pf-pagefleet-operator", "namespace": NAMESPACE}]
+    scoped = render(VALUE_SETS["watched namespaces, persistent redis"])
+    roles = [d for d in scoped if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["models-a", "models-b"]
+    assert all(_rules_as_permissions(r["rules"]) == PERMISSIONS for r in roles)
+    assert not [d for d in scoped if d["kind"].startswith("Cluster")]
+
+
+def test_external_redis_replaces_the_statefulset_with_a_url_secret() -> None:
+    docs = render(VALUE_SETS["external redis"])
+    assert "StatefulSet" not in kinds(docs)
+    url_secret = find(docs, "Secret", "pf-pagefleet-redis-url")
+    assert url_secret["stringData"]["url"] == "rediss://:secret@redis.example:6380/0"
+    gateway_env = env_of(find(docs, "Deployment", "pf-pagefleet-gateway")["spec"]["template"]["spec"]["containers"][0])
+    assert gateway_env["PAGEFLEET_GATEWAY_REDIS_URL"]["secretKeyRef"] == {
+        "name": "pf-pagefleet-redis-url",
+        "key": "url",
+    }
+    docs = render(VALUE_SETS["external redis from a secret"])
+    assert "Secret" not in kinds(docs)
+    operator_env = env_of(
+        find(docs, "Deployment", "pf-pagefleet-operator")["spec"]["template"]["spec"]["containers"][0]
+    )
+    assert operator_env["PAGEFLEET_OPERATOR_ENGINE_REDIS_SECRET"] == "my-redis/url"
+
+
+def test_gateway_autoscaling_drops_fixed_replicas_and_adds_an_hpa() -> None:
+    docs = render(VALUE_SETS["gateway autoscaling and ingress"])
+    assert "replicas" not in find(docs, "Deployment", "pf-pagefleet-gateway")["spec"]
+    hpa = find(docs, "HorizontalPodAutoscaler")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "pf-pagefleet-gateway"
+    ingress = find(docs, "Ingress")
+    assert ingress["spec"]["ingressClassName"] == "nginx" and ingress["spec"]["tls"][0]["secretName"] == "tls"
+
+
+def test_first_models_are_rendered_as_inference_deployments() -> None:
+    model = find(render(VALUE_SETS["a first model"]), "InferenceDeployment")
+    assert model["metadata"] == {
+        "name": "smollm2", "namespace": NAMESPACE, "labels": model["metadata"]["labels"],
+    }  # fmt: skip
+    assert model["spec"] == FIRST_MODEL["spec"]
+
+
+def test_api_keys_from_an_existing_or_a_created_secret() -> None:
+    docs = render(VALUE_SETS["api keys from an existing secret"])
+    assert "Secret" not in [d["kind"] for d in docs if d["metadata"]["name"].endswith("api-keys")]
+    pod = find(docs, "Deployment", "pf-pagefleet-gateway")["spec"]["template"]["spec"]
+    assert {"name": "api-keys", "secret": {"secretName": "keys"}} in pod["volumes"]
+    config = find(docs, "ConfigMap")["data"]
+    assert config["PAGEFLEET_GATEWAY_API_KEYS_FILE"] == "/etc/pagefleet/api-keys/api-keys"
+    docs = render(VALUE_SETS["api keys created by the chart"])
+    created = find(docs, "Secret", "pf-pagefleet-api-keys")
+    assert created["stringData"]["api-keys"].split() == ["sk-first-key", "sk-second-key"]
+    assert find(docs, "ConfigMap")["data"]["PAGEFLEET_GATEWAY_REQUESTS_PER_MINUTE"] == "60"
+
+
+def test_gateway_pods_roll_when_their_configuration_changes() -> None:
+    def checksums(values: dict[str, Any]) -> dict[str, str]:
+        pod = find(render(values), "Deployment", "pf-pagefleet-gateway")["spec"]["template"]["metadata"]
+        return {k: v for k, v in pod["annotations"].items() if k.startswith("checksum/")}
+
+    base = checksums({})
+    assert base == checksums({})  # stable
+    assert checksums({"gateway": {"policy": "prefix"}})["checksum/config"] != base["checksum/config"]
+    keys = {"gateway": {"apiKeys": {"enabled": True, "keys": ["sk-first-key"]}}}
+    other = {"gateway": {"apiKeys": {"enabled": True, "keys": ["sk-other-key"]}}}
+    assert checksums(keys)["checksum/api-keys"] != checksums(other)["checksum/api-keys"]
+
+
+def test_names_stay_within_63_characters() -> None:
+    docs = render(release="a-release-name-at-the-longest-that-helm-allows-53-chr")  # 53 characters
+    for doc in docs:
+        assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
+    names = [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"]
+    assert len(set(names)) == 2 and all(n.endswith(("-gateway", "-operator")) for n in names)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"gateway": {"replicas": "two"}}, "/gateway/replicas"),
+        ({"gateway": {"policy": "random"}}, "/gateway/policy"),
+        ({"gatway": {}}, "gatway"),
+        ({"redis": {"persistence": {"sizee": "1Gi"}}}, "sizee"),
+        ({"operator": {"resources": {"requests": None}}}, "requests"),  # null deletes a default
+        ({"models": [{"name": "x"}]}, "spec"),
+        ({"gateway": {"apiKeys": {"enabled": True}}}, "gateway.apiKeys.keys"),
+        ({"redis": {"enabled": False}}, "redis.external.url"),
+    ],
+)
+def test_bad_values_are_refused(values: dict[str, Any], message: str) -> None:
+    assert message in render_error(values)
