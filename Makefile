@@ -9,7 +9,7 @@ image-engine:
 	docker build -f docker/engine.Dockerfile -t $(REGISTRY)/engine:$(TAG) .
 
 image-gateway:
-	docker build -f docker/slim.Dockerfile --target gateway -t $(REGISTRY)/gateway:$(TAG) .
+	docker build -f docker/gateway.Dockerfile -t $(REGISTRY)/gateway:$(TAG) .
 
 image-operator:
-	docker build -f docker/slim.Dockerfile --target operator -t $(REGISTRY)/operator:$(TAG) .
+	docker build -f docker/operator.Dockerfile -t $(REGISTRY)/operator:$(TAG) .

@@ -9,7 +9,8 @@ jitter), Redis and the gateway, started by the same code as `pagefleet up`.
 
 Latency: sequential one-token completions, alternating direct and gateway calls; the added
 latency is the median of the paired differences (each gateway call minus the direct call
-just before it, which cancels drift; target: at most 1 ms). Throughput: `--clients`
+just before it, which cancels drift; target: at most 1 ms); then the CPU each process spends
+per request, through the gateway and direct (where the added latency goes). Throughput: `--clients`
 concurrent streams of 32 tokens, direct then through the gateway; the ratio of output
 tokens/s (target: at least 90%).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -66,6 +68,27 @@ def latencies(direct: str, gateway: str, requests: int) -> tuple[list[float], li
     return times[direct], times[gateway]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of every thread of a process so far (Linux /proc)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        fields = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_request(fleet: Fleet, url: str, requests: int) -> dict[str, float]:
+    """Milliseconds of CPU per sequential one-token request, per process of the fleet. A
+    sequential request is a serial chain through them, so these add up to its latency."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0.0}
+    pids = {(name if name in ("redis", "gateway") else "engine"): process.pid for name, process in fleet.children}
+    with httpx.Client(timeout=60) as client:
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        for _ in range(requests):
+            client.post(f"{url}/v1/completions", json=body).raise_for_status()
+        return {name: (cpu_seconds(pid) - before[name]) / requests * 1e3 for name, pid in pids.items()}
+
+
 async def throughput(url: str, clients: int, rounds: int) -> float:
     body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 32, "ignore_eos": True, "stream": True}
 
@@ -96,6 +119,9 @@ def main() -> None:
         try:
             progress(f"latency: {args.requests} one-token requests each way")
             direct, through = latencies(replica, fleet.gateway_url, args.requests)
+            progress("CPU per request of each process, through the gateway then direct")
+            cpu_through = cpu_per_request(fleet, fleet.gateway_url, args.requests)
+            cpu_direct = cpu_per_request(fleet, replica, args.requests)
             progress(f"throughput: {args.clients} concurrent streams, direct then through the gateway")
             direct_rate = asyncio.run(throughput(replica, args.clients, args.rounds))
             gateway_rate = asyncio.run(throughput(fleet.gateway_url, args.clients, args.rounds))
@@ -106,6 +132,13 @@ def main() -> None:
         f"latency p50 direct {statistics.median(direct) * 1e3:.2f} ms, through the gateway "
         f"{statistics.median(through) * 1e3:.2f} ms (added {added * 1e3:.2f} ms) | throughput direct "
         f"{direct_rate:.1f} tok/s, through the gateway {gateway_rate:.1f} tok/s (x{gateway_rate / direct_rate:.2f})",
+        flush=True,
+    )
+    print(
+        "CPU per request (ms), through the gateway: "
+        + ", ".join(f"{name} {ms:.2f}" for name, ms in cpu_through.items())
+        + " | direct: "
+        + ", ".join(f"{name} {ms:.2f}" for name, ms in cpu_direct.items()),
         flush=True,
     )
 

@@ -90,6 +90,7 @@ class KubeApi:
         self._login = login
         self._session: aiohttp.ClientSession | None = None
         self._server = ""
+        self._closed = False  # after close(), no call opens a new session (operator shutdown)
 
     def _open(self) -> aiohttp.ClientSession:
         info = self._login()
@@ -107,6 +108,10 @@ class KubeApi:
         return aiohttp.ClientSession(headers=headers, auth=auth, connector=connector, timeout=timeout)
 
     async def close(self) -> None:
+        self._closed = True
+        await self._drop_session()
+
+    async def _drop_session(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -115,6 +120,8 @@ class KubeApi:
         resource = kind.plural + (f"/{sub}" if sub else "")
         if verb not in PERMISSIONS.get((kind.group, resource), frozenset()):
             raise AssertionError(f"{verb} {kind.group}/{resource} is not in kube.PERMISSIONS (nor in the RBAC)")
+        if self._closed:
+            raise ApiError(0, "the operator is shutting down")
         if self._session is None:
             self._session = self._open()
         headers = {"Content-Type": "application/merge-patch+json" if method == "PATCH" else "application/json"}
@@ -124,7 +131,7 @@ class KubeApi:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ApiError(0, f"{method} {path}: {exc!r}") from exc
         if r.status == 401:
-            await self.close()  # a rotated service-account token: log in again next time
+            await self._drop_session()  # a rotated service-account token: log in again next time
         if r.status >= 400:
             try:
                 message = json.loads(text).get("message", text)

@@ -39,7 +39,7 @@ def _backoff(retry: int) -> float:
     return float(min(60, 2 ** min(retry, 6)))
 
 
-def build_registry(settings: OperatorSettings) -> tuple[kopf.OperatorRegistry, Runtime]:
+def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     runtime = Runtime(settings, KubeApi(_login), redis.from_url(settings.redis_url, socket_timeout=2.0))
 
@@ -119,7 +119,7 @@ def build_registry(settings: OperatorSettings) -> tuple[kopf.OperatorRegistry, R
             raise kopf.TemporaryError(message, delay=_backoff(retry)) from error
         logger.info("removed %d replica records of %s from Redis", removed, model)
 
-    return registry, runtime
+    return registry
 
 
 async def run_operator(
@@ -128,7 +128,7 @@ async def run_operator(
     ready_flag: threading.Event | None = None,
 ) -> None:
     """Run until stopped (a signal, or `stop_flag` in tests); one replica, no peering."""
-    registry, _ = build_registry(settings)
+    registry = build_registry(settings)
     health = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
     await kopf.operator(
         registry=registry,

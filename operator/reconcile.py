@@ -120,21 +120,33 @@ async def reconcile(runtime: Runtime, body: Any) -> Outcome:
     except (RedisError, OSError) as error:  # the objects are still applied; KV figures unknown
         logger.warning("cannot read the replicas of %s from Redis: %s", name, error)
         kv = KVSummary.of([])
+    wanted = _wanted_status(owner, spec, deployment, kv, current_status.get("conditions", []), generation)
+    return Outcome(spec, applied, status.changed_fields(current_status, wanted), kv)
+
+
+def _wanted_status(
+    owner: manifests.Owner,
+    spec: InferenceDeploymentSpec,
+    deployment: dict[str, Any],
+    kv: KVSummary,
+    conditions: list[dict[str, Any]],
+    generation: int | None,
+) -> dict[str, Any]:
     state = deployment.get("status", {}) or {}
     ready = state.get("readyReplicas", 0) or 0
     wanted = {
-        "servedModelName": name,
+        "servedModelName": manifests.served_model_name(owner, spec),
         "replicas": state.get("replicas", 0) or 0,
         "readyReplicas": ready,
         "readyText": f"{ready}/{spec.replicas}",
         "selector": manifests.selector_text(owner),
         "kv": status.kv_status(kv),
         "conditions": status.merge_conditions(
-            current_status.get("conditions", []),
+            conditions,
             status.conditions_for(spec.replicas, deployment, kv, spec.autoscaling.target_kv_utilization),
             generation,
         ),
     }
     if generation is not None:
         wanted["observedGeneration"] = generation
-    return Outcome(spec, applied, status.changed_fields(current_status, wanted), kv)
+    return wanted

@@ -1,4 +1,4 @@
-"""Session fixtures: tiny random-weight models of every supported architecture.
+"""Shared fixtures: tiny random-weight models of every supported architecture, and a Redis.
 
 Each is built from a transformers config, given weights with a large std (the default 0.02
 makes tiny tied models repeat one token) and saved with `save_pretrained`, next to a small
@@ -16,10 +16,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # No GPU here: Triton kernels run under its interpreter, which is chosen at @triton.jit time.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.processes import RedisProcess, free_port, start_redis  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -115,3 +118,13 @@ def tiny_mistral_window(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisProcess]:
+    """Debian's redis-server on a free loopback port, for one test."""
+    port = free_port()
+    server = RedisProcess(port, start_redis(port))
+    yield server
+    server.process.kill()
+    server.process.wait()

@@ -2,9 +2,10 @@
 and the few API-server duties the operator relies on, served over real HTTP from a thread.
 
 KMock stores objects and merges patches; a real API server also stamps uid and generation,
-keeps `.status` apart from the rest (the status subresource) and maps the scale subresource
-onto `.spec.replicas`. `Cluster` adds just those, and logs every
-write so tests can assert that a reconcile made none.
+names objects created with generateName, keeps `.status` apart from the rest (the status
+subresource) and maps the scale subresource onto `.spec.replicas`. `Cluster` adds just
+those, logs every write so tests can assert that a reconcile made none, and can answer 503
+on demand.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class Cluster(kmock.KubernetesEmulator):
         if request.action == kmock.action.CREATE:
             meta = data.setdefault("metadata", {})
             meta.setdefault("namespace", request.namespace)
+            if "name" not in meta and "generateName" in meta:  # kopf's events
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             meta["uid"] = str(uuid.uuid4())
             meta["generation"] = 1
             meta["resourceVersion"] = "1"  # kept: kopf's JSON patches test it, and KMock answers a

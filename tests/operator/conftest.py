@@ -19,7 +19,7 @@ from pagefleet.operator.kube import PERMISSIONS
 from pagefleet.operator.main import run_operator
 from pagefleet.operator.settings import OperatorSettings
 from tests.operator.cluster import ApiServer, Cluster
-from tests.processes import RedisProcess, free_port, start_redis
+from tests.processes import RedisProcess
 
 GROUP, VERSION, PLURAL = "pagefleet.io", "v1alpha1", "inferencedeployments"
 NAMESPACE = "models"
@@ -77,15 +77,6 @@ def client(api_server: ApiServer) -> Iterator[Client]:
             kubernetes.client.CoreV1Api(api),
             kubernetes.client.PolicyV1Api(api),
         )
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisProcess]:
-    port = free_port()
-    server = RedisProcess(port, start_redis(port))
-    yield server
-    server.process.kill()
-    server.process.wait()
 
 
 @pytest.fixture

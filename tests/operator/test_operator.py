@@ -3,6 +3,7 @@ deletion, invalid specs, autoscaling."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis
@@ -216,8 +217,6 @@ def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
     publish(redis_client, "busy", "busy-b", free=0, waiting=10)
     eventually(lambda: client.get("busy")["spec"]["replicas"] == 3)
     publish(redis_client, "busy", "busy-c", free=0, waiting=10)
-    import time
-
     time.sleep(3 * operator.reconcile_interval_s)
     assert client.get("busy")["spec"]["replicas"] == 3
 
@@ -230,8 +229,6 @@ def test_without_autoscaling_the_operator_never_writes_replicas(
     eventually(lambda: client.deployment("manual"))
     client.patch("manual", {"spec": {"replicas": 4}})  # an HPA or `kubectl scale`
     eventually(lambda: client.deployment("manual")["spec"]["replicas"] == 4)
-    import time
-
     time.sleep(2 * operator.reconcile_interval_s)
     assert client.get("manual")["spec"]["replicas"] == 4
     assert not any(path.endswith("/scale") for _, path in cluster.writes)
@@ -245,3 +242,34 @@ def test_transient_api_errors_are_retried_with_backoff(
     client.create(resource("flaky"))
     eventually(lambda: client.deployment("flaky"), timeout=20)
     assert cluster.writes.count(create) == 3
+
+
+def test_low_pressure_scales_down_only_after_the_window_and_never_below_min(
+    operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
+) -> None:
+    window_s = 4
+    autoscaling = {
+        "enabled": True, "minReplicas": 2, "maxReplicas": 5, "targetKVUtilization": 0.6,
+        "scaleDownStabilizationWindowSeconds": window_s,
+    }  # fmt: skip
+
+    def idle_replicas_report() -> None:  # 5% used against a target of 60%; records live 3 s
+        for replica in ("idle-a", "idle-b", "idle-c", "idle-d"):
+            publish(redis_client, "idle", replica, free=95)
+
+    def replicas_after_report() -> int:
+        idle_replicas_report()
+        return int(client.get("idle")["spec"]["replicas"])
+
+    idle_replicas_report()
+    client.create(resource("idle", replicas=4, autoscaling=autoscaling))
+    created = time.monotonic()
+    eventually(lambda: replicas_after_report() == 2, timeout=window_s + 5 * operator.reconcile_interval_s)
+    assert time.monotonic() - created >= window_s  # not before the whole window was watched
+    assert [e["message"] for e in cluster.objects.values() if e.get("reason") == "ScaleDownStabilizing"]
+    scaled = eventually(lambda: [e["message"] for e in cluster.objects.values() if e.get("reason") == "ScaledDown"])
+    assert len(scaled) == 1 and scaled[0].startswith("4 -> 2 replicas")  # to minReplicas, not below
+    deadline = time.monotonic() + 2 * operator.reconcile_interval_s
+    while time.monotonic() < deadline:
+        assert replicas_after_report() == 2
+        time.sleep(0.2)

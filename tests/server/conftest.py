@@ -7,16 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import EngineServer, RedisProcess, free_port, start_redis, start_server, stop_server
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisProcess]:
-    port = free_port()
-    server = RedisProcess(port, start_redis(port))
-    yield server
-    server.process.kill()
-    server.process.wait()
+from tests.processes import EngineServer, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
