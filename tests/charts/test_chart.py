@@ -273,3 +273,19 @@ def test_names_stay_within_63_characters() -> None:
 )
 def test_bad_values_are_refused(values: dict[str, Any], message: str) -> None:
     assert message in render_error(values)
+
+
+def test_install_notes_say_how_to_reach_the_gateway_and_apply_a_first_model() -> None:
+    result = helm("install", "pagefleet", str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert f"kubectl -n {NAMESPACE} port-forward svc/pagefleet-gateway 8000:80" in notes
+    assert f"kubectl -n {NAMESPACE} apply -f" in notes and "examples/smollm2-cpu.yaml" in notes
+    assert "/v1/chat/completions" in notes and f"helm test pagefleet -n {NAMESPACE}" in notes
+
+
+def test_examples_take_their_namespace_from_kubectl() -> None:
+    """`kubectl -n NS apply -f examples/...` (as NOTES.txt and docs/install.md say) needs
+    examples without a namespace of their own."""
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        assert "namespace" not in yaml.safe_load(path.read_text())["metadata"], path.name
