@@ -42,7 +42,6 @@ DEPLOYMENTS = Kind("apps", "v1", "deployments")
 SERVICES = Kind("", "v1", "services")
 PDBS = Kind("policy", "v1", "poddisruptionbudgets")
 INFERENCE_DEPLOYMENTS = Kind("pagefleet.io", "v1alpha1", "inferencedeployments")
-EVENTS = Kind("", "v1", "events")
 KINDS_BY_API_KIND = {"Deployment": DEPLOYMENTS, "Service": SERVICES, "PodDisruptionBudget": PDBS}
 
 # Every (group, resource) the operator touches and the verbs it uses: KubeApi's own calls,
@@ -140,10 +139,10 @@ class KubeApi:
             raise ApiError(r.status, f"{method} {path}: {message}")
         return json.loads(text) if text else None
 
-    async def get(self, kind: Kind, namespace: str, name: str, sub: str | None = None) -> dict[str, Any] | None:
+    async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or None if it does not exist."""
         try:
-            return await self._call("GET", "get", kind, kind.path(namespace, name, sub), sub)  # type: ignore[no-any-return]
+            return await self._call("GET", "get", kind, kind.path(namespace, name), None)  # type: ignore[no-any-return]
         except ApiError as error:
             if error.status == 404:
                 return None
