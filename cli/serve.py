@@ -15,10 +15,18 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagefleet.cli.web import run_app
+    from pagefleet.cli.web import make_server
     from pagefleet.engine.server.app import create_app
     from pagefleet.engine.server.settings import ServerSettings
 
     settings = ServerSettings(_cli_parse_args=args.flags)  # type: ignore[call-arg]
-    run_app(create_app(settings), settings.host, settings.port, settings.log_level)
-    return 0
+    server = None
+
+    def stop_server() -> None:
+        assert server is not None, "the server exists before the engine can die"
+        server.should_exit = True
+
+    app = create_app(settings, stop_server=stop_server)
+    server = make_server(app, settings.host, settings.port, settings.log_level)
+    server.run()
+    return int(app.state.server.exit_code)  # non-zero after the engine died: restart me

@@ -4,6 +4,11 @@ Starts, as child processes: Redis (Debian's redis-server), the engine replicas o
 model in the fleet file (by default two replicas of SmolLM2-135M-Instruct in float32 and
 one in bfloat16 under its own name), and the gateway. Waits until every part is healthy and
 the gateway sees every model, prints how to call it, and stops everything on Ctrl-C.
+
+Once the fleet is up, `pagefleet up` supervises it: a child that exits (an engine whose
+engine died exits non-zero on purpose) is started again after a back-off that doubles
+with each quick failure (1 s up to 30 s) and resets once it ran for a minute; restarted
+replicas report their restart count, which the dashboard shows.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, Field
 
 REDIS_SERVER = "/usr/bin/redis-server"
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
+STABLE_AFTER_S = 60.0  # a child that ran this long before it exited starts again at once
 
 
 class ModelSpec(BaseModel):
@@ -66,12 +74,26 @@ def _say(message: str) -> None:
     print(f"[up] {message}", flush=True)
 
 
+@dataclass
+class Child:
+    """One supervised process: how to start it, and its restart history."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen[bytes]
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    backoff_s: float = FIRST_BACKOFF_S
+    restart_at: float | None = None  # set while it waits to be started again
+
+
 class Fleet:
     """The child processes of one `pagefleet up`; `stop()` ends all of them."""
 
     def __init__(self, spec: FleetSpec) -> None:
         self.spec = spec
-        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.children: list[Child] = []
         spec.log_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -84,10 +106,33 @@ class Fleet:
 
     def spawn(self, name: str, command: list[str], threads: int = 1) -> subprocess.Popen[bytes]:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
-        with open(self.spec.log_dir / f"{name}.log", "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.children.append((name, process))
-        return process
+        child = Child(name, command, env, self._popen(name, command, env, "wb"))
+        self.children.append(child)
+        return child.process
+
+    def _popen(self, name: str, command: list[str], env: dict[str, str], mode: str) -> subprocess.Popen[bytes]:
+        with open(self.spec.log_dir / f"{name}.log", mode) as log:
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def supervise(self) -> None:
+        """Start again every child that exited, each after its back-off."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is None and child.process.poll() is not None:
+                if now - child.started_at >= STABLE_AFTER_S:
+                    child.backoff_s = FIRST_BACKOFF_S
+                child.restart_at = now + child.backoff_s
+                _say(
+                    f"{child.name} exited (code {child.process.returncode}); "
+                    f"restarting in {child.backoff_s:.0f} s (logs in {self.spec.log_dir}/{child.name}.log)"
+                )
+                child.backoff_s = min(MAX_BACKOFF_S, child.backoff_s * 2)
+            elif child.restart_at is not None and now >= child.restart_at:
+                child.restarts += 1
+                env = {**child.env, "PAGEFLEET_ENGINE_RESTARTS": str(child.restarts)}
+                child.process = self._popen(child.name, child.command, env, "ab")
+                child.started_at, child.restart_at = now, None
+                _say(f"{child.name} restarted (restart {child.restarts})")
 
     def start_redis(self) -> None:
         binary = REDIS_SERVER if os.path.exists(REDIS_SERVER) else shutil.which("redis-server")
@@ -112,11 +157,12 @@ class Fleet:
         self.spawn("gateway", command)
 
     def check_alive(self) -> None:
-        for name, process in self.children:
-            if process.poll() is not None:
-                log = self.spec.log_dir / f"{name}.log"
+        """While the fleet starts, a child that exits is a set-up error: stop and say why."""
+        for child in self.children:
+            if child.process.poll() is not None:
+                log = self.spec.log_dir / f"{child.name}.log"
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                raise SystemExit(f"pagefleet up: {name} exited (code {process.returncode}); {log}:\n{tail}")
+                raise SystemExit(f"pagefleet up: {child.name} exited (code {child.process.returncode}); {log}:\n{tail}")
 
     def wait_healthy(self, url: str, deadline: float) -> None:
         import httpx
@@ -147,11 +193,12 @@ class Fleet:
         raise SystemExit("pagefleet up: the gateway did not see every model in time")
 
     def stop(self) -> None:
-        for _, process in reversed(self.children):
+        processes = [child.process for child in self.children]
+        for process in reversed(processes):
             if process.poll() is None:
                 process.terminate()
         deadline = time.monotonic() + 20
-        for _, process in self.children:
+        for process in processes:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -209,8 +256,8 @@ def run(args: argparse.Namespace) -> int:
         )
         _say("Ctrl-C stops the fleet")
         while True:
-            fleet.check_alive()
-            time.sleep(1)
+            fleet.supervise()
+            time.sleep(0.5)
     except KeyboardInterrupt:
         _say("stopping")
         return 0

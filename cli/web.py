@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
-def run_app(app: Any, host: str, port: int, log_level: str) -> None:
+def make_server(app: Any, host: str, port: int, log_level: str) -> uvicorn.Server:
+    """A uvicorn server for `app`; `server.run()` serves until a signal or `should_exit`."""
     import uvicorn
 
     logging.getLogger("pagefleet").setLevel(log_level.upper())
     # Our own logs say what matters; uvicorn's access log would print a line per request.
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+    )
+    return uvicorn.Server(config)
+
+
+def run_app(app: Any, host: str, port: int, log_level: str) -> None:
+    make_server(app, host, port, log_level).run()

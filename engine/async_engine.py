@@ -1,22 +1,30 @@
 """`AsyncEngine`: the engine loop in a background thread, driven from asyncio.
 
 `generate()` is an async iterator of cumulative `RequestOutput`s. Leaving the iterator
-early (a client that disconnects) aborts the request, which frees its blocks at once. The
-torch work runs outside the event loop (torch releases the GIL), so an HTTP server on the
-loop stays responsive while a step runs.
+early (a client that disconnects, a cancelled task) aborts the request, which frees its
+blocks before the next step. The abort is a synchronous hand-off to the engine thread, so it
+runs even when the caller's task is being cancelled and can await nothing more. The torch
+work runs outside the event loop (torch releases the GIL), so an HTTP server on the loop
+stays responsive while a step runs.
+
+A request whose own per-request work fails (see `LLMEngine.step`) raises
+`RequestFailedError` to its caller only; a failure of the shared forward pass stops the
+engine: every request gets `EngineDeadError` and the death callbacks run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeAlias
 
 from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.errors import EngineDeadError
+from pagefleet.engine.errors import EngineDeadError, RequestFailedError
 from pagefleet.engine.llm_engine import EngineStats, LLMEngine
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
@@ -35,6 +43,12 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+        # Aborts handed over by callers that cannot wait (cancelled tasks); the engine
+        # thread applies them before its next step. deque.append is thread-safe.
+        self._pending_aborts: collections.deque[str] = collections.deque()
+        # add_request runs here: off the event loop, and as a Future an abort can wait on.
+        self._adder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagefleet-add")
         self._stats = self.engine.stats()  # refreshed under the lock; read without it
         self._thread = threading.Thread(target=self._run_loop, name="pagefleet-engine", daemon=True)
         self._thread.start()
@@ -58,6 +72,7 @@ class AsyncEngine:
 
         Raises:
             InvalidParameterError: (ValueError) before the first output, for bad input.
+            RequestFailedError: this request failed inside the engine; others run on.
             EngineDeadError: the engine loop failed.
         """
         if self._dead is not None:
@@ -67,18 +82,37 @@ class AsyncEngine:
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            await asyncio.to_thread(self._locked, self.engine.add_request, request_id, prompt, params)
+            added: Future[Any] = self._adder.submit(self._locked, self.engine.add_request, request_id, prompt, params)
+        except RuntimeError as error:  # shut down
+            self._queues.pop(request_id, None)
+            raise EngineDeadError("the engine is shut down") from error
+        try:
+            await asyncio.wrap_future(added)
             self._wake.set()
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item}") from item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(request_id, item.error)
                 yield item
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                await asyncio.to_thread(self._locked, self.engine.abort_request, request_id)
+                # No await here: this runs inside a cancelled task too. If the add is still
+                # running, the abort follows it (a no-op if the add failed or never ran).
+                added.add_done_callback(lambda _: self.abort_soon(request_id))
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort `request_id` before the engine's next step, from any thread, without
+        waiting; a no-op for a request that is unknown or already finished."""
+        self._pending_aborts.append(request_id)
+        self._wake.set()
+
+    def add_death_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(error)` once, from the engine thread, if the engine loop fails."""
+        self._death_callbacks.append(callback)
 
     async def abort(self, request_id: str) -> None:
         output = await asyncio.to_thread(self._locked, self.engine.abort_request, request_id)
@@ -93,6 +127,7 @@ class AsyncEngine:
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        self._adder.shutdown(wait=False, cancel_futures=True)
 
     def _locked(self, function: Any, *args: Any) -> Any:
         with self._lock:
@@ -105,6 +140,7 @@ class AsyncEngine:
         while not self._stopping.is_set():
             self._wake.clear()  # before looking for work, so a wake-up is never lost
             with self._lock:
+                self._apply_pending_aborts()
                 has_work = self.engine.has_unfinished_requests()
                 if has_work:
                     try:
@@ -119,6 +155,15 @@ class AsyncEngine:
             else:
                 self._wake.wait(timeout=0.5)
 
+    def _apply_pending_aborts(self) -> None:
+        if not self._pending_aborts:
+            return
+        while self._pending_aborts:
+            request_id = self._pending_aborts.popleft()
+            if self.engine.abort_request(request_id) is not None:
+                logger.info("request %s aborted: its caller left", request_id)
+        self._stats = self.engine.stats()
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             target = self._queues.get(output.request_id)
@@ -130,5 +175,11 @@ class AsyncEngine:
         self._dead = error
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
+        self._stats = self.engine.stats()
         for loop, queue in list(self._queues.values()):
             loop.call_soon_threadsafe(queue.put_nowait, error)
+        for callback in self._death_callbacks:
+            try:
+                callback(error)
+            except Exception:  # a task boundary: one callback must not stop the others
+                logger.exception("an engine death callback failed")

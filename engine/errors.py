@@ -31,3 +31,12 @@ class ModelNotFoundError(FileNotFoundError, EngineError):
 
 class EngineDeadError(RuntimeError, EngineError):
     """The engine loop stopped after an unexpected error; no more requests can run."""
+
+
+class RequestFailedError(RuntimeError, EngineError):
+    """One request failed inside the engine step (its own sampling, beam scoring, stop
+    checks or detokenizing); its blocks are freed and every other request runs on."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id = request_id

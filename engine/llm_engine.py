@@ -19,7 +19,7 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.engine_setup import EngineParts, build_engine_parts
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
-from pagefleet.engine.model_runner import SampleRequest
+from pagefleet.engine.model_runner import RequestResults, SampleRequest
 from pagefleet.engine.output_processor import OutputProcessor
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.request import Request, RequestStatus, Sequence
@@ -88,6 +88,9 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
+        vocab = self.parts.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidParameterError("stop_token_ids", f"token ids must be in [0, {vocab})")
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         request = Request(
             request_id,
@@ -173,24 +176,47 @@ class LLMEngine:
         samples = self._plan_samples(chunks)
         prompt_chunks = [i for i, c in enumerate(chunks) if c.request.wants_prompt_logprobs]
         self.runner.run_copies(plan.copies)
-        result, prompt_results = self.runner.execute(chunks, samples, prompt_chunks)
+        results = self.runner.execute(chunks, samples, prompt_chunks)
         touched = self._advance(chunks)
-        for prompt_result in prompt_results:
-            self.outputs.add_prompt_logprobs(chunks[prompt_result.chunk_index].request, prompt_result)
-        if result is not None:
-            now = time.monotonic()
-            beam_rows: dict[str, dict[int, int]] = {}  # request id -> {id(beam): row}
-            for row, sample in enumerate(samples):
-                request = chunks[sample.chunk_index].request
-                request.first_token_time = request.first_token_time or now
-                if request.beam is not None:
-                    beam_rows.setdefault(request.request_id, {})[id(sample.seq)] = row
-                else:
-                    self.outputs.append_token(request, sample.seq, result, row)
-                    self._num_generation_tokens += 1
-            for request_id, rows in beam_rows.items():
-                self._step_beams(self.requests[request_id], rows, result)
-        return [self._after_step(request) for request in touched]
+        now = time.monotonic()
+        outputs = []
+        for request in touched:
+            # Each request's own work runs apart: if it raises, that request fails alone.
+            try:
+                request_results = results.get(request.request_id)
+                if request_results is not None:
+                    self._apply_results(request, request_results, now)
+                outputs.append(self._after_step(request))
+            except Exception as error:  # a per-request boundary: fail it, free its blocks
+                outputs.append(self._fail_request(request, error))
+        return outputs
+
+    def _apply_results(self, request: Request, results: RequestResults, now: float) -> None:
+        """This request's part of the step: prompt logprobs, then its new tokens or beams."""
+        if results.error is not None:
+            raise results.error
+        if results.prompt_logprobs is not None:
+            self.outputs.add_prompt_logprobs(request, results.prompt_logprobs)
+        if results.sampled is None:
+            return
+        request.first_token_time = request.first_token_time or now
+        if request.beam is not None:
+            rows = {id(sample.seq): row for sample, row in zip(results.samples, results.rows, strict=True)}
+            self._step_beams(request, rows, results.sampled)
+            return
+        for sample, row in zip(results.samples, results.rows, strict=True):
+            self.outputs.append_token(request, sample.seq, results.sampled, row)
+            self._num_generation_tokens += 1
+
+    def _fail_request(self, request: Request, error: Exception) -> RequestOutput:
+        """End `request` with finish reason "error", free its blocks, and say why."""
+        logger.error("request %s failed; the other requests run on", request.request_id, exc_info=error)
+        request.error = f"{type(error).__name__}: {error}"
+        for seq in request.unfinished_sequences:
+            seq.finish_reason = "error"
+        self.requests.pop(request.request_id, None)
+        self._finish(request)
+        return self.outputs.make_output(request)
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """With nothing running, every block is free: a waiting request that still cannot

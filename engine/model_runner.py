@@ -7,7 +7,7 @@ head_dim]) and the host pool used for swapping.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,6 +48,18 @@ class PromptLogprobs:
     chunk_index: int
     start_position: int  # the chunk's first position; position p scores prompt token p + 1
     values: TokenLogprobs  # one row per position of the chunk that has a next prompt token
+
+
+@dataclass(slots=True)
+class RequestResults:
+    """One request's part of a step: its sampled rows and prompt logprobs, or the error
+    that its own part raised (the forward pass is shared; sampling is per request)."""
+
+    samples: list[SampleRequest] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # rows[i]: the row of samples[i] in `sampled`
+    sampled: SampleResult | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    error: Exception | None = None
 
 
 @dataclass(slots=True)
@@ -117,17 +129,60 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         samples: list[SampleRequest],
         prompt_logprob_chunks: list[int],
-    ) -> tuple[SampleResult | None, list[PromptLogprobs]]:
-        """Run the forward pass for `chunks` (decodes must come first), then sample."""
+    ) -> dict[str, RequestResults]:
+        """Run the forward pass for `chunks` (decodes must come first), then sample.
+
+        Returns each request's results by request id. A failure of the forward pass raises
+        (every request shares it); a failure in one request's sampling or prompt logprobs
+        is that request's `error`.
+        """
         input_ids, positions, metadata, last_rows = self._build_batch(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
-        result = None
+        results: dict[str, RequestResults] = {}
+
+        def results_of(chunk_index: int) -> RequestResults:
+            return results.setdefault(chunks[chunk_index].request.request_id, RequestResults())
+
         if samples:
             rows = torch.tensor([last_rows[s.chunk_index] for s in samples], device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
-            result = self.sampler(logits, [s.seq for s in samples], [s.params for s in samples])
-        prompt_results = [self._prompt_logprobs(hidden, chunks, i, last_rows[i]) for i in prompt_logprob_chunks]
-        return result, prompt_results
+            self._sample(logits, samples, [results_of(s.chunk_index) for s in samples])
+        for index in prompt_logprob_chunks:
+            owner = results_of(index)
+            try:
+                owner.prompt_logprobs = self._prompt_logprobs(hidden, chunks, index, last_rows[index])
+            except Exception as error:  # this request's own work: it fails alone
+                owner.error = error
+        return results
+
+    def _sample(self, logits: torch.Tensor, samples: list[SampleRequest], owners: list[RequestResults]) -> None:
+        """Sample every row in one batch. If the batch fails, sample each request alone,
+        so that only the request at fault fails and the others keep their tokens."""
+        seqs, params = [s.seq for s in samples], [s.params for s in samples]
+        try:
+            result = self.sampler(logits, seqs, params)
+        except Exception:
+            logger.warning("batched sampling failed; sampling each request alone", exc_info=True)
+            groups: dict[int, list[int]] = {}
+            for index, owner in enumerate(owners):
+                groups.setdefault(id(owner), []).append(index)
+            for indices in groups.values():
+                owner = owners[indices[0]]
+                try:
+                    alone = self.sampler(logits[indices], [seqs[i] for i in indices], [params[i] for i in indices])
+                except Exception as error:  # this request's own parameters: it fails alone
+                    owner.error = error
+                    continue
+                owner.samples, owner.rows, owner.sampled = (
+                    [samples[i] for i in indices],
+                    list(range(len(indices))),
+                    alone,
+                )
+            return
+        for row, (sample, owner) in enumerate(zip(samples, owners, strict=True)):
+            owner.samples.append(sample)
+            owner.rows.append(row)
+            owner.sampled = result
 
     def _build_batch(
         self, chunks: list[ScheduledChunk]

@@ -85,6 +85,7 @@ class OutputProcessor:
             usage=Usage(request.num_prompt_tokens, num_completion, request.num_cached_tokens),
             prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
             metrics=metrics,
+            error=request.error,
         )
 
     def _sample_outputs(self, request: Request) -> list[CompletionOutput]:

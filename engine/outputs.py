@@ -27,7 +27,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop string or token that ended it
 
     @property
@@ -62,3 +62,4 @@ class RequestOutput:
     usage: Usage
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the request failed inside the engine (finish_reason "error")

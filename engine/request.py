@@ -24,6 +24,12 @@ from pagefleet.engine.outputs import PositionLogprobs
 from pagefleet.engine.sampling_params import SamplingParams
 
 
+def sequence_seed(seed: int, index: int) -> int:
+    """Sample `index`'s own 64-bit seed, derived from the request's (wrapped modulo 2**64
+    as torch wraps a negative seed, so every 64-bit request seed gives a valid one)."""
+    return (seed * 1_000_003 + index) % 2**64
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # new, or preempted by recompute
     RUNNING = "running"
@@ -86,6 +92,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     beam: BeamSearchState | None = None  # set for beam search
+    error: str | None = None  # why the request failed inside the engine, if it did
 
     def __post_init__(self) -> None:
         num_prompt = len(self.prompt_token_ids)
@@ -97,7 +104,7 @@ class Request:
             self.prompt_logprobs = [None]  # the first prompt token has no distribution
         if self.params.seed is not None:
             for seq in self.sequences:
-                seq.generator = torch.Generator().manual_seed(self.params.seed * 1_000_003 + seq.index)
+                seq.generator = torch.Generator().manual_seed(sequence_seed(self.params.seed, seq.index))
 
     def reset_fork(self) -> None:
         """Back to before the fork point (new, or preempted by recompute)."""

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagefleet.engine.errors import InvalidParameterError
 
 _MAX_LOGPROBS = 20
+# Seeds are 64-bit, as torch's generators (and vLLM's limits) take them.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# |length_penalty| <= 50 keeps len ** length_penalty a finite float64 for any length up to
+# 2**20 tokens (transformers' formula overflows, and raises, beyond that).
+MAX_ABS_LENGTH_PENALTY = 50.0
+_FLOAT_FIELDS = (
+    "length_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 # Sampling fields beam search must leave alone (temperature is ignored: beams rank by logprob).
 _SAMPLING_DEFAULTS: dict[str, object] = {
     "top_p": 1.0,
@@ -74,6 +89,12 @@ class SamplingParams:
         def fail(param: str, message: str) -> None:
             raise InvalidParameterError(param, message)
 
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                fail(name, f"must be a finite number, got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            fail("seed", f"must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
@@ -84,7 +105,7 @@ class SamplingParams:
             fail("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int):
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
             fail("top_k", f"must be an integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             fail("min_p", f"must be in [0, 1], got {self.min_p}")
@@ -96,13 +117,13 @@ class SamplingParams:
             fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0:
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= _MAX_LOGPROBS:
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= _MAX_LOGPROBS):
                 fail(name, f"must be in [0, {_MAX_LOGPROBS}], got {value}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings")
@@ -116,6 +137,11 @@ class SamplingParams:
             fail("n", f"beam search returns at most beam_width={self.beam_width} sequences, got n={self.n}")
         if self.best_of is not None:
             fail("best_of", "is for sampling; beam search keeps beam_width candidates")
+        if not abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY:
+            fail(
+                "length_penalty",
+                f"must be in [-{MAX_ABS_LENGTH_PENALTY:g}, {MAX_ABS_LENGTH_PENALTY:g}], got {self.length_penalty}",
+            )
         if self.early_stopping not in (True, False, "never"):
             fail("early_stopping", f'must be True, False or "never", got {self.early_stopping!r}')
         for name, default in _SAMPLING_DEFAULTS.items():

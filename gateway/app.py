@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as redis
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
@@ -23,10 +24,12 @@ from starlette.types import Receive, Scope, Send
 from pagefleet.gateway.dashboard import PAGE, dashboard_data
 from pagefleet.gateway.limits import RateLimiter
 from pagefleet.gateway.metrics import GatewayMetrics
-from pagefleet.gateway.proxy import ASGIResponse, BadRequest, Proxy, describe, error
+from pagefleet.gateway.proxy import BadRequest, OutlierDetector, Proxy, RequestShape, describe
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import RoutingPolicy, make_policy
 from pagefleet.gateway.settings import GatewaySettings
+from pagefleet.protocol.http import ErrorGuard, error_json, until_disconnected
+from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     api_keys = settings.keys()
     default_policy = make_policy(settings.policy, client)
     policies: dict[str, RoutingPolicy] = {m: make_policy(p, client) for m, p in settings.model_policies.items()}
-    proxy = Proxy(registry, metrics, settings.failover_attempts, settings.exclude_failed_for)
+    outliers = OutlierDetector(registry, settings.eject_after_failures, settings.exclude_failed_for)
+    proxy = Proxy(registry, metrics, settings.failover_attempts, outliers)
     seen_models: set[str] = set()
 
     @contextlib.asynccontextmanager
@@ -58,39 +62,50 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     async def route(scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        response = await decide(scope["path"], headers, receive)
-        await response(scope, receive, send)
+        path = scope["path"]
+        decision = await decide(path, headers, receive)
+        if isinstance(decision, JSONResponse):  # refused here: nothing to forward
+            await decision(scope, receive, send)
+            return
+        body, shape = decision
+        policy = policies.get(shape.model, default_policy)
 
-    async def decide(path: str, headers: dict[str, str], receive: Receive) -> ASGIResponse:
+        async def forward_and_relay() -> None:
+            response = await proxy.forward(path, body, headers, shape, policy)
+            await response(scope, receive, send)
+
+        await until_disconnected(receive, forward_and_relay())
+
+    async def decide(path: str, headers: dict[str, str], receive: Receive) -> JSONResponse | tuple[bytes, RequestShape]:
+        """The request's body and shape if it may be forwarded, else the error to answer."""
         authorization = headers.get("authorization", "")
         key = authorization[7:].strip() if authorization.lower().startswith("bearer ") else None
         if api_keys and key not in api_keys:
-            return error(401, "A valid API key is required (Authorization: Bearer <key>).")
+            return error_json(401, "A valid API key is required (Authorization: Bearer <key>).")
         body = await _read_body(receive, headers, settings.max_request_bytes)
         if body is None:
-            return error(413, f"The request body exceeds {settings.max_request_bytes} bytes.")
+            return error_json(413, f"The request body exceeds {settings.max_request_bytes} bytes.")
         try:
             shape = describe(body, chat=path == "/v1/chat/completions")
         except BadRequest as exc:
-            return error(400, str(exc), exc.param)
+            return error_json(400, str(exc), exc.param)
         model = shape.model
         if not registry.is_available:
             metrics.errors.labels(model, "registry_unavailable").inc()
             message = "The replica registry is unavailable (Redis unreachable); retry shortly."
-            return error(503, message, headers={"Retry-After": "5"})
+            return error_json(503, message, headers={"Retry-After": "5"})
         seen_models.update(registry.models())
         if model not in seen_models:
             metrics.errors.labels("", "unknown_model").inc()  # no label per made-up name
             served = ", ".join(registry.models()) or "none"
-            return error(404, f"The model `{model}` does not exist. Served models: {served}.", "model")
+            return error_json(404, f"The model `{model}` does not exist. Served models: {served}.", "model")
         if key is not None and limiter.enabled:
             verdict = await limiter.check(key, shape.tokens)
             if not verdict.allowed:
                 metrics.rate_limited.labels(model).inc()
                 retry = {"Retry-After": str(verdict.retry_after)}
-                return error(429, f"Rate limit exceeded: {verdict.reason}.", headers=retry)
-        policy = policies.get(model, default_policy)
-        return await proxy.forward(path, body, headers, shape, policy)
+                return error_json(429, f"Rate limit exceeded: {verdict.reason}.", headers=retry)
+        return body, shape
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -103,7 +118,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not registry.is_available:
-            return error(503, "The replica registry is unavailable (Redis unreachable).")
+            return error_json(503, "The replica registry is unavailable (Redis unreachable).")
         return JSONResponse({"status": "ok", "models": registry.models()})
 
     @app.get("/metrics")
@@ -124,7 +139,41 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     requests[model] = requests.get(model, 0.0) + sample.value
         return dashboard_data(registry, requests)
 
-    return ProxyRoutes(app, route)  # type: ignore[return-value]
+    _document_proxied_routes(app)
+    return ErrorGuard(ProxyRoutes(app, route))  # type: ignore[return-value]
+
+
+def _document_proxied_routes(app: FastAPI) -> None:
+    """The proxied routes bypass FastAPI (see ProxyRoutes); describe them in /openapi.json
+    all the same, with the request schemas the replicas validate, for clients and fuzzers."""
+    described = APIRouter()
+    answers: dict[int | str, dict[str, Any]] = {
+        status: {"description": text}
+        for status, text in [
+            (400, "invalid request"),
+            (401, "missing API key"),
+            (404, "unknown model"),
+            (413, "body too large"),
+            (429, "rate limited"),
+            (503, "no replica can take it"),
+        ]
+    }
+
+    @described.post("/v1/completions", responses=answers, summary="Completions, proxied to a replica")
+    async def completions(body: CompletionRequest) -> dict[str, Any]:
+        raise NotImplementedError  # never called: ProxyRoutes serves this path
+
+    @described.post("/v1/chat/completions", responses=answers, summary="Chat completions, proxied to a replica")
+    async def chat_completions(body: ChatCompletionRequest) -> dict[str, Any]:
+        raise NotImplementedError  # never called: ProxyRoutes serves this path
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            routes = [*app.routes, *described.routes]
+            app.openapi_schema = get_openapi(title=app.title, version=app.version, routes=routes)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 PROXY_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})

@@ -33,7 +33,8 @@ function row(replica) {
   return `<tr class="replica" data-replica="${replica.replica_id}"><td>${replica.replica_id}</td>
     <td><div class="bar"><div style="width:${used}%"></div></div></td><td>${used}%
     (${replica.total_blocks - replica.free_blocks}/${replica.total_blocks} blocks)</td>
-    <td>${replica.running}</td><td>${replica.waiting}</td><td class="muted">${replica.url}</td></tr>`;
+    <td>${replica.running}</td><td>${replica.waiting}</td>
+    <td class="restarts">${replica.restarts || 0}</td><td class="muted">${replica.url}</td></tr>`;
 }
 async function refresh() {
   try {
@@ -46,7 +47,7 @@ async function refresh() {
       previous[model.name] = {requests: model.requests, time: now};
       html += `<h2 class="model">${model.name} <span class="muted">${model.replicas.length} replicas,
         ${rate} requests/s</span></h2><table><tr><th>replica</th><th>KV cache</th><th></th>
-        <th>running</th><th>waiting</th><th>url</th></tr>${model.replicas.map(row).join("")}</table>`;
+        <th>running</th><th>waiting</th><th>restarts</th><th>url</th></tr>${model.replicas.map(row).join("")}</table>`;
     }
     document.getElementById("models").innerHTML = html || "<p>No live replicas.</p>";
     document.getElementById("status").textContent = data.registry_available ? "live" : "Redis unreachable";

@@ -3,13 +3,18 @@
 One shared aiohttp session (an upstream call costs a third of httpx's here); hop-by-hop
 headers and the client's API key are not forwarded; a request id is added. A JSON answer is
 read whole and sent in one write; an SSE stream is relayed chunk by chunk without
-buffering, and a client that goes away closes the upstream connection, which aborts the
-request on the replica. Responses are written straight to ASGI: this is the hot path.
+buffering. Responses are written straight to ASGI: this is the hot path.
+
+Failure rules: only a failure of the replica itself (a connection error, a timeout, or a
+503 before the first byte) moves the request to another replica; any other answer, a 4xx
+or a 500 included, is the request's own and goes to the client as it is. A replica is
+skipped for a while only after several such failures in a row (`OutlierDetector`), so one
+bad request cannot take replicas out. A client that goes away at any point closes the
+upstream connection, which aborts the request on the replica (`until_disconnected`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -25,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import RoutedRequest, RoutingPolicy
+from pagefleet.protocol.http import error_json
 from pagefleet.protocol.openai import error_response
 
 logger = logging.getLogger(__name__)
@@ -63,10 +69,6 @@ class RequestShape:
 
     def blocks(self, block_size: int) -> int:
         return math.ceil(self.prompt_tokens / block_size) + self.num_sequences * math.ceil(self.max_tokens / block_size)
-
-
-def error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_response(status, message, param), status_code=status, headers=headers)
 
 
 class BadRequest(Exception):
@@ -111,11 +113,35 @@ def describe(body: bytes, chat: bool) -> RequestShape:
     return RequestShape(model, prompt_tokens, max(1, max_tokens), max(1, num), prefix)
 
 
+class OutlierDetector:
+    """Skips a replica for `exclude_for` seconds after `threshold` consecutive failures of
+    its own (as Envoy's outlier detection does); any answer that is not one resets the
+    count."""
+
+    def __init__(self, registry: ReplicaRegistry, threshold: int, exclude_for: float) -> None:
+        self.registry, self.threshold, self.exclude_for = registry, threshold, exclude_for
+        self._failures: dict[str, int] = {}  # replica url -> consecutive failures
+
+    def failed(self, url: str) -> bool:
+        """Count a failure; True if the replica is now skipped."""
+        count = self._failures.get(url, 0) + 1
+        if count < self.threshold:
+            self._failures[url] = count
+            return False
+        self._failures.pop(url, None)
+        self.registry.exclude(url, self.exclude_for)
+        return True
+
+    def succeeded(self, url: str) -> None:
+        if self._failures:
+            self._failures.pop(url, None)
+
+
 class Proxy:
-    def __init__(self, registry: ReplicaRegistry, metrics: GatewayMetrics, attempts: int, exclude_for: float) -> None:
+    def __init__(self, registry: ReplicaRegistry, metrics: GatewayMetrics, attempts: int, outliers: OutlierDetector):
         self.session: aiohttp.ClientSession | None = None  # opened inside the server's loop (start)
         self.registry, self.metrics = registry, metrics
-        self.attempts, self.exclude_for = attempts, exclude_for
+        self.attempts, self.outliers = attempts, outliers
 
     async def start(self, connect_timeout: float, read_timeout: float) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
@@ -151,24 +177,30 @@ class Proxy:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 await self._failed(route.release, model, replica.replica_id, replica.url, repr(exc))
                 continue
-            if upstream.status >= 500:
+            if upstream.status == 503:  # the replica cannot take it now (full, loading, stopped)
                 upstream.release()
-                await self._failed(route.release, model, replica.replica_id, replica.url, f"HTTP {upstream.status}")
+                await self._failed(route.release, model, replica.replica_id, replica.url, "HTTP 503")
                 continue
+            self.outliers.succeeded(replica.url)
             self.metrics.upstream_latency.labels(model, replica.replica_id).observe(time.monotonic() - started)
             self.metrics.requests.labels(model, replica.replica_id, str(upstream.status)).inc()
             extra = [(b"x-request-id", request_id.encode()), (b"x-pagefleet-replica", replica.replica_id.encode())]
             return Relay(upstream, request_id, extra)
         self.metrics.errors.labels(model, "no_replica").inc()
-        return error(
+        return error_json(
             503, f"No replica of `{model}` could take the request; retry shortly.", headers={"Retry-After": "1"}
         )
 
     async def _failed(self, release: Any, model: str, replica_id: str, url: str, reason: str) -> None:
         await release()
-        self.registry.exclude(url, self.exclude_for)
+        skipped = self.outliers.failed(url)
         self.metrics.failovers.labels(model, replica_id).inc()
-        logger.warning("replica %s failed before the first byte (%s); trying another", replica_id, reason)
+        logger.warning(
+            "replica %s failed before the first byte (%s); trying another%s",
+            replica_id,
+            reason,
+            f"; skipping it for {self.outliers.exclude_for:g} s" if skipped else "",
+        )
 
 
 class Relay:
@@ -181,27 +213,20 @@ class Relay:
         self.streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self.streaming:
-            try:
-                body = await self.upstream.read()
-            finally:
-                self.upstream.release()
-            headers = self.headers + [(b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": self.upstream.status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        # A stream: relay until it ends, or until the client goes away (then drop upstream).
-        relay = asyncio.ensure_future(self._relay(send))
-        watch = asyncio.ensure_future(_disconnected(receive))
+        completed = False
         try:
-            await asyncio.wait([relay, watch], return_when=asyncio.FIRST_COMPLETED)
+            if self.streaming:
+                await self._relay(send)
+            else:
+                body = await self.upstream.read()
+                headers = self.headers + [(b"content-length", str(len(body)).encode())]
+                await send({"type": "http.response.start", "status": self.upstream.status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+            completed = True
         finally:
-            for task in (relay, watch):
-                task.cancel()
-            await asyncio.gather(relay, watch, return_exceptions=True)
-            self.upstream.close()  # no-op once fully read; otherwise aborts the request upstream
-        if relay.done() and not relay.cancelled() and relay.exception() is not None:
-            raise relay.exception()  # type: ignore[misc]
+            # Read to the end: the connection goes back to the pool. Otherwise (the client
+            # left, the relay failed) it is closed, which aborts the request upstream.
+            self.upstream.release() if completed else self.upstream.close()
 
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.upstream.status, "headers": self.headers})
@@ -215,11 +240,6 @@ class Relay:
                 {"type": "http.response.body", "body": f"data: {json.dumps(message)}\n\n".encode(), "more_body": True}
             )
         await send({"type": "http.response.body", "body": b""})
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 ASGIResponse = Relay | JSONResponse

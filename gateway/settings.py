@@ -29,7 +29,10 @@ class GatewaySettings(BaseSettings):
     record_ttl: float = RECORD_TTL_S
     redis_grace: float = Field(30.0, description="seconds to keep routing on the last registry without Redis")
     failover_attempts: int = 3
-    exclude_failed_for: float = Field(10.0, description="seconds a failed replica is skipped")
+    eject_after_failures: int = Field(
+        3, ge=1, description="consecutive failures (connection errors, timeouts, 503) before a replica is skipped"
+    )
+    exclude_failed_for: float = Field(10.0, description="seconds a replica is skipped after those failures")
     connect_timeout: float = 2.0
     read_timeout: float = 600.0
     log_level: str = "INFO"

@@ -28,6 +28,7 @@ class ReplicaRecord(BaseModel):
     running: int = Field(ge=0, description="requests being computed")
     waiting: int = Field(ge=0, description="requests queued or preempted")
     max_model_len: int = Field(gt=0)
+    restarts: int = Field(0, ge=0, description="times its supervisor restarted this replica after it died")
     timestamp: float = Field(default_factory=time.time, description="Unix time of this report")
 
     @property

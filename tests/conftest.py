@@ -57,6 +57,9 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
     )
     if arch == "llama":
         return tf.LlamaConfig(**sizes, **common)
+    if arch == "llama_slow":  # wide and deep enough that a step takes milliseconds
+        wide = sizes | dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8)
+        return tf.LlamaConfig(**wide, **common)
     if arch == "mistral":
         return tf.MistralConfig(**sizes, sliding_window=None, **common)
     if arch == "mistral_window":  # each query sees only its last 8 keys
@@ -113,6 +116,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_mistral_window(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("mistral_window", tmp_path_factory.mktemp("tiny-mistral-window"))
+
+
+@pytest.fixture(scope="session")
+def slow_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama slow enough (several ms a token) that a test can leave a request mid-way."""
+    return build_tiny_model("llama_slow", tmp_path_factory.mktemp("slow-llama"))
 
 
 @pytest.fixture(scope="session")

@@ -115,6 +115,31 @@ def metrics(server: EngineServer) -> dict[str, float]:
     return samples
 
 
+def idle_with_every_block_free(server: EngineServer) -> bool:
+    sample = metrics(server)
+    return (
+        sample["pagefleet:num_requests_running"] == 0
+        and sample["pagefleet:num_requests_waiting"] == 0
+        and sample["pagefleet:num_free_blocks"] == sample["pagefleet:num_total_blocks"]
+    )
+
+
+def leave_a_stream_after_a_few_events(url: str, body: dict[str, object]) -> dict[str, str]:
+    """Read three events of a streamed answer, then close the connection; the headers."""
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        events = (line for line in response.iter_lines() if line.startswith("data: {"))
+        for _ in range(3):
+            next(events)
+        return dict(response.headers)
+
+
+def leave_before_the_answer(url: str, body: dict[str, object]) -> None:
+    """Send a non-streamed request and hang up half a second later, long before its answer."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=body, timeout=httpx.Timeout(30, read=0.5))
+
+
 def wait_for(condition, timeout: float = 20.0, interval: float = 0.1):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -2,7 +2,12 @@
 
 Start-up loads the model in a thread (so `/health` answers 503 until it is loaded and
 warm), then starts publishing KV capacity to Redis if a URL is set. Shutdown removes the
-Redis record and stops the engine. Every error is OpenAI-shaped JSON.
+Redis record and stops the engine. Every error is OpenAI-shaped JSON (see errors.py).
+
+If the engine dies (its shared forward pass failed), the replica withdraws its Redis record
+at once, `/health` fails, and after a short grace for in-flight error responses the server
+stops and the process exits with `EXIT_ENGINE_DEAD`, so that its supervisor (Kubernetes,
+`pagefleet up`) starts a fresh one.
 """
 
 from __future__ import annotations
@@ -10,31 +15,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.engine.async_engine import AsyncEngine
-from pagefleet.engine.errors import EngineDeadError, InvalidParameterError
 from pagefleet.engine.llm_engine import EngineStats
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.chat import chat_prompt, create_chat_completion
 from pagefleet.engine.server.completions import create_completion
+from pagefleet.engine.server.errors import OpenAIError, install_error_handlers
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.publisher import CapacityPublisher
-from pagefleet.engine.server.serving import OpenAIError, ServerState
+from pagefleet.engine.server.serving import ServerState
 from pagefleet.engine.server.settings import ServerSettings
-from pagefleet.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, error_response
+from pagefleet.engine.server.streaming import cancel_on_disconnect
+from pagefleet.protocol.http import ErrorGuard, error_json
+from pagefleet.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 logger = logging.getLogger(__name__)
+
+EXIT_ENGINE_DEAD = 3  # the process's exit code after its engine died
 
 
 def _version() -> str:
@@ -47,7 +54,7 @@ def _version() -> str:
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
 
 
@@ -86,7 +93,7 @@ class BodySizeLimit:
             await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
-        response = JSONResponse(error_response(413, f"The request body exceeds {self.limit} bytes."), status_code=413)
+        response = error_json(413, f"The request body exceeds {self.limit} bytes.")
         await response({"type": "http"}, _no_receive, send)
 
 
@@ -96,36 +103,6 @@ class _BodyTooLarge(Exception):
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
-
-
-def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_response(status, message, param), status_code=status, headers=headers)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
-        return _error(error.status, error.message, error.param, error.headers)
-
-    @app.exception_handler(InvalidParameterError)
-    async def invalid_parameter(_: Request, error: InvalidParameterError) -> JSONResponse:
-        return _error(400, str(error), error.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return _error(400, message, param)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
-        return _error(503, f"The engine stopped: {error}")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return _error(error.status_code, str(error.detail))
 
 
 async def _load(state: ServerState, engine: AsyncEngine | None) -> None:
@@ -145,20 +122,45 @@ def _stats(state: ServerState) -> EngineStats | None:
     return state.engine.stats() if state.engine is not None else None
 
 
-def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> FastAPI:
-    """The app for `settings`; pass an `engine` to serve one built already (tests)."""
+def create_app(
+    settings: ServerSettings, engine: AsyncEngine | None = None, stop_server: Callable[[], None] | None = None
+) -> FastAPI:
+    """The app for `settings`; pass an `engine` to serve one built already (tests).
+
+    `stop_server` makes the HTTP server stop gracefully; it is called if the engine dies
+    (the server's runner then exits with `state.exit_code`).
+    """
     state: ServerState
     state = ServerState(settings, ServerMetrics(settings.model_name, lambda: _stats(state)))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         publisher: CapacityPublisher | None = None
+        publishing: asyncio.Task[None] | None = None
         tasks: list[asyncio.Task[None]] = []
+        engine_died = asyncio.Event()
+
+        async def withdraw_when_dead() -> None:
+            await engine_died.wait()
+            state.exit_code = EXIT_ENGINE_DEAD
+            logger.critical("the engine stopped; leaving the fleet and exiting with code %d", EXIT_ENGINE_DEAD)
+            if publisher is not None and publishing is not None:
+                publishing.cancel()  # no report may follow the removal
+                await asyncio.gather(publishing, return_exceptions=True)
+                await publisher.remove()
+            await asyncio.sleep(settings.exit_grace)  # in-flight requests get their error answers
+            if stop_server is not None:
+                stop_server()
 
         async def start() -> None:
-            nonlocal publisher
+            nonlocal publisher, publishing
             await _load(state, engine)
-            if state.engine is not None and settings.redis_url:
+            if state.engine is None:
+                return
+            loop = asyncio.get_running_loop()
+            state.engine.add_death_callback(lambda _: loop.call_soon_threadsafe(engine_died.set))
+            tasks.append(asyncio.create_task(withdraw_when_dead()))
+            if settings.redis_url:
                 publisher = CapacityPublisher(
                     settings.redis_url,
                     settings.model_name,
@@ -168,8 +170,10 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
                     state.engine.stats,
                     settings.publish_interval,
                     settings.record_ttl,
+                    settings.restarts,
                 )
-                tasks.append(asyncio.create_task(publisher.run()))
+                publishing = asyncio.create_task(publisher.run())
+                tasks.append(publishing)
 
         tasks.append(asyncio.create_task(start()))
         yield
@@ -183,7 +187,8 @@ def create_app(settings: ServerSettings, engine: AsyncEngine | None = None) -> F
 
     app = FastAPI(title="pagefleet engine", version=_version(), lifespan=lifespan)
     app.state.server = state
-    _install_error_handlers(app)
+    install_error_handlers(app)
+    app.add_middleware(ErrorGuard)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     _add_routes(app, state)
     return app
@@ -195,11 +200,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         if state.load_error is not None:
-            return _error(503, f"The model failed to load: {state.load_error}")
+            return error_json(503, f"The model failed to load: {state.load_error}")
         if state.engine is None:
-            return _error(503, "The model is loading.", headers={"Retry-After": "5"})
+            return error_json(503, "The model is loading.", headers={"Retry-After": "5"})
         if not state.engine.is_running:
-            return _error(503, "The engine stopped.")
+            return error_json(503, "The engine stopped.")
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -221,12 +226,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
-        return await create_completion(state, body)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await cancel_on_disconnect(request, create_completion(state, body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
-        return await create_chat_completion(state, body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await cancel_on_disconnect(request, create_chat_completion(state, body))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

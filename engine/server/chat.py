@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
+from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.serving import (
     ChunkWriter,
-    OpenAIError,
     ServerState,
     check_admission,
     finish_reason,
@@ -24,6 +24,7 @@ from pagefleet.engine.server.serving import (
     sse,
     usage,
 )
+from pagefleet.engine.server.streaming import EventStreamResponse
 from pagefleet.protocol.openai import ChatCompletionRequest
 
 
@@ -67,9 +68,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _stream(state, body, response_id, stream, include_usage), media_type="text/event-stream"
-        )
+        return EventStreamResponse(_stream(state, body, response_id, stream, include_usage))
     final: RequestOutput | None = None
     async with aclosing(stream):  # type: ignore[type-var]
         async for output in stream:

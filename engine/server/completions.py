@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagefleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.serving import (
     ChunkWriter,
-    OpenAIError,
     ServerState,
     check_admission,
     finish_reason,
@@ -26,6 +26,7 @@ from pagefleet.engine.server.serving import (
     start_all,
     usage,
 )
+from pagefleet.engine.server.streaming import EventStreamResponse
 from pagefleet.protocol.openai import CompletionRequest
 
 
@@ -104,7 +105,7 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(state, body, response_id, streams, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return EventStreamResponse(events)
     finals = await asyncio.gather(*(_last(stream) for stream in streams))
     choices = []
     for prompt_index, output in enumerate(finals):

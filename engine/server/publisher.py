@@ -35,6 +35,7 @@ class CapacityPublisher:
         read_stats: Callable[[], EngineStats],
         interval: float,
         ttl: float,
+        restarts: int = 0,
     ) -> None:
         self.client = redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.key = record_key(model_name, replica_id)
@@ -42,6 +43,7 @@ class CapacityPublisher:
         self.max_model_len = max_model_len
         self.read_stats = read_stats
         self.interval, self.ttl = interval, ttl
+        self.restarts = restarts
         self._last: EngineStats | None = None
         self._last_time = 0.0
         self._redis_down = False
@@ -57,6 +59,7 @@ class CapacityPublisher:
             running=stats.num_running_requests,
             waiting=stats.num_waiting_requests,
             max_model_len=self.max_model_len,
+            restarts=self.restarts,
         )
 
     async def run(self) -> None:

@@ -15,17 +15,10 @@ from typing import Any
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
 from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
-
-
-class OpenAIError(Exception):
-    """Answered as `{"error": {...}}` with this status (see app.py)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
 @dataclass(slots=True)
@@ -34,6 +27,7 @@ class ServerState:
     metrics: ServerMetrics
     engine: AsyncEngine | None = None  # None until the model is loaded and warm
     load_error: BaseException | None = None
+    exit_code: int = 0  # what the process exits with once the server stops (non-zero: the engine died)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ready_engine(self, model: str | None) -> AsyncEngine:

@@ -1,11 +1,14 @@
-"""`pagefleet up` brings up a fleet from a fleet file and takes all of it down on Ctrl-C."""
+"""`pagefleet up` brings up a fleet from a fleet file, restarts a replica that dies, and
+takes all of it down on Ctrl-C."""
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +38,46 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _command_line(pid: int) -> str:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+class _Lines:
+    """The lines a process prints, read in a thread so that waiting for one can time out."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.seen: list[str] = []
+        self._queue: queue.Queue[str] = queue.Queue()
+        stdout = process.stdout
+        assert stdout is not None
+
+        def pump() -> None:
+            for line in stdout:
+                self._queue.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"no line with {text!r} in {timeout} s:\n{''.join(self.seen)}")
+
+
+def _replica_record(gateway: str, replica_id: str) -> dict | None:
+    for model in httpx.get(f"{gateway}/dashboard/data").json()["models"]:
+        for replica in model["replicas"]:
+            if replica["replica_id"] == replica_id:
+                return replica
+    return None
+
+
 def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
     gateway_port = free_port()
     fleet = tmp_path / "fleet.yaml"
@@ -52,13 +95,8 @@ def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Pat
         text=True,
     )
     try:
-        assert up.stdout is not None
-        lines = []
-        for line in up.stdout:
-            lines.append(line)
-            if "fleet ready" in line or up.poll() is not None:
-                break
-        assert any("fleet ready" in line for line in lines), "".join(lines)
+        lines = _Lines(up)
+        lines.wait_for("fleet ready", timeout=240)
         gateway = f"http://127.0.0.1:{gateway_port}"
         models = {m["id"] for m in httpx.get(f"{gateway}/v1/models").json()["data"]}
         assert models == {"tiny", "tiny-bf16"}
@@ -67,6 +105,23 @@ def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Pat
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
         children = _children(up.pid)
         assert len(children) == 4, "redis, the gateway and two engines"
+
+        # A replica that dies is started again, and says how often it was restarted.
+        (doomed,) = [pid for pid in children if "--replica-id tiny-0 " in _command_line(pid) + " "]
+        os.kill(doomed, signal.SIGKILL)
+        assert "restarting in 1 s" in lines.wait_for("tiny-0 exited", timeout=10)
+        lines.wait_for("tiny-0 restarted (restart 1)", timeout=10)
+        deadline = time.monotonic() + 120
+        while ((record := _replica_record(gateway, "tiny-0")) is None or record["restarts"] != 1) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.3)
+        assert record is not None and record["restarts"] == 1, record
+        answer = httpx.post(f"{gateway}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
+        assert answer.status_code == 200
+        children = _children(up.pid)
+        assert len(children) == 4 and doomed not in children
+
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
         deadline = time.monotonic() + 5

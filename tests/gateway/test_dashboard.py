@@ -40,5 +40,6 @@ def test_dashboard_shows_models_and_replicas(fleet: Fleet, browser, tmp_path: Pa
     assert {row.get_attribute("data-replica") for row in rows} >= {"tiny-a", "tiny-b"}
     assert "tiny" in browser.find_element(By.CSS_SELECTOR, "h2.model").text
     assert browser.find_element(By.ID, "status").text == "live"
+    assert [cell.text for cell in browser.find_elements(By.CSS_SELECTOR, "td.restarts")][:2] == ["0", "0"]
     screenshot = tmp_path / "dashboard.png"
     assert browser.save_screenshot(str(screenshot)) and screenshot.stat().st_size > 1000

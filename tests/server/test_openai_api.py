@@ -11,21 +11,12 @@ import httpx
 import openai
 import pytest
 
-from tests.processes import EngineServer, metrics, start_server, stop_server, wait_for
+from tests.processes import EngineServer, idle_with_every_block_free, metrics, start_server, stop_server, wait_for
 
 
 @pytest.fixture(scope="module")
 def client(tiny_server: EngineServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0)
-
-
-def _all_blocks_free(server: EngineServer) -> bool:
-    sample = metrics(server)
-    return (
-        sample["pagefleet:num_free_blocks"] == sample["pagefleet:num_total_blocks"]
-        and sample["pagefleet:num_requests_running"] == 0
-        and sample["pagefleet:num_requests_waiting"] == 0
-    )
 
 
 def test_models_health_version_tokenize(tiny_server: EngineServer, client: openai.OpenAI) -> None:
@@ -123,19 +114,7 @@ def test_concurrent_streams_are_batched(tiny_server: EngineServer, client: opena
     watcher.join()
     assert all(texts)
     assert most_running >= 8, f"at most {most_running} requests ran together"
-    wait_for(lambda: _all_blocks_free(tiny_server))
-
-
-def test_disconnect_mid_stream_frees_blocks(tiny_server: EngineServer) -> None:
-    body = {"model": tiny_server.model, "prompt": "Long story:", "max_tokens": 400, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=body, timeout=30) as response:
-        lines = response.iter_lines()
-        received = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: {") for line in received)
-        assert metrics(tiny_server)["pagefleet:num_requests_running"] == 1
-    # Closed after a few tokens of 400: the server aborts the request and frees its blocks.
-    wait_for(lambda: _all_blocks_free(tiny_server))
-    assert metrics(tiny_server)["pagefleet:generation_tokens_total"] < 10_000
+    wait_for(lambda: idle_with_every_block_free(tiny_server))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,81 @@
+"""Every error the replica answers is OpenAI-shaped JSON, whatever raised it.
+
+Known errors map to their status: invalid input (pydantic, `InvalidParameterError`) is 400
+naming the field, a request that failed inside the engine is 500, a stopped engine is 503.
+Anything else is caught by `protocol.http.ErrorGuard` at the edge of the app.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagefleet.engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError
+from pagefleet.protocol.http import error_json
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIError(Exception):
+    """Answered as `{"error": {...}}` with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def _validation_message(errors: list[dict[str, object]]) -> tuple[str, str | None]:
+    """(message, param) of the first pydantic error, the field path as OpenAI names it."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]  # type: ignore[attr-defined]
+    param = ".".join(location) or None
+    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+
+
+def status_of(error: BaseException) -> tuple[int, str]:
+    """The status and message a client gets for `error` (also inside an event stream)."""
+    if isinstance(error, OpenAIError):
+        return error.status, error.message
+    if isinstance(error, InvalidParameterError):
+        return 400, str(error)
+    if isinstance(error, EngineDeadError):
+        return 503, f"The engine stopped: {error}"
+    if isinstance(error, RequestFailedError):
+        return 500, f"The request failed inside the engine: {error}"
+    return 500, "Internal server error."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+        return error_json(error.status, error.message, error.param, error.headers)
+
+    @app.exception_handler(InvalidParameterError)
+    async def invalid_parameter(_: Request, error: InvalidParameterError) -> JSONResponse:
+        return error_json(400, str(error), error.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return error_json(400, *_validation_message(list(error.errors())))
+
+    @app.exception_handler(ValidationError)
+    async def validation_error(_: Request, error: ValidationError) -> JSONResponse:
+        # A model built inside a handler from request data: still the client's input.
+        return error_json(400, *_validation_message(list(error.errors())))  # type: ignore[arg-type]
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
+        return error_json(*status_of(error))
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
+        return error_json(*status_of(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_json(error.status_code, str(error.detail))

@@ -1,0 +1,87 @@
+"""What pagefleet's two HTTP servers (the engine server and the gateway) share at the ASGI
+level: the one shape of every error, and noticing a client that leaves.
+
+Errors: `{"error": {"message", "type", "param", "code"}}` with the right status, never plain
+text, whatever raised. `ErrorGuard` wraps an app: an exception the app lets through becomes
+a 500 JSON body carrying the request id (also in `x-request-id`), logged with its
+traceback, and the connection stays usable (Starlette's own last-resort handler answers
+plain text and re-raises, after which the server drops the connection).
+
+Disconnects: `until_disconnected` runs a request's work and cancels it if the client goes
+away first, so that nothing is computed for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagefleet.protocol.openai import error_response
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def error_json(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_response(status, message, param), status_code=status, headers=headers)
+
+
+class ErrorGuard:
+    """The last line: any exception the app lets through becomes an OpenAI-shaped 500 with
+    a request id (if nothing was sent yet), and never reaches the server, which would drop
+    the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or f"req-{uuid.uuid4().hex}"
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:  # the app's boundary: answer, log, keep serving
+            logger.exception("request %s %s failed", request_id, scope.get("path"))
+            if started:
+                return  # the status is out already; the body simply ends
+            message = f"Internal server error (request id {request_id})."
+            response = error_json(500, message, headers={"x-request-id": request_id})
+            await response(scope, receive, send)
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return once the client has gone (after its body was read, `receive` says nothing else)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client went away first: then `work` is cancelled.
+    Call it after the request body was read. `work`'s own errors propagate."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in (task, watch):
+            future.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    return None if task.cancelled() else task.result()
