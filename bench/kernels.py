@@ -8,8 +8,8 @@ gather is timed too: it is what a non-paged kernel would need), with the decode 
 achieved memory bandwidth as a fraction of the device's peak. Shapes are Llama-3-8B's
 attention (32 query heads, 8 kv heads, head_dim 128), block size 16.
 
-On a CPU there is no GPU to time the kernels on: it says so and reports the torch path
-(the engine's CPU attention backend) for the small shapes instead.
+On a CPU there is no GPU to time the kernels on: it says so and times the CPU decode paths
+instead (the compiled operator, the plain-torch backend, gathered SDPA).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _gathered_sdpa(query, key_cache, value_cache, tables, lengths, causal: bool)
     batch, context = tables.shape[0], int(lengths[0])
     keys = key_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)  # [b, kvh, L, D]
     values = value_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)
-    q = query.view(batch, -1, NUM_HEADS, HEAD_DIM).transpose(1, 2)
+    q = query.reshape(batch, -1, *query.shape[-2:]).transpose(1, 2)
     return torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=causal, enable_gqa=True)
 
 
@@ -110,45 +110,45 @@ def bench_cuda(batches: list[int], contexts: list[int], dtype: torch.dtype) -> N
 
 
 def bench_cpu(dtype: torch.dtype) -> None:
-    """The engine's CPU attention (TorchAttentionBackend) vs gathered SDPA, small shapes."""
-    from pagefleet.engine.layers.attention import (
-        AttentionMetadata,
-        DecodeBucket,
-        TorchAttentionBackend,
-        allocate_kv_cache,
-    )
+    """The CPU decode paths on SmolLM2's attention shapes (9 query heads, 3 kv heads, head
+    size 64), blocks scattered at random: the compiled operator against the plain-torch
+    backend (its fallback) and gathered SDPA, all measured here, in this run."""
+    from pagefleet.engine.layers.attention import CacheSpec, StepLayout, allocate_kv_cache
+    from pagefleet.engine.layers.cpu_attention import CpuAttentionBackend
+    from pagefleet.engine.layers.torch_attention import TorchAttentionBackend
+    from pagefleet.kernels import cpu_ops
 
+    heads, kv_heads, head_dim = 9, 3, 64
     print("No GPU present: the Triton kernels are checked by the interpreter and compiled for sm_90/sm_80 in tests,")
-    print("but cannot be timed here. The CPU path (the engine's torch backend), decode:")
-    print("batch context | torch backend ms | gather+SDPA ms")
+    print(f"but cannot be timed here. CPU decode attention per layer ({dtype}, heads 9/3, head size 64):")
+    print("batch context | compiled ms | torch backend ms (ratio) | gather+SDPA ms (ratio)")
+    assert cpu_ops.load(), "the compiled CPU operators could not be built"
     device = torch.device("cpu")
-    backend = TorchAttentionBackend()
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     for batch in (1, 16, 64):
-        for context in (128, 1024):
-            _, _, tables, lengths = _paged_inputs(batch, context, dtype, device)
-            key_cache = allocate_kv_cache(tables.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, device)
-            value_cache = allocate_kv_cache(tables.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, device)
-            key_cache.normal_()
-            value_cache.normal_()
-            query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype)
-            new = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+        for context in (128, 512, 2048):
+            num_blocks = batch * -(-context // BLOCK_SIZE)
+            tables = torch.randperm(num_blocks).view(batch, -1).int()
+            lengths = torch.full((batch,), context, dtype=torch.int32)
+            key_cache = allocate_kv_cache(num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype, device).normal_()
+            value_cache = allocate_kv_cache(num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype, device).normal_()
+            query = torch.randn(batch, heads, head_dim, dtype=dtype)
+            new = torch.randn(batch, kv_heads, head_dim, dtype=dtype)
             slots = tables[:, -1].long() * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
-
-            bucket = DecodeBucket(
-                rows=torch.arange(batch),
-                block_ids=tables.flatten().long(),
-                num_blocks=tables.shape[1],
-                masked=torch.zeros(batch, tables.shape[1] * BLOCK_SIZE, dtype=torch.bool),
-            )
-            metadata = AttentionMetadata(slots, decode_buckets=[bucket])
-            step = (query, new, new, key_cache, value_cache, metadata, scale)
-            torch_ms = _time(partial(backend.forward, *step), device, repeats=5)
+            step = StepLayout(slots, [context] * batch, tables.tolist(), [])
+            spec = CacheSpec(num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype, device, None)
+            timings = []
+            for backend in (CpuAttentionBackend(spec), TorchAttentionBackend(spec)):
+                metadata = backend.prepare(step)
+                forward = partial(backend.forward, query, new, new, key_cache, value_cache, metadata, scale)
+                timings.append(_time(forward, device, repeats=7))
             gathered = (query[:, None], key_cache, value_cache, tables, lengths, False)
-            sdpa_ms = _time(partial(_gathered_sdpa, *gathered), device, repeats=5)
+            sdpa = _time(partial(_gathered_sdpa, *gathered), device, repeats=5)
+            compiled, plain = timings
             print(
-                f"decode {batch:4d} {context:5d} | {torch_ms * 1e3:8.2f} | {sdpa_ms * 1e3:8.2f} "
-                f"(x{sdpa_ms / torch_ms:.2f})"
+                f"decode {batch:4d} {context:5d} | {compiled * 1e3:8.3f} | {plain * 1e3:8.3f} (x{plain / compiled:.1f}) "
+                f"| {sdpa * 1e3:8.3f} (x{sdpa / compiled:.1f})",
+                flush=True,
             )
 
 

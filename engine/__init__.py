@@ -2,13 +2,17 @@
 
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.errors import EngineError, InvalidParameterError, PromptTooLongError
+from pagefleet.engine.errors import EngineError, InvalidParameterError, PromptTooLongError, RequestFailedError
+from pagefleet.engine.inputs import TextPrompt, TokensPrompt
 from pagefleet.engine.llm import LLM
 from pagefleet.engine.llm_engine import EngineStats, LLMEngine
 from pagefleet.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from pagefleet.engine.sampling_params import SamplingParams
 
 __all__ = [
+    "RequestFailedError",
+    "TextPrompt",
+    "TokensPrompt",
     "LLM",
     "AsyncEngine",
     "CompletionOutput",

@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineDeadError, RequestFailedError
+from pagefleet.engine.inputs import PromptType
 from pagefleet.engine.llm_engine import EngineStats, LLMEngine
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
@@ -66,7 +67,7 @@ class AsyncEngine:
         return self._thread.is_alive() and self._dead is None
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that changed it; the last is final.
 

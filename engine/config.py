@@ -39,7 +39,12 @@ class EngineConfig:
         preemption_mode: "recompute" or "swap" (to a host pool of `swap_space` bytes).
         seed: seed of the engine's own random generator (requests without a seed).
         device: "auto", "cpu" or "cuda".
-        attention_backend: "auto" (Triton on CUDA, torch elsewhere) or "torch".
+        attention_backend: "auto" (Triton on CUDA; on a CPU the compiled operator, or plain
+            torch if it cannot be built), "cpu", "torch" or "triton".
+        tokenizer: a directory (or built-in name) to take the tokenizer from; default the
+            model's own.
+        skip_tokenizer_init: load no tokenizer: prompts must be token ids, outputs carry
+            token ids and no text (as vLLM's option).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -58,6 +63,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         def fail(param: str, message: str) -> None:
@@ -83,8 +89,8 @@ class EngineConfig:
             fail("swap_space", f"must be >= 0 bytes, got {self.swap_space}")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("device", f"must be auto, cpu or cuda; got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            fail("attention_backend", f"must be auto, torch or triton; got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            fail("attention_backend", f"must be auto, cpu, torch or triton; got {self.attention_backend!r}")
 
     @property
     def torch_device(self) -> torch.device:

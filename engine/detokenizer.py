@@ -16,6 +16,8 @@ _CONTEXT_TOKENS = 5  # prompt tokens used as context for the first output tokens
 
 
 class Detokenizer:
+    """`tokenizer` None (an engine started with skip_tokenizer_init): no text at all."""
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
@@ -25,6 +27,8 @@ class Detokenizer:
 
     def step(self, seq: Sequence, skip_special_tokens: bool) -> str:
         """New text made complete by the sequence's latest tokens (may be empty)."""
+        if self.tokenizer is None:
+            return ""
         ids = seq.token_ids
         prefix = self.tokenizer.decode(
             ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip_special_tokens
@@ -36,7 +40,12 @@ class Detokenizer:
         return full[len(prefix) :]
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return "" if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
 def find_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[str, int] | None:

@@ -16,7 +16,8 @@ import torch
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.kv_cache_manager import KVCacheManager
-from pagefleet.engine.layers.attention import AttentionBackend, TorchAttentionBackend
+from pagefleet.engine.layers.attention import CacheSpec
+from pagefleet.engine.layers.backends import select_backend
 from pagefleet.engine.loader import resolve_model_dir
 from pagefleet.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pagefleet.engine.models import ModelConfig, load_model
@@ -38,31 +39,23 @@ class EngineParts:
     runner: ModelRunner
 
 
-def select_backend(config: EngineConfig) -> AttentionBackend:
-    """Triton kernels on CUDA, plain torch elsewhere; `attention_backend` overrides."""
-    choice = config.attention_backend
-    if choice == "auto":
-        choice = "triton" if config.torch_device.type == "cuda" else "torch"
-    if choice == "torch":
-        return TorchAttentionBackend()
-    if config.torch_device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise InvalidParameterError(
-            "attention_backend",
-            "the Triton kernels need a CUDA device; on a CPU they run only under the Triton "
-            "interpreter (set TRITON_INTERPRET=1 before starting)",
-        )
-    from pagefleet.engine.layers.triton_attention import TritonAttentionBackend
-
-    return TritonAttentionBackend()
-
-
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     from transformers import AutoTokenizer
 
     if config.torch_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     model_dir = resolve_model_dir(config.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    tokenizer = None
+    if not config.skip_tokenizer_init:
+        tokenizer_dir = resolve_model_dir(config.tokenizer) if config.tokenizer else model_dir
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise InvalidParameterError(
+                "tokenizer",
+                f"no usable tokenizer in {tokenizer_dir} ({error}); name one with tokenizer=..., "
+                "or pass skip_tokenizer_init=True to run on token ids alone",
+            ) from error
     dtype, device = config.torch_dtype, config.torch_device
     model, model_config = load_model(model_dir, dtype, device)
     block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype)
@@ -85,10 +78,21 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv_cache = KVCacheManager(
         num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks, config.enable_block_sharing
     )
+    spec = CacheSpec(
+        num_blocks,
+        config.block_size,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        dtype,
+        device,
+        model_config.sliding_window,
+    )
+    backend = select_backend(config.attention_backend, spec)
+    logger.info("attention backend: %s", backend.name)
     runner = ModelRunner(
         model,
         model_config,
-        select_backend(config),
+        backend,
         num_blocks,
         num_host_blocks,
         config.block_size,

@@ -9,11 +9,11 @@ from typing import Any
 from tqdm import tqdm
 
 from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.inputs import PromptType, is_single_prompt
 from pagefleet.engine.llm_engine import EngineStats, LLMEngine
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
 Message = dict[str, str]
 _PROGRESS_MIN_PROMPTS = 8
 
@@ -32,14 +32,14 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids). Invalid input raises ValueError
         before anything runs."""
-        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
-        prompt_list: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
+        single = is_single_prompt(prompts)
+        prompt_list: list[PromptType] = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
@@ -63,7 +63,7 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         beam_width: int,
         max_tokens: int = 16,
         length_penalty: float = 1.0,

@@ -19,6 +19,7 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.engine_setup import EngineParts, build_engine_parts
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
+from pagefleet.engine.inputs import PromptType, parse_prompt
 from pagefleet.engine.model_runner import RequestResults, SampleRequest
 from pagefleet.engine.output_processor import OutputProcessor
 from pagefleet.engine.outputs import RequestOutput
@@ -76,8 +77,8 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Validate and queue a request.
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
+        """Validate and queue a request; `prompt` in any shape of `inputs.PromptType`.
 
         Raises:
             InvalidParameterError: (ValueError) naming the field, e.g. an empty prompt or a
@@ -85,7 +86,11 @@ class LLMEngine:
         """
         if request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
+        prompt = parse_prompt(prompt)
         text = prompt if isinstance(prompt, str) else None
+        if self.tokenizer is None and (text is not None or params.stop):
+            field = "prompt" if text is not None else "stop"
+            raise InvalidParameterError(field, "this engine has no tokenizer (skip_tokenizer_init=True): use token ids")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
         vocab = self.parts.model_config.vocab_size

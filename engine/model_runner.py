@@ -16,9 +16,8 @@ from pagefleet.engine.kv_cache_manager import PendingCopies
 from pagefleet.engine.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
-    DecodeBucket,
-    PagedBatch,
-    PrefillChunk,
+    PrefillSpan,
+    StepLayout,
     allocate_kv_cache,
 )
 from pagefleet.engine.models.config import ModelConfig
@@ -29,11 +28,6 @@ from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
-
-# Decode rows are gathered in a few buckets of similar context length, so short contexts
-# do not pay for the padding of long ones.
-_MAX_DECODE_BUCKETS = 2
-_BUCKET_RATIO = 0.5
 
 
 @dataclass(slots=True)
@@ -60,17 +54,6 @@ class RequestResults:
     sampled: SampleResult | None = None
     prompt_logprobs: PromptLogprobs | None = None
     error: Exception | None = None
-
-
-@dataclass(slots=True)
-class _Prefill:
-    """One prefill chunk of a step, before it becomes a backend's metadata."""
-
-    row: int  # its first row in the flat batch
-    num_new: int
-    end: int  # cached prefix + this chunk
-    table: list[int]  # the blocks covering [0, end)
-    context_slots: np.ndarray  # [end] cache slot of every context position
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -187,13 +170,14 @@ class ModelRunner:
     def _build_batch(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The flat batch of `chunks` and the backend's metadata for it (built once, here)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last_rows: list[int] = []
-        decode_rows, decode_context, decode_tables = [], [], []
-        prefills: list[_Prefill] = []
+        decode_context, decode_tables = [], []
+        prefills: list[PrefillSpan] = []
         for chunk in chunks:
             seq, start, num_new = chunk.seq, chunk.seq.num_computed_tokens, chunk.num_new_tokens
             end = start + num_new
@@ -204,7 +188,6 @@ class ModelRunner:
                 assert not prefills, "decode chunks must come before prefill chunks"
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
-                decode_rows.append(row)
                 decode_context.append(end)
                 decode_tables.append(table)
             else:
@@ -212,78 +195,16 @@ class ModelRunner:
                 context_slots = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
                 positions.extend(range(start, end))
                 slots.extend(context_slots[start:end].tolist())
-                prefills.append(_Prefill(row, num_new, end, table, context_slots))
+                prefills.append(PrefillSpan(row, num_new, end, table, context_slots))
             last_rows.append(row + num_new - 1)
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        if self.backend.uses_block_tables:
-            paged = self._paged_batch(decode_context, decode_tables, prefills)
-            metadata = AttentionMetadata(slot_mapping, paged=paged)
-        else:
-            window = self.model_config.sliding_window
-            chunk_metadata = [
-                PrefillChunk(p.row, p.num_new, p.end, torch.from_numpy(p.context_slots).to(self.device), window)
-                for p in prefills
-            ]
-            buckets = self._decode_buckets(decode_rows, decode_context, decode_tables)
-            metadata = AttentionMetadata(slot_mapping, buckets, chunk_metadata)
+        metadata = self.backend.prepare(StepLayout(slot_mapping, decode_context, decode_tables, prefills))
         return (
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             metadata,
             last_rows,
         )
-
-    def _paged_batch(
-        self, decode_lengths: list[int], decode_tables: list[list[int]], prefills: list[_Prefill]
-    ) -> PagedBatch:
-        def padded(tables: list[list[int]]) -> torch.Tensor:
-            width = max((len(t) for t in tables), default=0)
-            rows = [t + [0] * (width - len(t)) for t in tables]
-            return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(tables), width)
-
-        def lengths(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
-
-        return PagedBatch(
-            num_decodes=len(decode_lengths),
-            decode_block_tables=padded(decode_tables),
-            decode_context_lens=lengths(decode_lengths),
-            prefill_block_tables=padded([p.table for p in prefills]),
-            prefill_cu_seqlens=lengths(np.cumsum([0] + [p.num_new for p in prefills]).tolist()),
-            prefill_context_lens=lengths([p.end for p in prefills]),
-            max_prefill_len=max((p.num_new for p in prefills), default=0),
-            sliding_window=self.model_config.sliding_window,
-        )
-
-    def _decode_buckets(self, rows: list[int], context: list[int], tables: list[list[int]]) -> list[DecodeBucket]:
-        if not rows:
-            return []
-        order = sorted(range(len(rows)), key=lambda i: -context[i])
-        groups: list[list[int]] = [[]]
-        for i in order:
-            group = groups[-1]
-            if group and context[i] < _BUCKET_RATIO * context[group[0]] and len(groups) < _MAX_DECODE_BUCKETS:
-                groups.append([i])
-            else:
-                group.append(i)
-        buckets = []
-        for group in groups:
-            num_blocks = len(tables[group[0]])
-            padded = [tables[i] + [0] * (num_blocks - len(tables[i])) for i in group]
-            lengths = torch.tensor([context[i] for i in group])
-            key_positions = torch.arange(num_blocks * self.block_size)[None, :]
-            masked = key_positions >= lengths[:, None]
-            if self.model_config.sliding_window is not None:  # the query sits at length - 1
-                masked |= key_positions <= lengths[:, None] - 1 - self.model_config.sliding_window
-            buckets.append(
-                DecodeBucket(
-                    rows=torch.tensor([rows[i] for i in group], device=self.device),
-                    block_ids=torch.tensor(padded, device=self.device).flatten(),
-                    num_blocks=num_blocks,
-                    masked=masked.to(self.device),
-                )
-            )
-        return buckets
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, chunks: list[ScheduledChunk], index: int, last_row: int

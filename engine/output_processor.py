@@ -121,7 +121,7 @@ class OutputProcessor:
             outputs.append(
                 CompletionOutput(
                     index=index,
-                    text=self.detokenizer.tokenizer.decode(token_ids, skip_special_tokens=skip_special),
+                    text=self.detokenizer.decode(token_ids, skip_special),
                     token_ids=token_ids,
                     cumulative_logprob=cumulative_logprob,
                     finish_reason=finish_reason,

@@ -32,4 +32,12 @@ if [[ ! -x /usr/bin/redis-server ]]; then
   # Debian starts a system-wide Redis on 6379; pagefleet starts its own where it needs one.
   $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
 fi
+# The compiled CPU operators (attention, fused norms): built once here (about 20 s), so that
+# no first request waits for the compiler.
+.venv/bin/python - <<'PY'
+import logging, sys
+logging.basicConfig(level=logging.WARNING, format="[setup] %(message)s")
+from pagefleet.kernels import cpu_ops
+print(f"[setup] compiled CPU operators ({cpu_ops.instruction_set()}): {'ready' if cpu_ops.load() else 'unavailable, using torch'}")
+PY
 echo "[setup] ready: .venv/bin/pagefleet"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from pagefleet.engine.layers.fused import add_rms_norm, rms_norm
+
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -13,5 +15,8 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The fused kernel accumulates in float32 for half-precision inputs.
-        return self.weight * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, its norm) in one pass where the fused operator is loaded."""
+        return add_rms_norm(residual, delta, self.weight, self.eps)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from pagefleet.engine.layers.fused import rotary
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], float32, with linear or llama3 scaling applied."""
@@ -57,6 +59,4 @@ class RotaryEmbedding(torch.nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, heads, head_dim] rotated as HF does: x * cos + rotate_half(x) * sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return rotary(x, cos, sin)

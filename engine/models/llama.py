@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
+from pagefleet.engine.layers.fused import silu_and_mul
 from pagefleet.engine.layers.linear import KVCache, Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.layers.rotary import RotaryEmbedding, apply_rotary
@@ -65,8 +66,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -77,9 +77,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden, rope, kv_cache, metadata, backend) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, rope, kv_cache, metadata, backend):  # type: ignore[no-untyped-def]
+        """hidden: the previous layer's output (to add to `residual`), or the embeddings for
+        the first layer (residual None). Returns this layer's output and the residual; each
+        residual add is fused with the norm that follows it."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            residual, normed = self.input_layernorm.add_and_norm(residual, hidden)
+        attention = self.self_attn(normed, rope, kv_cache, metadata, backend)
+        residual, normed = self.post_attention_layernorm.add_and_norm(residual, attention)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -107,9 +115,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary.lookup(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, metadata, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, backend)
+        return self.norm.add_and_norm(residual, hidden)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> float32 logits [n, vocab]."""

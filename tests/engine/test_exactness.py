@@ -1,5 +1,6 @@
 """Our greedy output equals transformers' (eager, float32) token for token, for every
-architecture, however the engine schedules the work."""
+architecture, however the engine schedules the work, on both CPU attention backends: the
+compiled operator ("cpu", what `auto` picks here) and plain torch (its reference)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ SCHEDULES: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.fixture(params=["cpu", "torch"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 def _greedy(max_tokens: int = NEW_TOKENS, logprobs: int | None = 1) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
 
@@ -39,9 +45,10 @@ def _assert_matches_hf(model_dir: Path, prompts: list[list[int]], outputs) -> No
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_greedy_equals_transformers(tiny_models: dict[str, Path], arch: str, schedule: str) -> None:
+def test_greedy_equals_transformers(tiny_models: dict[str, Path], arch: str, schedule: str, backend: str) -> None:
     model_dir = tiny_models[arch]
-    llm = LLM(str(model_dir), dtype="float32", **SCHEDULES[schedule])
+    llm = LLM(str(model_dir), dtype="float32", attention_backend=backend, **SCHEDULES[schedule])
+    assert llm.engine.runner.backend.name == backend
     prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB)
     outputs = llm.generate(prompts, _greedy())
     assert all(len(set(o.outputs[0].token_ids)) > 3 for o in outputs), "degenerate model output"
@@ -55,9 +62,9 @@ def test_greedy_equals_transformers(tiny_models: dict[str, Path], arch: str, sch
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_prefix_cache_hit_gives_same_tokens(tiny_models: dict[str, Path], arch: str) -> None:
+def test_prefix_cache_hit_gives_same_tokens(tiny_models: dict[str, Path], arch: str, backend: str) -> None:
     model_dir = tiny_models[arch]
-    llm = LLM(str(model_dir), dtype="float32", block_size=8)
+    llm = LLM(str(model_dir), dtype="float32", block_size=8, attention_backend=backend)
     shared = random_prompts([40], TINY_VOCAB, seed=1)[0]
     prompts = [shared + tail for tail in random_prompts([3, 9, 1], TINY_VOCAB, seed=2)]
     llm.generate([shared], _greedy())
@@ -70,9 +77,9 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_models: dict[str, Path], arch: 
     assert_no_block_leaked(llm)
 
 
-def test_mixed_arrival_times(tiny_llama: Path) -> None:
+def test_mixed_arrival_times(tiny_llama: Path, backend: str) -> None:
     """Requests that arrive while others decode join the running batch and stay exact."""
-    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=24)
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=24, attention_backend=backend)
     prompts = random_prompts([30, 7, 21, 2, 45, 13], TINY_VOCAB, seed=3)
     engine = llm.engine
     finished = {}
@@ -91,17 +98,17 @@ def test_mixed_arrival_times(tiny_llama: Path) -> None:
 
 
 @pytest.mark.parametrize("schedule", ["plain", "chunked_prefill", "preempt_recompute"])
-def test_sliding_window_equals_transformers(tiny_mistral_window: Path, schedule: str) -> None:
+def test_sliding_window_equals_transformers(tiny_mistral_window: Path, schedule: str, backend: str) -> None:
     """Mistral with an 8-token window: prompts far longer than the window stay exact."""
-    llm = LLM(str(tiny_mistral_window), dtype="float32", **SCHEDULES[schedule])
+    llm = LLM(str(tiny_mistral_window), dtype="float32", attention_backend=backend, **SCHEDULES[schedule])
     prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB, seed=7)
     outputs = llm.generate(prompts, _greedy())
     _assert_matches_hf(tiny_mistral_window, prompts, outputs)
     assert_no_block_leaked(llm)
 
 
-def test_sliding_window_prefix_hit(tiny_mistral_window: Path) -> None:
-    llm = LLM(str(tiny_mistral_window), dtype="float32", block_size=8)
+def test_sliding_window_prefix_hit(tiny_mistral_window: Path, backend: str) -> None:
+    llm = LLM(str(tiny_mistral_window), dtype="float32", block_size=8, attention_backend=backend)
     shared = random_prompts([40], TINY_VOCAB, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts([3, 11], TINY_VOCAB, seed=9)]
     llm.generate([shared], _greedy())

@@ -1,0 +1,205 @@
+"""Plain-torch attention: the reference backend and the fallback on CPUs with no compiler.
+
+Cache writes and copies are the kernels' torch references. Decodes are gathered in a few
+buckets of similar context length and attended with batched matmuls (so short contexts do
+not pay for the padding of long ones); prefill chunks go through SDPA, over the cached
+prefix gathered by slot when there is one. Checked against the kernels' references.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from pagefleet.engine.layers.attention import AttentionMetadata, CacheSpec, StepLayout, head_major
+from pagefleet.kernels.copy_blocks import copy_blocks_torch
+from pagefleet.kernels.reshape_and_cache import reshape_and_cache_torch
+
+_MAX_DECODE_BUCKETS = 2
+_BUCKET_RATIO = 0.5  # a decode shorter than this fraction of its bucket's longest starts a new one
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's chunk of new tokens, as the torch path attends it."""
+
+    query_start: int
+    query_len: int
+    context_len: int  # cached prefix + this chunk
+    context_slots: torch.Tensor  # [context_len] cache slots of the whole context
+    sliding_window: int | None = None  # a query sees only the last `sliding_window` keys
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Decode rows of similar context length, attended together over one padded gather."""
+
+    rows: torch.Tensor  # [b] row indices into the flat batch
+    num_blocks: int  # blocks per row (padded)
+    head_block_ids: torch.Tensor  # [kv_heads * b * num_blocks] rows of the head-major storage
+    bias: torch.Tensor  # [kv_heads * b, 1, num_blocks * block_size] additive mask: 0 or -inf
+
+
+@dataclass(slots=True)
+class TorchMetadata(AttentionMetadata):
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, spec: CacheSpec) -> None:
+        self.spec = spec
+        # Gathered keys/values are tens of MB a layer; reusing one buffer avoids a fresh
+        # mmap (and its page faults) for every layer of every step.
+        self._workspace: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def prepare(self, step: StepLayout) -> TorchMetadata:
+        return TorchMetadata(step.slot_mapping, self.decode_buckets(step), self.prefill_chunks(step))
+
+    def prefill_chunks(self, step: StepLayout) -> list[PrefillChunk]:
+        device, window = self.spec.device, self.spec.sliding_window
+        return [
+            PrefillChunk(p.row, p.num_new, p.context_len, torch.from_numpy(p.context_slots).to(device), window)
+            for p in step.prefills
+        ]
+
+    def decode_buckets(self, step: StepLayout) -> list[DecodeBucket]:
+        lengths, tables = step.decode_context_lens, step.decode_block_tables
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        groups: list[list[int]] = []
+        for i in order:
+            if groups and (lengths[i] >= _BUCKET_RATIO * lengths[groups[-1][0]] or len(groups) == _MAX_DECODE_BUCKETS):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return [self._bucket(group, lengths, tables) for group in groups]
+
+    def _bucket(self, group: list[int], lengths: list[int], tables: list[list[int]]) -> DecodeBucket:
+        spec = self.spec
+        num_blocks = len(tables[group[0]])
+        padded = torch.tensor([tables[i] + [0] * (num_blocks - len(tables[i])) for i in group]).flatten()
+        heads = torch.arange(spec.num_kv_heads)[:, None] * spec.num_blocks
+        row_lengths = torch.tensor([lengths[i] for i in group])
+        key_positions = torch.arange(num_blocks * spec.block_size)[None, :]
+        masked = key_positions >= row_lengths[:, None]
+        if spec.sliding_window is not None:  # the query sits at length - 1
+            masked |= key_positions <= row_lengths[:, None] - 1 - spec.sliding_window
+        bias = torch.zeros(masked.shape, dtype=spec.dtype).masked_fill_(masked, float("-inf"))
+        return DecodeBucket(
+            rows=torch.tensor(group, device=spec.device),
+            num_blocks=num_blocks,
+            head_block_ids=(heads + padded[None, :]).flatten().to(spec.device),
+            bias=bias.repeat(spec.num_kv_heads, 1).unsqueeze(1).to(spec.device),
+        )
+
+    def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        key = (name, like.dtype, like.device)
+        numel = math.prod(shape)
+        buffer = self._workspace.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._workspace[key] = buffer
+        return buffer[:numel].view(shape)
+
+    def copy_blocks(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+        copy_blocks_torch(key_cache, value_cache, block_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TorchMetadata), "metadata from another backend's prepare()"
+        reshape_and_cache_torch(key, value, key_cache, value_cache, metadata.slot_mapping)
+        keys, values = head_major(key_cache), head_major(value_cache)
+        output = torch.empty_like(query)
+        for bucket in metadata.decode_buckets:
+            output[bucket.rows] = self._decode_bucket(query, keys, values, bucket, scale)
+        self.attend_prefills(query, key, value, keys, values, metadata.prefills, scale, output)
+        return output
+
+    def attend_prefills(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        prefills: list[PrefillChunk],
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        """Write each chunk's attention into `output`; keys/values: head-major storage."""
+        num_kv_heads, num_blocks, block_size, head_dim = keys.shape
+        flat_keys = keys.view(num_kv_heads, num_blocks * block_size, head_dim)
+        flat_values = values.view(num_kv_heads, num_blocks * block_size, head_dim)
+        for chunk in prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            if chunk.context_len == chunk.query_len:  # nothing cached before: attend to itself
+                chunk_keys, chunk_values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+            else:
+                chunk_keys = flat_keys.index_select(1, chunk.context_slots)
+                chunk_values = flat_values.index_select(1, chunk.context_slots)
+            output[rows] = _prefill_chunk(query[rows], chunk_keys, chunk_values, chunk, scale)
+
+    def _decode_bucket(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket, scale: float
+    ) -> torch.Tensor:
+        """Single-token attention for `bucket.rows` -> [b, num_heads, head_dim].
+
+        keys/values: head-major storage [num_kv_heads, num_blocks, block_size, head_dim].
+        """
+        num_kv_heads, _, block_size, head_dim = keys.shape
+        num_rows = bucket.rows.numel()
+        length = bucket.num_blocks * block_size
+        # One gather per cache: rows of storage [kv_heads * num_blocks, block_size * D].
+        shape = (bucket.head_block_ids.numel(), block_size * head_dim)
+        gathered_keys = self._buffer("keys", shape, keys)
+        gathered_values = self._buffer("values", shape, values)
+        torch.index_select(keys.view(-1, block_size * head_dim), 0, bucket.head_block_ids, out=gathered_keys)
+        torch.index_select(values.view(-1, block_size * head_dim), 0, bucket.head_block_ids, out=gathered_values)
+        # Batch over (kv head, row): [kv*b, group, D] @ [kv*b, D, L] -> [kv*b, group, L].
+        q = query.index_select(0, bucket.rows).view(num_rows, num_kv_heads, -1, head_dim)
+        q = q.transpose(0, 1).reshape(num_kv_heads * num_rows, -1, head_dim)
+        batch_keys = gathered_keys.view(num_kv_heads * num_rows, length, head_dim)
+        scores = torch.baddbmm(bucket.bias, q, batch_keys.transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.bmm(probs, gathered_values.view(num_kv_heads * num_rows, length, head_dim))
+        return out.view(num_kv_heads, num_rows, -1, head_dim).transpose(0, 1).reshape(num_rows, -1, head_dim)
+
+
+def _prefill_chunk(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk: PrefillChunk, scale: float
+) -> torch.Tensor:
+    """Causal attention of a chunk over its context -> [q_len, H, D].
+
+    query: [q_len, H, D]; keys/values: [num_kv_heads, context_len, D].
+    """
+    q = query.transpose(0, 1).unsqueeze(0)
+    keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+    prefix = chunk.context_len - chunk.query_len
+    window = chunk.sliding_window
+    if prefix == 0 and (window is None or window >= chunk.query_len):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        # Query i sits at position prefix + i and sees keys 0..prefix + i (the last
+        # `window` of them with a sliding window).
+        visible = torch.ones(chunk.query_len, chunk.context_len, dtype=torch.bool, device=q.device)
+        visible = visible.tril(diagonal=prefix)
+        if window is not None:
+            visible = visible.triu(diagonal=prefix - window + 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+        )
+    return out.squeeze(0).transpose(0, 1)

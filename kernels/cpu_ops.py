@@ -1,0 +1,92 @@
+"""The compiled CPU operators (`csrc/*.cpp`, registered as `torch.ops.pagefleet.*`):
+building and loading them.
+
+- `paged_attention_decode` (csrc/cpu_attention.cpp; wrapper in cpu_attention.py, reference
+  `paged_attention_decode_torch`): reads each sequence's blocks in place through its block
+  table, once for all the query heads that share a kv head, and splits long contexts over
+  threads.
+- `rms_norm`, `silu_and_mul`, `rotary` (csrc/cpu_fused.cpp; wrappers and references in
+  pagefleet/engine/layers/fused.py): one pass where plain torch makes several.
+
+Building: `torch.utils.cpp_extension` (g++ and ninja) compiles it once per torch version,
+instruction set and source into `$PAGEFLEET_CACHE_DIR/ops` (else `~/.cache/pagefleet/ops`),
+under cpp_extension's file lock, so processes starting together build it once. The
+instruction set comes from what this CPU supports, as torch itself dispatches (AVX-512,
+AVX2, or none), never `-march=native`: a build made in an image runs on every node of the
+same instruction set. `scripts/setup.sh` builds it ahead, so a first request never waits.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_vec.h")]
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+DISABLE_ENV = "PAGEFLEET_DISABLE_CPU_OPS"  # set to 1 to force the plain-torch path
+# Build for this instruction set instead of the CPU's (an image prebuilds every variant,
+# one process each, so that whichever node it lands on finds its build).
+ISA_ENV = "PAGEFLEET_CPU_ISA"
+
+
+def instruction_set() -> str:
+    """The widest instruction set this CPU has that there is a build for ("DEFAULT": none)."""
+    capability = os.environ.get(ISA_ENV) or torch.backends.cpu.get_cpu_capability()
+    return capability if capability in ISA_FLAGS else "DEFAULT"
+
+
+def build_directory() -> Path:
+    """$PAGEFLEET_OPS_DIR (an image's prebuilt operators), else $PAGEFLEET_CACHE_DIR/ops, else
+    ~/.cache/pagefleet/ops; one folder per torch version, instruction set and source."""
+    cache = Path(os.environ.get("PAGEFLEET_CACHE_DIR") or Path.home() / ".cache" / "pagefleet")
+    root = Path(os.environ.get("PAGEFLEET_OPS_DIR") or cache / "ops")
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
+    return root / f"torch-{torch.__version__}-{instruction_set().lower()}-{digest}"
+
+
+def is_loaded() -> bool:
+    """Whether this process has the operators (`load()` succeeded); never builds."""
+    return load.cache_info().currsize > 0 and load()
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once) and load the operators; False, with one warning, if they cannot be had."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        logger.info("compiled CPU operators disabled by %s=1; using the torch path", DISABLE_ENV)
+        return False
+    isa = instruction_set()
+    name = f"pagefleet_cpu_ops_{isa.lower()}"
+    directory = build_directory()
+    try:
+        # Built before (perhaps into a read-only image), and no build in progress (its lock).
+        if (directory / f"{name}.so").exists() and not (directory / "lock").exists():
+            torch.ops.load_library(str(directory / f"{name}.so"))
+            return True
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        logger.info("building the compiled CPU operators for %s in %s (once, about 20 s)", isa, directory)
+        cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in SOURCES if source.suffix == ".cpp"],
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *ISA_FLAGS.get(isa, [])],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, no ninja, a failed build: the torch path serves
+        logger.warning("the compiled CPU operators are unavailable (%s); using the slower torch path", error)
+        return False
+    return True

@@ -1,0 +1,342 @@
+// Paged decode attention for CPUs: one query token per sequence over its whole context,
+// read in place from the paged KV cache through the sequence's block table (no gather).
+//
+// Work is split into items of (sequence, kv head, partition of at most kPartition tokens).
+// An item computes all query heads that share its kv head together (grouped-query
+// attention: the keys and values are read once for the whole group), and keeps a float32
+// softmax that is exact within its partition: its maximum, its sum of exponentials and its
+// unnormalised output. A second pass combines the partitions of each (sequence, kv head).
+// Items run on torch's intra-op thread pool, so long contexts spread over every thread.
+//
+//   cache (any strides, head_dim contiguous):   [num_blocks, block_size, num_kv_heads, D]
+//   token t of a sequence lives at block table[t / block_size], offset t % block_size
+//
+// Built at run time by pagefleet/kernels/cpu_attention.py for the best instruction set the
+// CPU has (AVX-512 with BF16, AVX2 or none); the loops below are written for the compiler
+// to vectorise (`omp simd`) and bf16 is widened to float by a shift, which vectorises too.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace pagefleet;
+
+constexpr int64_t kPartition = 256;  // tokens per work item
+
+template <typename T>
+inline void load_row(const T* source, float* row, int64_t head_dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < head_dim; ++d) row[d] = widen(source[d]);
+}
+
+struct Geometry {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+  int64_t query_stride_token, query_stride_head;
+  int64_t cache_stride_block, cache_stride_token, cache_stride_head;
+};
+
+// scores <- exp(scores - max); writes the max and the sum of the exponentials.
+inline void softmax_unnormalised(float* scores, int64_t count, float* max_out, float* sum_out) {
+  float maximum = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < count; ++i) maximum = std::max(maximum, scores[i]);
+  float sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 shift = _mm512_set1_ps(maximum);
+  __m512 total = _mm512_setzero_ps();
+  for (; i + 16 <= count; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + i), shift));
+    _mm512_storeu_ps(scores + i, e);
+    total = _mm512_add_ps(total, e);
+  }
+  sum = _mm512_reduce_add_ps(total);
+#endif
+  for (; i < count; ++i) {
+    scores[i] = std::exp(scores[i] - maximum);
+    sum += scores[i];
+  }
+  *max_out = maximum;
+  *sum_out = sum;
+}
+
+#if defined(__AVX512F__)
+// The partition's scores and weighted values with head_dim = 16 * C known at compile time,
+// so that a row lives in C registers. rows: the partition's keys (or values), `count`
+// rows of C * 16; q: [group, C * 16] float32; scores: [group, count]; acc: [group, C * 16].
+template <int C, typename T>
+void score_rows(const float* q, const T* rows, int64_t row_stride, int64_t count, int64_t group, float* scores) {
+  for (int64_t j = 0; j < group; ++j) {
+    __m512 qj[C];
+    for (int c = 0; c < C; ++c) qj[c] = _mm512_loadu_ps(q + j * C * 16 + c * 16);
+    float* out = scores + j * count;
+    for (int64_t t = 0; t < count; ++t) {
+      const T* row = rows + t * row_stride;
+      __m512 dot = _mm512_mul_ps(qj[0], load16(row));
+      for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qj[c], load16(row + c * 16), dot);
+      out[t] = _mm512_reduce_add_ps(dot);
+    }
+  }
+}
+
+template <int C, typename T>
+void accumulate_rows(const float* weights, const T* rows, int64_t row_stride, int64_t count, int64_t group,
+                     float* acc) {
+  // U tokens at a time into U sets of accumulators: C * U independent FMA chains hide the
+  // FMA latency (one set alone would wait on it at every token).
+  constexpr int U = C <= 4 ? 4 : 2;
+  for (int64_t j = 0; j < group; ++j) {
+    __m512 sum[U][C];
+    for (int u = 0; u < U; ++u) {
+      for (int c = 0; c < C; ++c) sum[u][c] = _mm512_setzero_ps();
+    }
+    const float* p = weights + j * count;
+    int64_t t = 0;
+    for (; t + U <= count; t += U) {
+      for (int u = 0; u < U; ++u) {
+        const T* row = rows + (t + u) * row_stride;
+        const __m512 weight = _mm512_set1_ps(p[t + u]);
+        for (int c = 0; c < C; ++c) sum[u][c] = _mm512_fmadd_ps(weight, load16(row + c * 16), sum[u][c]);
+      }
+    }
+    for (; t < count; ++t) {
+      const T* row = rows + t * row_stride;
+      const __m512 weight = _mm512_set1_ps(p[t]);
+      for (int c = 0; c < C; ++c) sum[0][c] = _mm512_fmadd_ps(weight, load16(row + c * 16), sum[0][c]);
+    }
+    for (int c = 0; c < C; ++c) {
+      __m512 total = sum[0][c];
+      for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, sum[u][c]);
+      _mm512_storeu_ps(acc + j * C * 16 + c * 16, total);
+    }
+  }
+}
+#endif
+
+// Any head size: scores[j * count + t] = q_j . row_t.
+template <typename T>
+void score_rows_any(const float* q, const T* rows, int64_t row_stride, int64_t count, int64_t group, int64_t head_dim,
+                    float* buffer, float* scores) {
+  for (int64_t t = 0; t < count; ++t) {
+    load_row(rows + t * row_stride, buffer, head_dim);
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qj = q + j * head_dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * buffer[d];
+      scores[j * count + t] = dot;
+    }
+  }
+}
+
+// Any head size: acc[j] = sum_t weights[j * count + t] * row_t.
+template <typename T>
+void accumulate_rows_any(const float* weights, const T* rows, int64_t row_stride, int64_t count, int64_t group,
+                         int64_t head_dim, float* buffer, float* acc) {
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t t = 0; t < count; ++t) {
+    load_row(rows + t * row_stride, buffer, head_dim);
+    for (int64_t j = 0; j < group; ++j) {
+      const float weight = weights[j * count + t];
+      float* out = acc + j * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) out[d] += weight * buffer[d];
+    }
+  }
+}
+
+// One item: query heads [kv_head * group, (kv_head + 1) * group) of sequence `seq` over
+// tokens [begin, end). Writes the partition's max, sum and unnormalised output (float32).
+template <typename T>
+void attend_partition(const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
+                      const Geometry& g, int64_t seq, int64_t kv_head, int64_t begin, int64_t end, float scale,
+                      float* scores, float* row, float* q, float* max_out, float* sum_out, float* acc, T* stage) {
+  const int64_t group = g.group, head_dim = g.head_dim, count = end - begin, block_size = g.block_size;
+  for (int64_t j = 0; j < group; ++j) {
+    const T* source = query + seq * g.query_stride_token + (kv_head * group + j) * g.query_stride_head;
+    load_row(source, q + j * head_dim, head_dim);
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) q[j * head_dim + d] *= scale;
+  }
+  // The partition's keys, then its values, are first copied into `stage`, one block at a
+  // time: bulk copies keep many cache lines in flight (the blocks are scattered, so the
+  // hardware prefetcher cannot help), and the compute then streams from the cache.
+  const int64_t first_block = begin / block_size, last_block = (end - 1) / block_size;
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+  const auto gather = [&](const T* cache) {
+    for (int64_t b = first_block; b <= last_block; ++b) {
+      const T* block = cache + table[b] * g.cache_stride_block + kv_head * g.cache_stride_head;
+      const int64_t from = std::max(begin, b * block_size) - b * block_size;
+      const int64_t to = std::min(end, (b + 1) * block_size) - b * block_size;
+      T* target = stage + (b * block_size - begin + from) * head_dim;
+      if (g.cache_stride_token == head_dim) {  // the block's rows are contiguous
+        std::memcpy(target, block + from * head_dim, (to - from) * row_bytes);
+      } else {
+        for (int64_t t = from; t < to; ++t) {
+          std::memcpy(target + (t - from) * head_dim, block + t * g.cache_stride_token, row_bytes);
+        }
+      }
+    }
+  };
+  gather(key_cache);
+#if defined(__AVX512F__)
+  if (head_dim == 64) {
+    score_rows<4>(q, stage, head_dim, count, group, scores);
+  } else if (head_dim == 128) {
+    score_rows<8>(q, stage, head_dim, count, group, scores);
+  } else
+#endif
+    score_rows_any(q, stage, head_dim, count, group, head_dim, row, scores);
+  for (int64_t j = 0; j < group; ++j) softmax_unnormalised(scores + j * count, count, max_out + j, sum_out + j);
+  gather(value_cache);
+#if defined(__AVX512F__)
+  if (head_dim == 64) {
+    accumulate_rows<4>(scores, stage, head_dim, count, group, acc);
+  } else if (head_dim == 128) {
+    accumulate_rows<8>(scores, stage, head_dim, count, group, acc);
+  } else
+#endif
+    accumulate_rows_any(scores, stage, head_dim, count, group, head_dim, row, acc);
+}
+
+template <typename T>
+void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+  const int64_t num_seqs = query.size(0);
+  Geometry g{};
+  g.num_heads = query.size(1);
+  g.num_kv_heads = key_cache.size(2);
+  g.group = g.num_heads / g.num_kv_heads;
+  g.head_dim = query.size(2);
+  g.block_size = key_cache.size(1);
+  g.max_blocks = block_tables.size(1);
+  g.query_stride_token = query.stride(0);
+  g.query_stride_head = query.stride(1);
+  g.cache_stride_block = key_cache.stride(0);
+  g.cache_stride_token = key_cache.stride(1);
+  g.cache_stride_head = key_cache.stride(2);
+
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lengths = context_lens.data_ptr<int32_t>();
+  // Each sequence's visible range [first, length) and where its partitions start in the
+  // flat list of items (one list per kv head: item = (seq, partition)).
+  std::vector<int64_t> first(num_seqs), part_offset(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t length = lengths[s];
+    first[s] = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+    const int64_t visible = std::max<int64_t>(length - first[s], 0);
+    part_offset[s + 1] = part_offset[s] + std::max<int64_t>(1, (visible + kPartition - 1) / kPartition);
+  }
+  const int64_t parts_per_head = part_offset[num_seqs];
+  const int64_t num_items = parts_per_head * g.num_kv_heads;
+  // Partials: [kv head, item, group] max and sum, [kv head, item, group, D] output.
+  std::vector<float> maxima(num_items * g.group), sums(num_items * g.group), partial(num_items * g.group * g.head_dim);
+
+  const T* q_data = query.data_ptr<T>();
+  const T* k_data = key_cache.data_ptr<T>();
+  const T* v_data = value_cache.data_ptr<T>();
+  const float scale_f = static_cast<float>(scale);
+
+  at::parallel_for(0, num_items, 1, [&](int64_t start, int64_t stop) {
+    std::vector<float> scores(g.group * kPartition), row(g.head_dim), q(g.group * g.head_dim);
+    std::vector<T> stage(kPartition * g.head_dim);
+    int64_t seq = 0;
+    for (int64_t item = start; item < stop; ++item) {
+      const int64_t kv_head = item / parts_per_head, index = item % parts_per_head;
+      seq = std::upper_bound(part_offset.begin(), part_offset.end(), index) - part_offset.begin() - 1;
+      const int64_t part = index - part_offset[seq];
+      const int64_t begin = first[seq] + part * kPartition;
+      const int64_t end = std::min<int64_t>(begin + kPartition, lengths[seq]);
+      float* max_out = maxima.data() + item * g.group;
+      float* sum_out = sums.data() + item * g.group;
+      float* acc = partial.data() + item * g.group * g.head_dim;
+      if (end <= begin) {  // an empty context: attention is all zeros
+        std::fill(max_out, max_out + g.group, -std::numeric_limits<float>::infinity());
+        std::fill(sum_out, sum_out + g.group, 0.f);
+        std::fill(acc, acc + g.group * g.head_dim, 0.f);
+        continue;
+      }
+      attend_partition<T>(q_data, k_data, v_data, tables + seq * g.max_blocks, g, seq, kv_head, begin, end, scale_f,
+                          scores.data(), row.data(), q.data(), max_out, sum_out, acc, stage.data());
+    }
+  });
+
+  T* out_data = out.data_ptr<T>();
+  const int64_t out_stride_token = out.stride(0), out_stride_head = out.stride(1);
+  at::parallel_for(0, num_seqs * g.num_kv_heads, 16, [&](int64_t start, int64_t stop) {
+    std::vector<float> combined(g.head_dim);
+    for (int64_t pair = start; pair < stop; ++pair) {
+      const int64_t seq = pair / g.num_kv_heads, kv_head = pair % g.num_kv_heads;
+      const int64_t items_begin = kv_head * parts_per_head + part_offset[seq];
+      const int64_t items_end = kv_head * parts_per_head + part_offset[seq + 1];
+      for (int64_t j = 0; j < g.group; ++j) {
+        float maximum = -std::numeric_limits<float>::infinity();
+        for (int64_t item = items_begin; item < items_end; ++item) maximum = std::max(maximum, maxima[item * g.group + j]);
+        std::fill(combined.begin(), combined.end(), 0.f);
+        float total = 0.f;
+        for (int64_t item = items_begin; item < items_end; ++item) {
+          const float sum = sums[item * g.group + j];
+          if (sum == 0.f) continue;
+          const float weight = std::exp(maxima[item * g.group + j] - maximum);
+          total += weight * sum;
+          const float* acc = partial.data() + (item * g.group + j) * g.head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < g.head_dim; ++d) combined[d] += weight * acc[d];
+        }
+        const float inverse = total > 0.f ? 1.f / total : 0.f;
+        T* destination = out_data + seq * out_stride_token + (kv_head * g.group + j) * out_stride_head;
+        for (int64_t d = 0; d < g.head_dim; ++d) narrow(combined[d] * inverse, destination + d);
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "query [T, H, D], caches [N, B, KVH, D]");
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.sizes() == value_cache.sizes(),
+              "key and value caches must share shape and strides");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block tables and context lengths are int32");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+  const at::Tensor tables = block_tables.contiguous(), lengths = context_lens.contiguous();
+  at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
+  if (query.size(0) == 0) return out;
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      decode<float>(out, query, key_cache, value_cache, tables, lengths, scale, sliding_window);
+      break;
+    case at::kBFloat16:
+      decode<c10::BFloat16>(out, query, key_cache, value_cache, tables, lengths, scale, sliding_window);
+      break;
+    default:
+      TORCH_CHECK(false, "float32 or bfloat16 only, got ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagefleet, m) {
+  m.def(
+      "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, int sliding_window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagefleet, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }

@@ -1,0 +1,123 @@
+"""The compiled CPU operators equal their plain-torch references, and the engine falls back
+to torch, saying so once, where they cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagefleet.engine.layers import fused
+from pagefleet.engine.layers.attention import allocate_kv_cache
+from pagefleet.kernels import cpu_ops
+from pagefleet.kernels.cpu_attention import paged_attention_decode_cpu
+from pagefleet.kernels.paged_attention_decode import paged_attention_decode_torch
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # bf16: the rounding of the output
+
+
+@pytest.fixture(scope="module", autouse=True)
+def operators() -> None:
+    assert cpu_ops.load(), "g++ and ninja are on every machine here: the operators must build"
+
+
+def _caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, layout: str):
+    if layout == "head_major":  # the engine's layout
+        caches = [allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu") for _ in range(2)]
+    else:
+        caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    for cache in caches:
+        cache.normal_()
+    return caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 100])
+def test_decode_attention_equals_the_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, window: int | None
+) -> None:
+    generator = torch.Generator().manual_seed(head_dim + block_size)
+    lengths = [1, 2, block_size - 1, block_size, 3 * block_size + 5, 700, 3000]
+    max_blocks = -(-max(lengths) // block_size)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 7
+    layout = "head_major" if block_size == 16 else "contiguous"
+    key_cache, value_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, layout)
+    # Every sequence's blocks scattered over the cache, in shuffled order.
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(lengths), max_blocks + 3, dtype=torch.int32)  # wider than needed
+    used = 0
+    for row, length in enumerate(lengths):
+        count = -(-length // block_size)
+        tables[row, :count] = order[used : used + count]
+        used += count
+    query = torch.randn(len(lengths), num_heads, head_dim, generator=generator).to(dtype)
+    context_lens = torch.tensor(lengths, dtype=torch.int32)
+    scale = head_dim**-0.5
+    expected = paged_attention_decode_torch(query, key_cache, value_cache, tables, context_lens, scale, window)
+    actual = paged_attention_decode_cpu(query, key_cache, value_cache, tables, context_lens, scale, window)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_decode_attention_of_no_sequence_is_empty() -> None:
+    key_cache, value_cache = _caches(4, 16, 2, 64, torch.float32, "head_major")
+    out = paged_attention_decode_cpu(
+        torch.empty(0, 4, 64),
+        key_cache,
+        value_cache,
+        torch.empty(0, 1, dtype=torch.int32),
+        torch.empty(0, dtype=torch.int32),
+        0.125,
+    )
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_element_wise_ops_equal_their_references(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    hidden = (torch.randn(37, 576, generator=generator) * 3).to(dtype)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    # float32: summation order only; bfloat16: at most one rounding step (2**-7) apart.
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2**-7}
+    torch.testing.assert_close(
+        fused.rms_norm(hidden, weight, 1e-5), fused.rms_norm_torch(hidden, weight, 1e-5), **tolerance
+    )
+    gate_up = (torch.randn(37, 2 * 1536, generator=generator) * 4).to(dtype)
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), fused.silu_and_mul_torch(gate_up), **tolerance)
+    qkv = torch.randn(37, 9 * 64 + 6 * 64, generator=generator).to(dtype)
+    query = qkv[:, : 9 * 64].view(37, 9, 64)  # a strided view, as the models pass it
+    cos = torch.randn(37, 1, 64, generator=generator).to(dtype)
+    sin = torch.randn(37, 1, 64, generator=generator).to(dtype)
+    torch.testing.assert_close(fused.rotary(query, cos, sin), fused.rotary_torch(query, cos, sin), **tolerance)
+
+
+def test_without_a_compiler_the_engine_says_so_once_and_runs_on_torch(tiny_llama: Path, tmp_path: Path) -> None:
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING);"
+        "from pagefleet.engine import LLM, SamplingParams;"
+        f"llm = LLM({str(tiny_llama)!r}, dtype='float32');"
+        "print('backend', llm.engine.runner.backend.name);"
+        "params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True);"
+        "print('tokens', llm.generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids)"
+    )
+    # An empty cache (nothing built before) and a compiler that does not exist.
+    env = {**os.environ, "PAGEFLEET_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-g++")}
+    env.pop("PAGEFLEET_OPS_DIR", None)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "backend torch" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if "compiled CPU operators are unavailable" in line]
+    assert len(warnings) == 1, result.stderr[-3000:]
+    from pagefleet.engine import LLM, SamplingParams
+
+    compiled = LLM(str(tiny_llama), dtype="float32")
+    assert compiled.engine.runner.backend.name == "cpu"
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = compiled.generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids
+    assert f"tokens {expected}" in result.stdout
