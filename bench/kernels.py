@@ -146,8 +146,8 @@ def bench_cpu(dtype: torch.dtype) -> None:
             sdpa = _time(partial(_gathered_sdpa, *gathered), device, repeats=5)
             compiled, plain = timings
             print(
-                f"decode {batch:4d} {context:5d} | {compiled * 1e3:8.3f} | {plain * 1e3:8.3f} (x{plain / compiled:.1f}) "
-                f"| {sdpa * 1e3:8.3f} (x{sdpa / compiled:.1f})",
+                f"decode {batch:4d} {context:5d} | {compiled * 1e3:8.3f} | {plain * 1e3:8.3f} "
+                f"(x{plain / compiled:.1f}) | {sdpa * 1e3:8.3f} (x{sdpa / compiled:.1f})",
                 flush=True,
             )
 

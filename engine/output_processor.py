@@ -98,7 +98,7 @@ class OutputProcessor:
                 index=index,
                 text=seq.text,
                 token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
+                cumulative_logprob=seq.cumulative_logprob if request.params.tracks_cumulative_logprob else None,
                 logprobs=None if seq.logprobs is None else list(seq.logprobs),  # a snapshot: the engine appends
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,

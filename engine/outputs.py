@@ -25,7 +25,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # None unless logprobs were asked for, best_of > n, or beams
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop string or token that ended it

@@ -43,7 +43,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[
 @dataclass(slots=True)
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[float]  # of each chosen token under the model's raw distribution
+    logprobs: list[float]  # of each chosen token under the raw distribution (0.0 where untracked)
     # Rows whose request asked for logprobs -> their details, in `details`.
     detail_rows: dict[int, int]
     details: TokenLogprobs | None
@@ -72,8 +72,15 @@ class Sampler:
         logits = self._apply_penalties(logits, seqs, params)
         logits = self._apply_min_tokens(logits, seqs, params)
         chosen = self._choose(logits, seqs, params)
-        # Every row needs its cumulative logprob; one logsumexp is cheaper than log_softmax.
-        chosen_logprobs = raw_logits.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(raw_logits, dim=-1)
+        # Only rows that keep a cumulative logprob pay for it (one logsumexp over the
+        # vocabulary each); the others get 0.0, which nobody reads (as in vLLM).
+        chosen_logprobs = torch.zeros(len(params))
+        tracked = [i for i, p in enumerate(params) if p.tracks_cumulative_logprob]
+        if tracked:
+            index = torch.tensor(tracked)
+            rows_logits = raw_logits.index_select(0, index) if len(tracked) < len(params) else raw_logits
+            picked = rows_logits.gather(1, chosen[index][:, None]).squeeze(1)
+            chosen_logprobs[index] = picked - torch.logsumexp(rows_logits, dim=-1)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         details = None
         if rows:  # only rows that asked pay for ranks and top-k

@@ -156,6 +156,13 @@ class SamplingParams:
         return self.best_of if self.best_of is not None else self.n
 
     @property
+    def tracks_cumulative_logprob(self) -> bool:
+        """Whether outputs carry `cumulative_logprob` (as vLLM: only when logprobs are asked
+        for, or when it ranks the results: best_of > n and beam search)."""
+        ranks = self.use_beam_search or (self.best_of is not None and self.best_of > self.n)
+        return ranks or self.logprobs is not None
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 

@@ -113,8 +113,12 @@ def test_best_of_returns_the_n_most_likely_samples(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", block_size=4)
     (prompt,) = random_prompts([11], TINY_VOCAB, seed=3)
     sampling = dict(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
-    everyone = llm.generate(prompt, SamplingParams(n=4, **sampling))[0].outputs
+    # logprobs=0: the plain samples carry their cumulative logprob too (as in vLLM, only
+    # outputs that asked for logprobs, or that were ranked by it, do).
+    everyone = llm.generate(prompt, SamplingParams(n=4, logprobs=0, **sampling))[0].outputs
     best = llm.generate(prompt, SamplingParams(n=2, best_of=4, **sampling))[0].outputs
+    assert all(c.cumulative_logprob is not None for c in everyone + best)
+    assert llm.generate(prompt, SamplingParams(n=2, **sampling))[0].outputs[0].cumulative_logprob is None
     ranked = sorted(everyone, key=lambda c: -(c.cumulative_logprob or 0.0))
     assert [c.token_ids for c in best] == [c.token_ids for c in ranked[:2]]
     assert [c.index for c in best] == [0, 1]
