@@ -49,28 +49,17 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:
         assert isinstance(metadata, CpuMetadata), "metadata from another backend's prepare()"
         reshape_and_cache_torch(key, value, key_cache, value_cache, metadata.slot_mapping)
-        if metadata.decodes is not None and not metadata.prefills:  # a pure decode step
-            return paged_attention_decode_cpu(
-                query,
-                key_cache,
-                value_cache,
-                metadata.decodes.tables,
-                metadata.decodes.lengths,
-                scale,
-                self.spec.sliding_window,
-            )
-        output = torch.empty_like(query)
+        decoded = None
         if metadata.decodes is not None:
-            num_decodes = metadata.decodes.lengths.numel()
-            output[:num_decodes] = paged_attention_decode_cpu(
-                query[:num_decodes],
-                key_cache,
-                value_cache,
-                metadata.decodes.tables,
-                metadata.decodes.lengths,
-                scale,
-                self.spec.sliding_window,
+            tables, lengths = metadata.decodes.tables, metadata.decodes.lengths
+            decoded = paged_attention_decode_cpu(
+                query[: lengths.numel()], key_cache, value_cache, tables, lengths, scale, self.spec.sliding_window
             )
+            if not metadata.prefills:  # a pure decode step: no copy
+                return decoded
+        output = torch.empty_like(query)
+        if decoded is not None:
+            output[: decoded.shape[0]] = decoded
         keys, values = head_major(key_cache), head_major(value_cache)
         self.prefill_backend.attend_prefills(query, key, value, keys, values, metadata.prefills, scale, output)
         return output
