@@ -81,7 +81,7 @@ def cpu_per_request(fleet: Fleet, url: str, requests: int) -> dict[str, float]:
     """Milliseconds of CPU per sequential one-token request, per process of the fleet. A
     sequential request is a serial chain through them, so these add up to its latency."""
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0.0}
-    pids = {(name if name in ("redis", "gateway") else "engine"): process.pid for name, process in fleet.children}
+    pids = {(c.name if c.name in ("redis", "gateway") else "engine"): c.process.pid for c in fleet.children}
     with httpx.Client(timeout=60) as client:
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         for _ in range(requests):
