@@ -1,4 +1,5 @@
-"""Rotary position embeddings (the non-interleaved "rotate half" form used by HF Llama)."""
+"""Rotary position embeddings (the non-interleaved "rotate half" form used by HF Llama):
+the cos/sin tables; `layers.fused.rotary` applies them."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import math
 from typing import Any
 
 import torch
-
-from pagefleet.engine.layers.fused import rotary
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -55,8 +54,3 @@ class RotaryEmbedding(torch.nn.Module):
         """cos and sin for these positions, [num_tokens, 1, head_dim]: once per step, shared
         by every layer."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim] rotated as HF does: x * cos + rotate_half(x) * sin."""
-    return rotary(x, cos, sin)

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
-from pagefleet.engine.layers.fused import silu_and_mul
+from pagefleet.engine.layers.fused import rotary, silu_and_mul
 from pagefleet.engine.layers.linear import KVCache, Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
-from pagefleet.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import WeightLoader
 
@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rotary(q, *rope), rotary(k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
