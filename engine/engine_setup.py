@@ -15,6 +15,7 @@ import torch
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.host_memory import keep_freed_memory
 from pagefleet.engine.kv_cache_manager import KVCacheManager
 from pagefleet.engine.layers.attention import CacheSpec
 from pagefleet.engine.layers.backends import select_backend
@@ -42,8 +43,10 @@ class EngineParts:
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     from transformers import AutoTokenizer
 
-    if config.torch_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if config.torch_device.type == "cpu":
+        keep_freed_memory()
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, os.cpu_count() or 1))
     model_dir = resolve_model_dir(config.model)
     tokenizer = None
     if not config.skip_tokenizer_init:

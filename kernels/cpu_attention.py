@@ -1,6 +1,8 @@
-"""Paged decode attention compiled for the CPU (csrc/cpu_attention.cpp, built by cpu_ops.py).
+"""Paged attention compiled for the CPU (csrc/cpu_attention.cpp and csrc/cpu_prefill.cpp,
+built by cpu_ops.py).
 
-Its reference, and the fallback where no compiler is, is `paged_attention_decode_torch`.
+Their references, and the fallbacks where no compiler is, are `paged_attention_decode_torch`
+and `paged_attention_prefill_torch`.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagefleet.kernels.paged_attention_decode import _check
+from pagefleet.kernels.paged_attention_prefill import _check as _check_prefill
 
 
 def paged_attention_decode_cpu(
@@ -29,4 +32,34 @@ def paged_attention_decode_cpu(
     block_tables, context_lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
     return torch.ops.pagefleet.paged_attention_decode(
         query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window or 0
+    )
+
+
+def paged_attention_prefill_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Prefill attention -> [num_tokens, num_heads, head_dim], like `paged_attention_prefill_torch`.
+
+    query: [num_tokens, num_heads, head_dim], the chunks of all sequences back to back;
+    cu_seqlens: [num_seqs + 1] chunk boundaries; context_lens: [num_seqs] cached prefix +
+    chunk; block_tables: [num_seqs, max_blocks]. head_dim a multiple of 8; needs
+    `cpu_ops.has_prefill()`.
+    """
+    _check_prefill(query, key_cache, value_cache, block_tables, cu_seqlens, context_lens)
+    return torch.ops.pagefleet.paged_attention_prefill(
+        query,
+        key_cache,
+        value_cache,
+        block_tables.to(torch.int32),
+        cu_seqlens.to(torch.int32),
+        context_lens.to(torch.int32),
+        scale,
+        sliding_window or 0,
     )

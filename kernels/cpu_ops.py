@@ -5,6 +5,10 @@ building and loading them.
   `paged_attention_decode_torch`): reads each sequence's blocks in place through its block
   table, once for all the query heads that share a kv head, and splits long contexts over
   threads.
+- `paged_attention_prefill` (csrc/cpu_prefill.cpp; wrapper in cpu_attention.py, reference
+  `paged_attention_prefill_torch`): chunks of new tokens over their cached context, in
+  place, 2-4x faster than torch's SDPA on the engine's shapes; AVX-512 builds only
+  (`has_prefill()`).
 - `rms_norm`, `silu_and_mul`, `rotary` (csrc/cpu_fused.cpp; wrappers and references in
   pagefleet/engine/layers/fused.py): one pass where plain torch makes several.
 
@@ -28,7 +32,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_vec.h")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_fused.cpp", "cpu_vec.h")
+]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -52,6 +59,11 @@ def build_directory() -> Path:
     root = Path(os.environ.get("PAGEFLEET_OPS_DIR") or cache / "ops")
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
     return root / f"torch-{torch.__version__}-{instruction_set().lower()}-{digest}"
+
+
+def has_prefill() -> bool:
+    """Whether the loaded operators include the prefill kernel (AVX-512 builds)."""
+    return load() and bool(torch.ops.pagefleet.has_prefill())
 
 
 def is_loaded() -> bool:

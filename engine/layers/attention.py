@@ -86,6 +86,32 @@ class BlockTables:
         return cls(table_tensor, torch.tensor(lengths, dtype=torch.int32, device=device))
 
 
+@dataclass(slots=True)
+class PagedBatch(AttentionMetadata):
+    """The step as the kernels read it: block tables and lengths. Decode rows are
+    0..num_decodes-1; prefill chunk i is rows num_decodes + cu_seqlens[i] ..
+    num_decodes + cu_seqlens[i + 1]."""
+
+    num_decodes: int
+    decodes: BlockTables
+    prefills: BlockTables  # lengths: cached prefix + chunk
+    prefill_cu_seqlens: torch.Tensor  # [num_prefills + 1] int32
+    max_prefill_len: int
+
+    @classmethod
+    def of(cls, step: StepLayout, device: torch.device) -> PagedBatch:
+        prefills = step.prefills
+        cu_seqlens = np.cumsum([0] + [p.num_new for p in prefills]).tolist()
+        return cls(
+            slot_mapping=step.slot_mapping,
+            num_decodes=step.num_decodes,
+            decodes=BlockTables.of(step.decode_block_tables, step.decode_context_lens, device),
+            prefills=BlockTables.of([p.block_table for p in prefills], [p.context_len for p in prefills], device),
+            prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+            max_prefill_len=max((p.num_new for p in prefills), default=0),
+        )
+
+
 class AttentionBackend(Protocol):
     """Writes a layer's new keys/values into its cache and computes attention."""
 

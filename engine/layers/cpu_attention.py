@@ -1,6 +1,8 @@
-"""The CPU backend: decodes through the compiled operator, which reads each sequence's
-blocks in place (`pagefleet.kernels.cpu_attention`); prefill chunks as the torch backend
-attends them (SDPA is compute-bound there, and already fast)."""
+"""The CPU backend: the compiled operators of `pagefleet.kernels.cpu_attention`, which read
+each sequence's blocks in place. Decodes go through the decode operator; prefill chunks
+(cached prefix or not) through the prefill operator, 2-4x faster than torch's SDPA here.
+Where the prefill operator is not built (CPUs without AVX-512, head sizes not a multiple
+of 8), prefill chunks are attended as the torch backend does."""
 
 from __future__ import annotations
 
@@ -8,17 +10,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagefleet.engine.layers.attention import AttentionMetadata, BlockTables, CacheSpec, StepLayout, head_major
+from pagefleet.engine.layers.attention import AttentionMetadata, CacheSpec, PagedBatch, StepLayout, head_major
 from pagefleet.engine.layers.torch_attention import PrefillChunk, TorchAttentionBackend
+from pagefleet.kernels import cpu_ops
 from pagefleet.kernels.copy_blocks import copy_blocks_torch
-from pagefleet.kernels.cpu_attention import paged_attention_decode_cpu
+from pagefleet.kernels.cpu_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
 from pagefleet.kernels.reshape_and_cache import reshape_and_cache_torch
 
 
 @dataclass(slots=True)
-class CpuMetadata(AttentionMetadata):
-    decodes: BlockTables | None = None
-    prefills: list[PrefillChunk] = field(default_factory=list)
+class CpuMetadata(PagedBatch):
+    torch_prefills: list[PrefillChunk] = field(default_factory=list)  # without the prefill operator
 
 
 class CpuAttentionBackend:
@@ -26,13 +28,14 @@ class CpuAttentionBackend:
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
-        self.prefill_backend = TorchAttentionBackend(spec)
+        compiled_prefill = cpu_ops.has_prefill() and spec.head_dim % 8 == 0
+        self.torch_prefill = None if compiled_prefill else TorchAttentionBackend(spec)
 
     def prepare(self, step: StepLayout) -> CpuMetadata:
-        decodes = None
-        if step.num_decodes:
-            decodes = BlockTables.of(step.decode_block_tables, step.decode_context_lens, self.spec.device)
-        return CpuMetadata(step.slot_mapping, decodes, self.prefill_backend.prefill_chunks(step))
+        metadata = CpuMetadata.of(step, self.spec.device)
+        if self.torch_prefill is not None:
+            metadata.torch_prefills = self.torch_prefill.prefill_chunks(step)
+        return metadata
 
     def copy_blocks(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
         copy_blocks_torch(key_cache, value_cache, block_mapping)
@@ -47,19 +50,40 @@ class CpuAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        assert isinstance(metadata, CpuMetadata), "metadata from another backend's prepare()"
-        reshape_and_cache_torch(key, value, key_cache, value_cache, metadata.slot_mapping)
+        batch = metadata
+        assert isinstance(batch, CpuMetadata), "metadata from another backend's prepare()"
+        reshape_and_cache_torch(key, value, key_cache, value_cache, batch.slot_mapping)
+        decodes, window = batch.num_decodes, self.spec.sliding_window
         decoded = None
-        if metadata.decodes is not None:
-            tables, lengths = metadata.decodes.tables, metadata.decodes.lengths
+        if decodes:
+            tables, lengths = batch.decodes.tables, batch.decodes.lengths
             decoded = paged_attention_decode_cpu(
-                query[: lengths.numel()], key_cache, value_cache, tables, lengths, scale, self.spec.sliding_window
+                query[:decodes], key_cache, value_cache, tables, lengths, scale, window
             )
-            if not metadata.prefills:  # a pure decode step: no copy
+            if decodes == query.shape[0]:  # a pure decode step: no copy
                 return decoded
+        if self.torch_prefill is None and decodes == 0:  # a pure prefill step: no copy either
+            return self._prefill(query, key_cache, value_cache, batch, scale)
         output = torch.empty_like(query)
         if decoded is not None:
-            output[: decoded.shape[0]] = decoded
-        keys, values = head_major(key_cache), head_major(value_cache)
-        self.prefill_backend.attend_prefills(query, key, value, keys, values, metadata.prefills, scale, output)
+            output[:decodes] = decoded
+        if self.torch_prefill is None:
+            output[decodes:] = self._prefill(query[decodes:], key_cache, value_cache, batch, scale)
+        else:
+            keys, values = head_major(key_cache), head_major(value_cache)
+            self.torch_prefill.attend_prefills(query, key, value, keys, values, batch.torch_prefills, scale, output)
         return output
+
+    def _prefill(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch, scale: float
+    ) -> torch.Tensor:
+        return paged_attention_prefill_cpu(
+            query,
+            key_cache,
+            value_cache,
+            batch.prefills.tables,
+            batch.prefill_cu_seqlens,
+            batch.prefills.lengths,
+            scale,
+            self.spec.sliding_window,
+        )

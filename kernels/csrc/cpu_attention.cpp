@@ -50,9 +50,15 @@ struct Geometry {
 // scores <- exp(scores - max); writes the max and the sum of the exponentials.
 inline void softmax_unnormalised(float* scores, int64_t count, float* max_out, float* sum_out) {
   float maximum = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < count; ++i) maximum = std::max(maximum, scores[i]);
-  float sum = 0.f;
   int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 maxima = _mm512_set1_ps(maximum);
+  for (; i + 16 <= count; i += 16) maxima = _mm512_max_ps(maxima, _mm512_loadu_ps(scores + i));
+  maximum = _mm512_reduce_max_ps(maxima);
+#endif
+  for (; i < count; ++i) maximum = std::max(maximum, scores[i]);
+  float sum = 0.f;
+  i = 0;
 #if defined(__AVX512F__)
   const __m512 shift = _mm512_set1_ps(maximum);
   __m512 total = _mm512_setzero_ps();
@@ -72,64 +78,123 @@ inline void softmax_unnormalised(float* scores, int64_t count, float* max_out, f
 }
 
 #if defined(__AVX512F__)
+// v[k] holds 16 partial sums of key k's dot product; returns the 16 totals in key order.
+// A tree of shuffles that reduces all 16 at once costs a third of 16 separate horizontal
+// reductions, which were most of the work of scoring.
+inline __m512 sum_each16(const __m512* v) {
+  __m512 halves[8], quarters[4], eighths[2];
+  for (int i = 0; i < 8; ++i) {  // [key 2i: 8 partials, key 2i+1: 8 partials]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lane l: key 4i + l, 4 partials
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // lane l: keys 8i + l and 8i + 4 + l, 2 partials each
+    const __m512d a = _mm512_castps_pd(quarters[2 * i]), b = _mm512_castps_pd(quarters[2 * i + 1]);
+    eighths[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // lane l: keys l, 4 + l, 8 + l, 12 + l
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
 // The partition's scores and weighted values with head_dim = 16 * C known at compile time,
-// so that a row lives in C registers. rows: the partition's keys (or values), `count`
-// rows of C * 16; q: [group, C * 16] float32; scores: [group, count]; acc: [group, C * 16].
+// so that a row lives in C registers. Each key or value row is loaded (and widened) once
+// for all the query heads of the group, `H` heads at a time. rows: `count` rows of C * 16;
+// q: [group, C * 16] float32; scores: [group, count]; acc: [group, C * 16].
+// Rows are read where they lie in the cache; the blocks are scattered, so the hardware
+// prefetcher cannot guess the next one: each row is asked for kAhead rows before its use.
+constexpr int64_t kAhead = 16;
+
 template <int C, typename T>
-void score_rows(const float* q, const T* rows, int64_t row_stride, int64_t count, int64_t group, float* scores) {
-  for (int64_t j = 0; j < group; ++j) {
-    __m512 qj[C];
-    for (int c = 0; c < C; ++c) qj[c] = _mm512_loadu_ps(q + j * C * 16 + c * 16);
-    float* out = scores + j * count;
-    for (int64_t t = 0; t < count; ++t) {
-      const T* row = rows + t * row_stride;
-      __m512 dot = _mm512_mul_ps(qj[0], load16(row));
-      for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qj[c], load16(row + c * 16), dot);
-      out[t] = _mm512_reduce_add_ps(dot);
+inline void prefetch_row(const T* row) {
+  constexpr int kBytes = C * 16 * static_cast<int>(sizeof(T));
+  for (int byte = 0; byte < kBytes; byte += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + byte, 0, 3);
+}
+
+template <int C, int H, typename T>
+void score_heads(const float* q, const T* const* rows, int64_t count, int64_t count_stride, float* scores) {
+  __m512 qh[H][C];
+  for (int h = 0; h < H; ++h) {
+    for (int c = 0; c < C; ++c) qh[h][c] = _mm512_loadu_ps(q + h * C * 16 + c * 16);
+  }
+  alignas(64) __m512 dots[H][16];
+  int64_t t = 0;
+  for (; t + 16 <= count; t += 16) {
+    for (int k = 0; k < 16; ++k) {
+      prefetch_row<C>(rows[std::min(t + k + kAhead, count - 1)]);
+      const T* row = rows[t + k];
+      __m512 r[C];
+      for (int c = 0; c < C; ++c) r[c] = load16(row + c * 16);
+      for (int h = 0; h < H; ++h) {
+        __m512 dot = _mm512_mul_ps(qh[h][0], r[0]);
+        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qh[h][c], r[c], dot);
+        dots[h][k] = dot;
+      }
+    }
+    for (int h = 0; h < H; ++h) _mm512_storeu_ps(scores + h * count_stride + t, sum_each16(dots[h]));
+  }
+  for (; t < count; ++t) {
+    const T* row = rows[t];
+    for (int h = 0; h < H; ++h) {
+      __m512 dot = _mm512_mul_ps(qh[h][0], load16(row));
+      for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qh[h][c], load16(row + c * 16), dot);
+      scores[h * count_stride + t] = _mm512_reduce_add_ps(dot);
     }
   }
 }
 
-template <int C, typename T>
-void accumulate_rows(const float* weights, const T* rows, int64_t row_stride, int64_t count, int64_t group,
-                     float* acc) {
-  // U tokens at a time into U sets of accumulators: C * U independent FMA chains hide the
-  // FMA latency (one set alone would wait on it at every token).
-  constexpr int U = C <= 4 ? 4 : 2;
-  for (int64_t j = 0; j < group; ++j) {
-    __m512 sum[U][C];
-    for (int u = 0; u < U; ++u) {
-      for (int c = 0; c < C; ++c) sum[u][c] = _mm512_setzero_ps();
-    }
-    const float* p = weights + j * count;
-    int64_t t = 0;
-    for (; t + U <= count; t += U) {
-      for (int u = 0; u < U; ++u) {
-        const T* row = rows + (t + u) * row_stride;
-        const __m512 weight = _mm512_set1_ps(p[t + u]);
-        for (int c = 0; c < C; ++c) sum[u][c] = _mm512_fmadd_ps(weight, load16(row + c * 16), sum[u][c]);
-      }
-    }
-    for (; t < count; ++t) {
-      const T* row = rows + t * row_stride;
-      const __m512 weight = _mm512_set1_ps(p[t]);
-      for (int c = 0; c < C; ++c) sum[0][c] = _mm512_fmadd_ps(weight, load16(row + c * 16), sum[0][c]);
-    }
-    for (int c = 0; c < C; ++c) {
-      __m512 total = sum[0][c];
-      for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, sum[u][c]);
-      _mm512_storeu_ps(acc + j * C * 16 + c * 16, total);
+template <int C, int H, typename T>
+void accumulate_heads(const float* weights, const T* const* rows, int64_t count, int64_t count_stride, float* acc) {
+  __m512 sum[H][C];
+  for (int h = 0; h < H; ++h) {
+    for (int c = 0; c < C; ++c) sum[h][c] = _mm512_setzero_ps();
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    prefetch_row<C>(rows[std::min(t + kAhead, count - 1)]);
+    const T* row = rows[t];
+    __m512 r[C];
+    for (int c = 0; c < C; ++c) r[c] = load16(row + c * 16);
+    for (int h = 0; h < H; ++h) {
+      const __m512 weight = _mm512_set1_ps(weights[h * count_stride + t]);
+      for (int c = 0; c < C; ++c) sum[h][c] = _mm512_fmadd_ps(weight, r[c], sum[h][c]);
     }
   }
+  for (int h = 0; h < H; ++h) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * C * 16 + c * 16, sum[h][c]);
+  }
+}
+
+// The group's heads in chunks that keep their accumulators in registers (16 of the 32).
+template <int C, typename T>
+void score_rows(const float* q, const T* const* rows, int64_t count, int64_t group, float* scores) {
+  constexpr int kHeads = C <= 4 ? 4 : 2;
+  int64_t h = 0;
+  for (; h + kHeads <= group; h += kHeads) score_heads<C, kHeads>(q + h * C * 16, rows, count, count, scores + h * count);
+  for (; h < group; ++h) score_heads<C, 1>(q + h * C * 16, rows, count, count, scores + h * count);
+}
+
+template <int C, typename T>
+void accumulate_rows(const float* weights, const T* const* rows, int64_t count, int64_t group, float* acc) {
+  constexpr int kHeads = C <= 4 ? 4 : 2;
+  int64_t h = 0;
+  for (; h + kHeads <= group; h += kHeads) {
+    accumulate_heads<C, kHeads>(weights + h * count, rows, count, count, acc + h * C * 16);
+  }
+  for (; h < group; ++h) accumulate_heads<C, 1>(weights + h * count, rows, count, count, acc + h * C * 16);
 }
 #endif
 
 // Any head size: scores[j * count + t] = q_j . row_t.
 template <typename T>
-void score_rows_any(const float* q, const T* rows, int64_t row_stride, int64_t count, int64_t group, int64_t head_dim,
+void score_rows_any(const float* q, const T* const* rows, int64_t count, int64_t group, int64_t head_dim,
                     float* buffer, float* scores) {
   for (int64_t t = 0; t < count; ++t) {
-    load_row(rows + t * row_stride, buffer, head_dim);
+    load_row(rows[t], buffer, head_dim);
     for (int64_t j = 0; j < group; ++j) {
       const float* qj = q + j * head_dim;
       float dot = 0.f;
@@ -142,11 +207,11 @@ void score_rows_any(const float* q, const T* rows, int64_t row_stride, int64_t c
 
 // Any head size: acc[j] = sum_t weights[j * count + t] * row_t.
 template <typename T>
-void accumulate_rows_any(const float* weights, const T* rows, int64_t row_stride, int64_t count, int64_t group,
-                         int64_t head_dim, float* buffer, float* acc) {
+void accumulate_rows_any(const float* weights, const T* const* rows, int64_t count, int64_t group, int64_t head_dim,
+                         float* buffer, float* acc) {
   std::fill(acc, acc + group * head_dim, 0.f);
   for (int64_t t = 0; t < count; ++t) {
-    load_row(rows + t * row_stride, buffer, head_dim);
+    load_row(rows[t], buffer, head_dim);
     for (int64_t j = 0; j < group; ++j) {
       const float weight = weights[j * count + t];
       float* out = acc + j * head_dim;
@@ -161,7 +226,8 @@ void accumulate_rows_any(const float* weights, const T* rows, int64_t row_stride
 template <typename T>
 void attend_partition(const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
                       const Geometry& g, int64_t seq, int64_t kv_head, int64_t begin, int64_t end, float scale,
-                      float* scores, float* row, float* q, float* max_out, float* sum_out, float* acc, T* stage) {
+                      float* scores, float* row, float* q, float* max_out, float* sum_out, float* acc, int64_t* rows,
+                      const T** pointers) {
   const int64_t group = g.group, head_dim = g.head_dim, count = end - begin, block_size = g.block_size;
   for (int64_t j = 0; j < group; ++j) {
     const T* source = query + seq * g.query_stride_token + (kv_head * group + j) * g.query_stride_head;
@@ -169,45 +235,34 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; ++d) q[j * head_dim + d] *= scale;
   }
-  // The partition's keys, then its values, are first copied into `stage`, one block at a
-  // time: bulk copies keep many cache lines in flight (the blocks are scattered, so the
-  // hardware prefetcher cannot help), and the compute then streams from the cache.
-  const int64_t first_block = begin / block_size, last_block = (end - 1) / block_size;
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
-  const auto gather = [&](const T* cache) {
-    for (int64_t b = first_block; b <= last_block; ++b) {
-      const T* block = cache + table[b] * g.cache_stride_block + kv_head * g.cache_stride_head;
-      const int64_t from = std::max(begin, b * block_size) - b * block_size;
-      const int64_t to = std::min(end, (b + 1) * block_size) - b * block_size;
-      T* target = stage + (b * block_size - begin + from) * head_dim;
-      if (g.cache_stride_token == head_dim) {  // the block's rows are contiguous
-        std::memcpy(target, block + from * head_dim, (to - from) * row_bytes);
-      } else {
-        for (int64_t t = from; t < to; ++t) {
-          std::memcpy(target + (t - from) * head_dim, block + t * g.cache_stride_token, row_bytes);
-        }
-      }
-    }
+  // Where each of the partition's tokens lies in the key cache (the value cache has the same
+  // strides); read in place, no copy.
+  for (int64_t b = begin / block_size, t = begin; t < end; ++b) {
+    const int64_t block = table[b] * g.cache_stride_block + kv_head * g.cache_stride_head - b * block_size * g.cache_stride_token;
+    for (const int64_t stop = std::min(end, (b + 1) * block_size); t < stop; ++t) rows[t - begin] = block + t * g.cache_stride_token;
+  }
+  const auto row_pointers = [&](const T* cache) {
+    for (int64_t t = 0; t < count; ++t) pointers[t] = cache + rows[t];
   };
-  gather(key_cache);
+  row_pointers(key_cache);
 #if defined(__AVX512F__)
   if (head_dim == 64) {
-    score_rows<4>(q, stage, head_dim, count, group, scores);
+    score_rows<4>(q, pointers, count, group, scores);
   } else if (head_dim == 128) {
-    score_rows<8>(q, stage, head_dim, count, group, scores);
+    score_rows<8>(q, pointers, count, group, scores);
   } else
 #endif
-    score_rows_any(q, stage, head_dim, count, group, head_dim, row, scores);
+    score_rows_any(q, pointers, count, group, head_dim, row, scores);
   for (int64_t j = 0; j < group; ++j) softmax_unnormalised(scores + j * count, count, max_out + j, sum_out + j);
-  gather(value_cache);
+  row_pointers(value_cache);
 #if defined(__AVX512F__)
   if (head_dim == 64) {
-    accumulate_rows<4>(scores, stage, head_dim, count, group, acc);
+    accumulate_rows<4>(scores, pointers, count, group, acc);
   } else if (head_dim == 128) {
-    accumulate_rows<8>(scores, stage, head_dim, count, group, acc);
+    accumulate_rows<8>(scores, pointers, count, group, acc);
   } else
 #endif
-    accumulate_rows_any(scores, stage, head_dim, count, group, head_dim, row, acc);
+    accumulate_rows_any(scores, pointers, count, group, head_dim, row, acc);
 }
 
 template <typename T>
@@ -248,27 +303,34 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   const T* v_data = value_cache.data_ptr<T>();
   const float scale_f = static_cast<float>(scale);
 
+  struct Item {
+    int64_t seq, kv_head, begin, end;
+  };
+  const auto locate = [&](int64_t item) {
+    const int64_t kv_head = item / parts_per_head, index = item % parts_per_head;
+    const int64_t seq = std::upper_bound(part_offset.begin(), part_offset.end(), index) - part_offset.begin() - 1;
+    const int64_t begin = first[seq] + (index - part_offset[seq]) * kPartition;
+    return Item{seq, kv_head, begin, std::min<int64_t>(begin + kPartition, lengths[seq])};
+  };
+
   at::parallel_for(0, num_items, 1, [&](int64_t start, int64_t stop) {
     std::vector<float> scores(g.group * kPartition), row(g.head_dim), q(g.group * g.head_dim);
-    std::vector<T> stage(kPartition * g.head_dim);
-    int64_t seq = 0;
+    std::vector<int64_t> rows(kPartition);
+    std::vector<const T*> pointers(kPartition);
     for (int64_t item = start; item < stop; ++item) {
-      const int64_t kv_head = item / parts_per_head, index = item % parts_per_head;
-      seq = std::upper_bound(part_offset.begin(), part_offset.end(), index) - part_offset.begin() - 1;
-      const int64_t part = index - part_offset[seq];
-      const int64_t begin = first[seq] + part * kPartition;
-      const int64_t end = std::min<int64_t>(begin + kPartition, lengths[seq]);
+      const Item it = locate(item);
       float* max_out = maxima.data() + item * g.group;
       float* sum_out = sums.data() + item * g.group;
       float* acc = partial.data() + item * g.group * g.head_dim;
-      if (end <= begin) {  // an empty context: attention is all zeros
+      if (it.end <= it.begin) {  // an empty context: attention is all zeros
         std::fill(max_out, max_out + g.group, -std::numeric_limits<float>::infinity());
         std::fill(sum_out, sum_out + g.group, 0.f);
         std::fill(acc, acc + g.group * g.head_dim, 0.f);
         continue;
       }
-      attend_partition<T>(q_data, k_data, v_data, tables + seq * g.max_blocks, g, seq, kv_head, begin, end, scale_f,
-                          scores.data(), row.data(), q.data(), max_out, sum_out, acc, stage.data());
+      attend_partition<T>(q_data, k_data, v_data, tables + it.seq * g.max_blocks, g, it.seq, it.kv_head, it.begin,
+                          it.end, scale_f, scores.data(), row.data(), q.data(), max_out, sum_out, acc, rows.data(),
+                          pointers.data());
     }
   });
 

@@ -14,8 +14,9 @@ import torch
 from pagefleet.engine.layers import fused
 from pagefleet.engine.layers.attention import allocate_kv_cache
 from pagefleet.kernels import cpu_ops
-from pagefleet.kernels.cpu_attention import paged_attention_decode_cpu
+from pagefleet.kernels.cpu_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
 from pagefleet.kernels.paged_attention_decode import paged_attention_decode_torch
+from pagefleet.kernels.paged_attention_prefill import paged_attention_prefill_torch
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # bf16: the rounding of the output
 
@@ -62,6 +63,41 @@ def test_decode_attention_equals_the_reference(
     scale = head_dim**-0.5
     expected = paged_attention_decode_torch(query, key_cache, value_cache, tables, context_lens, scale, window)
     actual = paged_attention_decode_cpu(query, key_cache, value_cache, tables, context_lens, scale, window)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 100])
+def test_prefill_attention_equals_the_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, window: int | None
+) -> None:
+    if not cpu_ops.has_prefill():
+        pytest.skip("the prefill operator is built for AVX-512 CPUs only")
+    generator = torch.Generator().manual_seed(head_dim + block_size + num_heads)
+    # (new tokens, cached prefix): a lone token, short and long chunks, chunks after a
+    # cached prefix (chunked prefill, prefix hits), one longer than the window.
+    chunks = [(1, 0), (block_size + 1, 0), (300, 0), (40, 3 * block_size), (5, 700), (130, 2000)]
+    max_blocks = max(-(-(n + p) // block_size) for n, p in chunks)
+    num_blocks = sum(-(-(n + p) // block_size) for n, p in chunks) + 7
+    layout = "head_major" if block_size == 16 else "contiguous"
+    key_cache, value_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, layout)
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(chunks), max_blocks + 2, dtype=torch.int32)
+    used = 0
+    for row, (new, prefix) in enumerate(chunks):
+        count = -(-(new + prefix) // block_size)
+        tables[row, :count] = order[used : used + count]
+        used += count
+    cu_seqlens = torch.tensor([0, *torch.tensor([n for n, _ in chunks]).cumsum(0).tolist()], dtype=torch.int32)
+    context_lens = torch.tensor([n + p for n, p in chunks], dtype=torch.int32)
+    query = torch.randn(int(cu_seqlens[-1]), num_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    args = (query, key_cache, value_cache, tables, cu_seqlens, context_lens, scale)
+    expected = paged_attention_prefill_torch(*args, sliding_window=window)
+    actual = paged_attention_prefill_cpu(*args, sliding_window=window)
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
