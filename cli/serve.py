@@ -15,11 +15,20 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from pydantic import ValidationError
+
     from pagefleet.cli.web import make_server
     from pagefleet.engine.server.app import create_app
     from pagefleet.engine.server.settings import ServerSettings
 
-    settings = ServerSettings(_cli_parse_args=args.flags)  # type: ignore[call-arg]
+    try:
+        settings = ServerSettings(_cli_parse_args=args.flags)  # type: ignore[call-arg]
+    except ValidationError as error:
+        for problem in error.errors():
+            print(f"pagefleet serve: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        return 2
     server = None
 
     def stop_server() -> None:

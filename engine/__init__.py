@@ -5,9 +5,10 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineError, InvalidParameterError, PromptTooLongError, RequestFailedError
 from pagefleet.engine.inputs import TextPrompt, TokensPrompt
 from pagefleet.engine.llm import LLM
-from pagefleet.engine.llm_engine import EngineStats, LLMEngine
+from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.stats import EngineStats
 
 __all__ = [
     "RequestFailedError",

@@ -26,9 +26,10 @@ from typing import Any, TypeAlias
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineDeadError, RequestFailedError
 from pagefleet.engine.inputs import PromptType
-from pagefleet.engine.llm_engine import EngineStats, LLMEngine
+from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,42 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pagefleet.engine.block_pool import BlockPool
 from pagefleet.engine.request import Request, Sequence
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
+
+
+@dataclass(slots=True)
+class SequenceBlocks:
+    """One sequence's place in the cache. Written by KVCacheManager alone; others read it
+    through `KVCacheManager.block_table` and `num_computed_tokens`."""
+
+    block_ids: list[int] = field(default_factory=list)  # device blocks; host blocks while swapped out
+    num_computed_tokens: int = 0  # tokens whose keys and values are in those blocks
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
+    num_registered_blocks: int = 0  # full blocks already published to the prefix cache
+
+
+class SlotAllocation(NamedTuple):
+    """What `KVCacheManager.allocate_slots` did for one sequence."""
+
+    new_block_ids: list[int]  # appended to its table
+    copies: list[BlockCopy]  # copy-on-write: (shared block, its private copy), also queued in `pending`
+
+
+@dataclass(slots=True, frozen=True)
+class CacheUsage:
+    """The pool's state at one moment, for the engine's statistics."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_shared_blocks: int  # referenced by more than one sequence
+    num_blocks_saved_by_sharing: int
+    peak_used_blocks: int
 
 
 @dataclass(slots=True)
@@ -39,6 +70,25 @@ class PendingCopies:
 
 
 class KVCacheManager:
+    """Owns every sequence's block table and computed-token count (`SequenceBlocks`), on top
+    of the reference-counted `BlockPool`.
+
+    Contract:
+    - Only this class writes a sequence's blocks and progress; `block_table(seq)` and
+      `num_computed_tokens(seq)` read them (an unknown sequence has none: [] and 0).
+    - `allocate_slots` either makes every slot of the asked tokens writable and returns what
+      it did, or returns None and changes nothing. A block shared by several sequences is
+      copied before one of them writes into it (copy-on-write); the copies, like swap
+      copies, queue in `pending` until the scheduler takes them for the next step.
+    - `commit(seq, n)` records that a forward pass wrote n more tokens, and publishes blocks
+      that became full to the prefix cache.
+    - `free(seq)` returns every block the sequence holds (tail first, so a prefix-cached
+      chain is evicted from its end) and forgets it; a freed block whose reference count
+      reaches zero becomes free (or evictable, if it is in the prefix cache).
+    - Invariant: a sequence's table covers exactly ceil(tokens written / block_size) blocks
+      after `allocate_slots`, so only its last block can be part-empty.
+    """
+
     def __init__(
         self,
         num_blocks: int,
@@ -55,8 +105,24 @@ class KVCacheManager:
         self.enable_sharing = enable_sharing
         self.num_host_blocks = num_host_blocks
         self._free_host_blocks: deque[int] = deque(range(num_host_blocks))
+        self._sequences: dict[int, SequenceBlocks] = {}  # by Sequence.seq_id
         self.stats = CacheStats()
         self.pending = PendingCopies()
+
+    # --- reading ------------------------------------------------------------------------
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The sequence's blocks in order (do not modify)."""
+        record = self._sequences.get(seq.seq_id)
+        return record.block_ids if record is not None else []
+
+    def num_computed_tokens(self, seq: Sequence) -> int:
+        record = self._sequences.get(seq.seq_id)
+        return record.num_computed_tokens if record is not None else 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,43 +132,66 @@ class KVCacheManager:
     def num_free_host_blocks(self) -> int:
         return len(self._free_host_blocks)
 
+    def usage(self) -> CacheUsage:
+        num_shared, num_saved = self.pool.sharing
+        pool = self.pool
+        return CacheUsage(
+            pool.num_blocks, pool.num_free_blocks, pool.num_cached_blocks, num_shared, num_saved, pool.peak_used_blocks
+        )
+
+    def _record(self, seq: Sequence) -> SequenceBlocks:
+        return self._sequences.setdefault(seq.seq_id, SequenceBlocks())
+
+    # --- allocation ---------------------------------------------------------------------
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """New blocks (copy-on-write included) that computing `num_new_tokens` would take."""
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
-        needed = max(0, -(-end // self.block_size) - len(seq.block_ids))
-        return needed + len(self._blocks_to_copy(seq, start))
+        table, start = self.block_table(seq), self.num_computed_tokens(seq)
+        needed = max(0, -(-(start + num_new_tokens) // self.block_size) - len(table))
+        return needed + len(self._blocks_to_copy(table, start))
 
-    def try_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> SlotAllocation | None:
         """Make slots for tokens [num_computed, num_computed + num_new) writable.
 
         Copies the block the first new token lands in if other sequences share it. Returns
-        False, changing nothing, if too few blocks are free.
+        None, changing nothing, if too few blocks are free.
         """
         if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free_blocks:
-            return False
-        start = seq.num_computed_tokens
-        for index in self._blocks_to_copy(seq, start):
-            shared = seq.block_ids[index]
+            return None
+        record = self._record(seq)
+        start = record.num_computed_tokens
+        copies = []
+        for index in self._blocks_to_copy(record.block_ids, start):
+            shared = record.block_ids[index]
             (copy,) = self.pool.try_allocate(1) or [None]
             assert copy is not None, "blocks_needed counted the copied blocks"
-            self.pending.device.append((shared, copy))
+            copies.append((shared, copy))
             self.pool.free([shared])
-            seq.block_ids[index] = copy
+            record.block_ids[index] = copy
             self.stats.cow_copies += 1
+        self.pending.device.extend(copies)
         end_blocks = -(-(start + num_new_tokens) // self.block_size)
-        new_blocks = self.pool.try_allocate(max(0, end_blocks - len(seq.block_ids)))
+        new_blocks = self.pool.try_allocate(max(0, end_blocks - len(record.block_ids)))
         assert new_blocks is not None, "blocks_needed counted these blocks"
-        seq.block_ids.extend(new_blocks)
-        return True
+        record.block_ids.extend(new_blocks)
+        return SlotAllocation(new_blocks, copies)
 
-    def _blocks_to_copy(self, seq: Sequence, start: int) -> list[int]:
+    def _blocks_to_copy(self, table: list[int], start: int) -> list[int]:
         """Table indices to copy before writing from token `start` on: the shared block
         that token lands in (copy-on-write), or with sharing disabled every shared block."""
         if not self.enable_sharing:
-            return [i for i, block_id in enumerate(seq.block_ids) if self.pool.ref_count(block_id) > 1]
+            return [i for i, block_id in enumerate(table) if self.pool.ref_count(block_id) > 1]
         index = start // self.block_size
-        shared = index < len(seq.block_ids) and self.pool.ref_count(seq.block_ids[index]) > 1
+        shared = index < len(table) and self.pool.ref_count(table[index]) > 1
         return [index] if shared and start % self.block_size != 0 else []
+
+    def commit(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The forward pass wrote `num_new_tokens` more of the sequence's tokens; returns its
+        computed-token count. Blocks that became full join the prefix cache."""
+        record = self._record(seq)
+        record.num_computed_tokens += num_new_tokens
+        self._register_full_blocks(seq, record)
+        return record.num_computed_tokens
 
     # --- prefix caching ---------------------------------------------------------------
 
@@ -113,43 +202,50 @@ class KVCacheManager:
         hits = self._find_cached_prefix(seq, num_tokens)
         return hits, sum(1 for block_id in hits if self.pool.is_evictable(block_id))
 
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Count one request's prompt in the prefix-cache statistics (once per request)."""
+        self.stats.prefix_queries += num_prompt_tokens
+        self.stats.prefix_hits += num_hit_tokens
+
     def take_cached_prefix(self, seq: Sequence, hits: list[int]) -> None:
         """Start an empty sequence on `hits`, skipping the prefill of their tokens."""
-        assert not seq.block_ids and seq.num_computed_tokens == 0, "prefix reuse needs a fresh sequence"
+        record = self._record(seq)
+        assert not record.block_ids and record.num_computed_tokens == 0, "prefix reuse needs a fresh sequence"
         for block_id in hits:
             self.pool.touch(block_id)
-        seq.block_ids = list(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_registered_blocks = len(hits)
+        record.block_ids = list(hits)
+        record.num_computed_tokens = len(hits) * self.block_size
+        record.num_registered_blocks = len(hits)
 
     def _find_cached_prefix(self, seq: Sequence, num_tokens: int) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (num_tokens - 1) // self.block_size
-        self._extend_hashes(seq, max_blocks)
+        record = self._record(seq)
+        self._extend_hashes(seq, record, max_blocks)
         hits = []
         for index in range(max_blocks):
-            block_id = self.pool.try_lookup(seq.block_hashes[index], self._block_tokens(seq, index))
+            block_id = self.pool.try_lookup(record.block_hashes[index], self._block_tokens(seq, index))
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Publish blocks whose every slot is now computed (call after the step ran)."""
+    def _register_full_blocks(self, seq: Sequence, record: SequenceBlocks) -> None:
+        """Publish blocks whose every slot is now computed."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
-        self._extend_hashes(seq, num_full)
-        for index in range(seq.num_registered_blocks, num_full):
-            self.pool.register(seq.block_ids[index], seq.block_hashes[index], self._block_tokens(seq, index))
-        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+        num_full = min(record.num_computed_tokens // self.block_size, len(record.block_ids))
+        self._extend_hashes(seq, record, num_full)
+        for index in range(record.num_registered_blocks, num_full):
+            self.pool.register(record.block_ids[index], record.block_hashes[index], self._block_tokens(seq, index))
+        record.num_registered_blocks = max(record.num_registered_blocks, num_full)
 
-    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
-        while len(seq.block_hashes) < num_blocks:
-            index = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else 0
-            seq.block_hashes.append(hash((parent, self._block_tokens(seq, index))))
+    def _extend_hashes(self, seq: Sequence, record: SequenceBlocks, num_blocks: int) -> None:
+        while len(record.block_hashes) < num_blocks:
+            index = len(record.block_hashes)
+            parent = record.block_hashes[-1] if record.block_hashes else 0
+            record.block_hashes.append(hash((parent, self._block_tokens(seq, index))))
 
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
@@ -158,20 +254,22 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (copy-on-write on the first write)."""
-        assert not child.block_ids, "fork into a sequence that still holds blocks"
-        self.pool.incref(parent.block_ids)
-        child.block_ids = list(parent.block_ids)
-        child.num_computed_tokens = parent.num_computed_tokens
-        # Only hashes of full blocks both share; the parent may have hashed its own outputs.
-        child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
-        child.num_registered_blocks = parent.num_registered_blocks
+        assert not self.block_table(child), "fork into a sequence that still holds blocks"
+        source = self._record(parent)
+        self.pool.incref(source.block_ids)
+        self._sequences[child.seq_id] = SequenceBlocks(
+            block_ids=list(source.block_ids),
+            num_computed_tokens=source.num_computed_tokens,
+            # Only hashes of full blocks both share; the parent may have hashed its own outputs.
+            block_hashes=source.block_hashes[: source.num_computed_tokens // self.block_size],
+            num_registered_blocks=source.num_registered_blocks,
+        )
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of the sequence (tail first) and reset its progress."""
-        self.pool.free(seq.block_ids[::-1])
-        seq.block_ids = []
-        seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
+        """Release every block of the sequence (tail first) and forget its progress."""
+        record = self._sequences.pop(seq.seq_id, None)
+        if record is not None:
+            self.pool.free(record.block_ids[::-1])
 
     def free_request(self, request: Request) -> None:
         for seq in request.sequences:
@@ -179,10 +277,9 @@ class KVCacheManager:
 
     # --- swapping -----------------------------------------------------------------------
 
-    @staticmethod
-    def _distinct_blocks(request: Request) -> list[int]:
+    def _distinct_blocks(self, request: Request) -> list[int]:
         """The request's blocks, each once (siblings share), in table order."""
-        return list(dict.fromkeys(b for seq in request.sequences for b in seq.block_ids))
+        return list(dict.fromkeys(b for seq in request.sequences for b in self.block_table(seq)))
 
     def can_swap_out(self, request: Request) -> bool:
         return len(self._distinct_blocks(request)) <= len(self._free_host_blocks)
@@ -191,15 +288,16 @@ class KVCacheManager:
         """Move the request's blocks to host memory; shared blocks are copied once."""
         to_host: dict[int, int] = {}
         for seq in request.sequences:
+            record = self._record(seq)
             host_ids = []
-            for block_id in seq.block_ids:
+            for block_id in record.block_ids:
                 if block_id not in to_host:
                     to_host[block_id] = self._free_host_blocks.popleft()
                     self.pending.swap_out.append((block_id, to_host[block_id]))
                 host_ids.append(to_host[block_id])
-            self.pool.free(seq.block_ids[::-1])
-            seq.block_ids = host_ids
-            seq.num_registered_blocks = 0  # the device copies may be evicted meanwhile
+            self.pool.free(record.block_ids[::-1])
+            record.block_ids = host_ids
+            record.num_registered_blocks = 0  # the device copies may be evicted meanwhile
 
     def swap_in_cost(self, request: Request) -> int:
         return len(self._distinct_blocks(request))
@@ -214,11 +312,12 @@ class KVCacheManager:
         self.pending.swap_in.extend(to_device.items())
         seen: set[int] = set()
         for seq in request.sequences:
-            new_table = [to_device[b] for b in seq.block_ids]
+            record = self._record(seq)
+            new_table = [to_device[b] for b in record.block_ids]
             # try_allocate gave each block one reference; every further sharer adds one.
             self.pool.incref([b for b in new_table if b in seen])
             seen.update(new_table)
-            seq.block_ids = new_table
+            record.block_ids = new_table
         self._free_host_blocks.extend(distinct)
         return True
 
@@ -226,5 +325,4 @@ class KVCacheManager:
         """Drop a swapped request's host copies (it was aborted while swapped out)."""
         self._free_host_blocks.extend(self._distinct_blocks(request))
         for seq in request.sequences:
-            seq.block_ids = []
-            seq.num_computed_tokens = 0
+            self._sequences.pop(seq.seq_id, None)

@@ -8,13 +8,14 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagefleet.engine.chat_template import Message, apply_chat_template
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.inputs import PromptType, is_single_prompt
-from pagefleet.engine.llm_engine import EngineStats, LLMEngine
+from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.stats import EngineStats
 
-Message = dict[str, str]
 _PROGRESS_MIN_PROMPTS = 8
 
 
@@ -110,10 +111,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return apply_chat_template(self.tokenizer, messages)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -10,14 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from pagefleet.engine.beam_search import BeamSearchState
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Detokenizer
-from pagefleet.engine.engine_setup import EngineParts, build_engine_parts
+from pagefleet.engine.engine_setup import build_engine_parts
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
 from pagefleet.engine.inputs import PromptType, parse_prompt
 from pagefleet.engine.model_runner import RequestResults, SampleRequest
@@ -27,41 +26,39 @@ from pagefleet.engine.request import Request, RequestStatus, Sequence
 from pagefleet.engine.sampler import SampleResult
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
+from pagefleet.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True, frozen=True)
-class EngineStats:
-    """What a replica reports to the fleet (and what /metrics exports)."""
-
-    num_total_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    block_size: int
-    num_running_requests: int
-    num_waiting_requests: int
-    num_swapped_requests: int
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_cow_copies: int
-    num_shared_blocks: int  # blocks referenced by more than one sequence
-    num_blocks_saved_by_sharing: int  # copies that sharing avoids right now
-    peak_used_blocks: int  # most blocks ever in use at once
-    num_prompt_tokens: int
-    num_generation_tokens: int
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
+def worst_case_blocks(num_prompt_tokens: int, max_tokens: int, num_sequences: int, block_size: int) -> int:
+    """The most KV blocks a request can ever hold at once: its prompt's blocks (shared by
+    every sample) plus, per sample, the blocks of `max_tokens` outputs and one copy of the
+    part-filled block the prompt ends in (copy-on-write). A lone sequence needs just the
+    blocks of prompt and output together. A request above the whole cache can never run."""
+    if num_sequences == 1:
+        return -(-(num_prompt_tokens + max_tokens) // block_size)
+    return -(-num_prompt_tokens // block_size) + num_sequences * (-(-max_tokens // block_size) + 1)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+    """The engine core, driven one `step()` at a time by one thread.
+
+    Contract:
+    - `add_request` validates a request completely (a bad one raises InvalidParameterError
+      and changes nothing) and queues it; `abort_request` ends one now.
+    - `step()` runs one scheduled batch and returns an output for every request it touched;
+      a finished request's output has `finished=True` and is the last for that request.
+    - A request that fails inside the step (its sampling, its prompt logprobs, its
+      bookkeeping) finishes alone with finish_reason "error"; the others run on.
+    - Invariant: a request that finishes, fails or is aborted holds no block afterwards.
+    Reads only: request state belongs to the output processor (tokens and stop state), the
+    scheduler (status) and the KV cache manager (blocks and progress).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.parts = parts or build_engine_parts(config)
+        self.parts = build_engine_parts(config)
         self.tokenizer = self.parts.tokenizer
         self.max_model_len = self.parts.max_model_len
         self.kv_cache = self.parts.kv_cache
@@ -108,8 +105,7 @@ class LLMEngine:
         )
         if params.use_beam_search:
             request.beam = BeamSearchState(params, max_tokens, self._stop_token_ids(params))
-        for seq in request.sequences:
-            self.outputs.detokenizer.start(seq)
+        self.outputs.start(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self._num_prompt_tokens += len(token_ids)
@@ -145,15 +141,12 @@ class LLMEngine:
             raise PromptTooLongError(
                 "prompt", f"the prompt fills the whole context window of {self.max_model_len} tokens"
             )
-        bs = self.kv_cache.block_size
-        worst_case = -(-num_prompt // bs) + params.num_sequences * (-(-max_tokens // bs) + 1)
-        if params.num_sequences == 1:
-            worst_case = -(-(num_prompt + max_tokens) // bs)
-        if worst_case > self.kv_cache.pool.num_blocks:
+        worst_case = worst_case_blocks(num_prompt, max_tokens, params.num_sequences, self.kv_cache.block_size)
+        if worst_case > self.kv_cache.num_blocks:
             raise PromptTooLongError(
                 "max_tokens",
                 f"this request may need {worst_case} KV blocks but the whole cache has "
-                f"{self.kv_cache.pool.num_blocks}; lower max_tokens, n, best_of or beam_width",
+                f"{self.kv_cache.num_blocks}; lower max_tokens, n, best_of or beam_width",
             )
         return max_tokens
 
@@ -162,9 +155,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        for seq in request.unfinished_sequences:
-            seq.finish_reason = "abort"
-        self._finish(request)
+        self.outputs.finish_unfinished(request, "abort")
+        self.scheduler.finish(request)
         return self.outputs.make_output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -217,10 +209,9 @@ class LLMEngine:
         """End `request` with finish reason "error", free its blocks, and say why."""
         logger.error("request %s failed; the other requests run on", request.request_id, exc_info=error)
         request.error = f"{type(error).__name__}: {error}"
-        for seq in request.unfinished_sequences:
-            seq.finish_reason = "error"
+        self.outputs.finish_unfinished(request, "error")
         self.requests.pop(request.request_id, None)
-        self._finish(request)
+        self.scheduler.finish(request)
         return self.outputs.make_output(request)
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
@@ -238,15 +229,14 @@ class LLMEngine:
         samples = []
         for index, chunk in enumerate(chunks):
             request, seq = chunk.request, chunk.seq
-            done = seq.num_computed_tokens + chunk.num_new_tokens
-            if not request.is_forked:
-                # Sequence 0 reaching the end of the prompt is the fork point: every sibling
-                # that has no tokens of its own yet samples from the same logits.
-                if done == request.num_prompt_tokens:
+            if request.fork_point is not None:
+                # At the fork point every sibling that has no tokens of its own yet samples
+                # from the same logits as sequence 0.
+                if request.reaches_fork_point(chunk.end):
                     samples += [
-                        SampleRequest(index, s, request.params) for s in request.sequences if s.num_tokens == done
+                        SampleRequest(index, s, request.params) for s in request.sequences if s.num_tokens == chunk.end
                     ]
-            elif done == seq.num_tokens:
+            elif chunk.end == seq.num_tokens:
                 samples.append(SampleRequest(index, seq, request.params))
         return samples
 
@@ -273,61 +263,51 @@ class LLMEngine:
         for beam in beams:
             if not any(child is beam for child in children):
                 self.kv_cache.free(beam)
-        for index_, (child, continuation) in enumerate(zip(children, continuations, strict=True)):
-            child.index = index_
-            child.token_ids.append(continuation.token_id)
-            child.cumulative_logprob = continuation.cumulative_logprob
+        self.outputs.extend_beams(children, continuations)
         request.sequences = children
         self._num_generation_tokens += len(beams)
 
     def _advance(self, chunks: list[ScheduledChunk]) -> list[Request]:
         touched: dict[str, Request] = {}
         for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_new_tokens
-            self.kv_cache.register_full_blocks(chunk.seq)
+            computed = self.kv_cache.commit(chunk.seq, chunk.num_new_tokens)
             request = chunk.request
             touched[request.request_id] = request
-            if not request.is_forked and chunk.seq.num_computed_tokens == request.num_prompt_tokens:
+            if request.reaches_fork_point(computed):
                 for sibling in request.sequences[1:]:
                     self.kv_cache.fork(chunk.seq, sibling)
-                request.is_forked = True
+                request.mark_forked()
         return list(touched.values())
 
     def _after_step(self, request: Request) -> RequestOutput:
         for seq in request.sequences:
-            if seq.is_finished and seq.block_ids:
+            if seq.is_finished and self.kv_cache.block_table(seq):
                 self.kv_cache.free(seq)  # siblings still running keep only what they share
         if request.is_done:
             self.requests.pop(request.request_id, None)
-            self._finish(request)
+            self.scheduler.finish(request)
         return self.outputs.make_output(request)
-
-    def _finish(self, request: Request) -> None:
-        self.scheduler.remove(request)
-        request.status = RequestStatus.FINISHED
 
     # --- stats --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        pool = self.kv_cache.pool
-        scheduler = self.scheduler
-        num_shared, num_saved = pool.sharing
+        usage, cache_stats, scheduler = self.kv_cache.usage(), self.kv_cache.stats, self.scheduler
         return EngineStats(
-            num_total_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            num_cached_blocks=pool.num_cached_blocks,
+            num_total_blocks=usage.num_blocks,
+            num_free_blocks=usage.num_free_blocks,
+            num_cached_blocks=usage.num_cached_blocks,
             block_size=self.kv_cache.block_size,
             num_running_requests=len(scheduler.running),
             num_waiting_requests=len(scheduler.waiting),
             num_swapped_requests=sum(r.status == RequestStatus.SWAPPED for r in scheduler.waiting),
             num_preemptions_recompute=scheduler.stats.num_preemptions_recompute,
             num_preemptions_swap=scheduler.stats.num_preemptions_swap,
-            prefix_cache_queries=self.kv_cache.stats.prefix_queries,
-            prefix_cache_hits=self.kv_cache.stats.prefix_hits,
-            num_cow_copies=self.kv_cache.stats.cow_copies,
-            num_shared_blocks=num_shared,
-            num_blocks_saved_by_sharing=num_saved,
-            peak_used_blocks=pool.peak_used_blocks,
+            prefix_cache_queries=cache_stats.prefix_queries,
+            prefix_cache_hits=cache_stats.prefix_hits,
+            num_cow_copies=cache_stats.cow_copies,
+            num_shared_blocks=usage.num_shared_blocks,
+            num_blocks_saved_by_sharing=usage.num_blocks_saved_by_sharing,
+            peak_used_blocks=usage.peak_used_blocks,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
         )

@@ -179,11 +179,10 @@ class ModelRunner:
         decode_context, decode_tables = [], []
         prefills: list[PrefillSpan] = []
         for chunk in chunks:
-            seq, start, num_new = chunk.seq, chunk.seq.num_computed_tokens, chunk.num_new_tokens
-            end = start + num_new
+            start, end, num_new = chunk.start, chunk.end, chunk.num_new_tokens
             row = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
-            table = seq.block_ids[: (end + bs - 1) // bs]
+            input_ids.extend(chunk.seq.token_ids[start:end])
+            table = chunk.block_table[: (end + bs - 1) // bs]
             if num_new == 1:
                 assert not prefills, "decode chunks must come before prefill chunks"
                 positions.append(start)
@@ -212,7 +211,7 @@ class ModelRunner:
         """Logprobs of the prompt tokens that follow each position of chunk `index`."""
         chunk = chunks[index]
         seq, request = chunk.seq, chunk.request
-        start = seq.num_computed_tokens
+        start = chunk.start
         # Position p predicts token p + 1; the prompt's last position predicts no prompt token.
         end = min(start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
         count = max(0, end - start)

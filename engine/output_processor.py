@@ -1,8 +1,13 @@
 """Per-token bookkeeping after sampling: append, logprobs, detokenize, stop checks, and
-building the `RequestOutput` a caller sees."""
+building the `RequestOutput` a caller sees.
+
+The output processor is the one writer of a sequence's tokens, text, logprobs and stop
+state (finish and stop reasons), and of a request's prompt logprobs.
+"""
 
 from __future__ import annotations
 
+from pagefleet.engine.beam_search import Continuation
 from pagefleet.engine.detokenizer import Detokenizer, find_stop_string
 from pagefleet.engine.model_runner import PromptLogprobs
 from pagefleet.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, Usage
@@ -15,6 +20,23 @@ class OutputProcessor:
         self.detokenizer = detokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
+
+    def start(self, request: Request) -> None:
+        """Ready a new request's sequences for incremental detokenization."""
+        for seq in request.sequences:
+            self.detokenizer.start(seq)
+
+    def finish_unfinished(self, request: Request, reason: str) -> None:
+        """End every sequence still running with `reason` ("abort", "error")."""
+        for seq in request.unfinished_sequences:
+            seq.finish_reason = reason
+
+    def extend_beams(self, beams: list[Sequence], continuations: list[Continuation]) -> None:
+        """Beam i takes continuation i's token and score (beams already forked as needed)."""
+        for index, (beam, continuation) in enumerate(zip(beams, continuations, strict=True)):
+            beam.index = index
+            beam.token_ids.append(continuation.token_id)
+            beam.cumulative_logprob = continuation.cumulative_logprob
 
     def append_token(self, request: Request, seq: Sequence, result: SampleResult, row: int) -> None:
         token_id = result.token_ids[row]

@@ -1,4 +1,4 @@
-"""A request and its sequences: the state the scheduler and the block manager share.
+"""A request and its sequences: what a caller asked for and what has been generated.
 
 A request holds one prompt and its sequences: `best_of` (else n) samples, or up to
 `beam_width` beams. Until its prompt is computed the request is *unforked*: only sequence 0
@@ -7,13 +7,19 @@ others fork from it, sharing every prompt block (the last, part-filled one inclu
 reference count. A beam-search request starts with one sequence; beams fork from beams as
 the search goes (see beam_search.py).
 
-Every sequence has `num_computed_tokens` catching up to `num_tokens`; this one rule covers
-prefill, chunked prefill, prefix-cache hits and recompute after preemption.
+Every sequence's computed-token count (kept by the KV cache manager, with its blocks)
+catches up to its `num_tokens`; this one rule covers prefill, chunked prefill, prefix-cache
+hits and recompute after preemption.
+
+Who writes what: the output processor a sequence's tokens, text, logprobs and stop state;
+the scheduler a request's status; the KV cache manager every block table and computed-token
+count (not stored here at all). Other modules read.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -37,15 +43,14 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+_sequence_ids = itertools.count()
+
+
 @dataclass(slots=True)
 class Sequence:
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
-    num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
-    num_registered_blocks: int = 0  # full blocks already published to the prefix cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
@@ -55,6 +60,7 @@ class Sequence:
     # Incremental detokenizer cursors into token_ids (see detokenizer.py).
     prefix_offset: int = 0
     read_offset: int = 0
+    seq_id: int = field(default_factory=lambda: next(_sequence_ids))  # the KV cache manager's key
 
     @property
     def num_tokens(self) -> int:
@@ -130,10 +136,23 @@ class Request:
             return [self.sequences[0]]
         return self.unfinished_sequences
 
+    @property
+    def fork_point(self) -> int | None:
+        """Before the fork: the tokens sequence 0 computes alone (the prompt), after which
+        its siblings split off sharing them. None once forked (or with nothing to fork)."""
+        return None if self.is_forked else self.num_prompt_tokens
+
+    def reaches_fork_point(self, num_computed: int) -> bool:
+        """Whether sequence 0 having `num_computed` tokens computed is the fork."""
+        return num_computed == self.fork_point
+
+    def mark_forked(self) -> None:
+        self.is_forked = True
+
     def compute_target(self, seq: Sequence) -> int:
         """How many of `seq`'s tokens should have KV: all of them once forked; before the
-        fork, sequence 0 stops at the end of the prompt (the fork point)."""
-        return seq.num_tokens if self.is_forked else self.num_prompt_tokens
+        fork, sequence 0 stops at the fork point."""
+        return self.fork_point if self.fork_point is not None else seq.num_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -22,11 +22,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """`num_new_tokens` tokens of `seq`, starting at its `num_computed_tokens`."""
+    """`num_new_tokens` tokens of `seq` from position `start` (its computed-token count when
+    scheduled), to be written into `block_table`: all a forward pass needs to know."""
 
     request: Request
     seq: Sequence
+    start: int
     num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
 
 
 @dataclass(slots=True)
@@ -47,6 +54,20 @@ class SchedulerStats:
 
 
 class Scheduler:
+    """Decides each step's work and owns every request's status.
+
+    Contract:
+    - `add` queues a request (WAITING) in arrival order; `finish` takes it out wherever it
+      is, frees every block it holds (device or host) and marks it FINISHED.
+    - `schedule` returns the step's chunks and the block copies to run first. It only
+      allocates through the KV cache manager, and a request is either scheduled with every
+      block it needs or not at all. Running requests come first, in admission order; when
+      one cannot get its blocks the newest running request is preempted (recompute: its
+      blocks freed, it waits again; swap: its blocks moved to host memory). Waiting requests
+      are admitted strictly in arrival order, and none in a step that preempted.
+    - Invariant: at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences a step.
+    """
+
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
@@ -61,8 +82,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=lambda r: r.arrival_index)
 
-    def remove(self, request: Request) -> None:
-        """Drop a finished or aborted request and free every block it holds."""
+    def finish(self, request: Request) -> None:
+        """Drop a finished, failed or aborted request and free every block it holds."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -71,6 +92,7 @@ class Scheduler:
             self.kv_cache.release_host_blocks(request)
         else:
             self.kv_cache.free_request(request)
+        request.status = RequestStatus.FINISHED
 
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
@@ -104,7 +126,9 @@ class Scheduler:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seq_slots > self.config.max_num_seqs:
                 break
-            starts_afresh = request.status == RequestStatus.WAITING and not request.sequences[0].block_ids
+            starts_afresh = request.status == RequestStatus.WAITING and not self.kv_cache.block_table(
+                request.sequences[0]
+            )
             if request.status == RequestStatus.SWAPPED:
                 if not self._try_swap_in(request):
                     break
@@ -131,9 +155,8 @@ class Scheduler:
             hits = []
         if not request.is_prefix_counted:  # count a request's prompt once, not per retry
             request.is_prefix_counted = True
-            self.kv_cache.stats.prefix_queries += request.num_prompt_tokens
-            self.kv_cache.stats.prefix_hits += len(hits) * self.kv_cache.block_size
             request.num_cached_tokens = len(hits) * self.kv_cache.block_size
+            self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
         if hits:
             self.kv_cache.take_cached_prefix(seq, hits)
 
@@ -152,7 +175,7 @@ class Scheduler:
         wanted = []
         reaches_end = []
         for seq in request.active_sequences:
-            remaining = request.compute_target(seq) - seq.num_computed_tokens
+            remaining = request.compute_target(seq) - self.kv_cache.num_computed_tokens(seq)
             num_new = min(remaining, budget)
             reaches_end.append(num_new == remaining)
             if num_new > 0:
@@ -162,7 +185,7 @@ class Scheduler:
             # Beams pick their next tokens together, from logits of the same step: a beam
             # whose last token fits keeps it back until every beam's does.
             wanted = [
-                (seq, n - 1) if n == request.compute_target(seq) - seq.num_computed_tokens else (seq, n)
+                (seq, n - 1) if n == request.compute_target(seq) - self.kv_cache.num_computed_tokens(seq) else (seq, n)
                 for seq, n in wanted
             ]
             wanted = [(seq, n) for seq, n in wanted if n > 0]
@@ -170,9 +193,10 @@ class Scheduler:
         if needed > self.kv_cache.num_free_blocks:
             return None
         for seq, num_new in wanted:
-            allocated = self.kv_cache.try_allocate_slots(seq, num_new)
-            assert allocated, "blocks_needed said the slots were free"
-            plan.chunks.append(ScheduledChunk(request, seq, num_new))
+            start = self.kv_cache.num_computed_tokens(seq)
+            allocated = self.kv_cache.allocate_slots(seq, num_new)
+            assert allocated is not None, "blocks_needed said the slots were free"
+            plan.chunks.append(ScheduledChunk(request, seq, start, num_new, self.kv_cache.block_table(seq)))
         return sum(n for _, n in wanted)
 
     def _preempt(self, request: Request, plan: SchedulePlan) -> None:

@@ -36,13 +36,13 @@ logger = logging.getLogger(__name__)
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     client = redis.from_url(settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    registry = ReplicaRegistry(client, settings.refresh_interval, settings.record_ttl, settings.redis_grace)
+    registry = ReplicaRegistry(client, settings.refresh_interval_s, settings.record_ttl_s, settings.redis_grace_s)
     metrics = GatewayMetrics()
     limiter = RateLimiter(client, settings.requests_per_minute, settings.tokens_per_minute)
     api_keys = settings.keys()
     default_policy = make_policy(settings.policy, client)
     policies: dict[str, RoutingPolicy] = {m: make_policy(p, client) for m, p in settings.model_policies.items()}
-    outliers = OutlierDetector(registry, settings.eject_after_failures, settings.exclude_failed_for)
+    outliers = OutlierDetector(registry, settings.eject_after_failures, settings.exclude_failed_for_s)
     proxy = Proxy(registry, metrics, settings.failover_attempts, outliers)
     seen_models: set[str] = set()
 
@@ -50,7 +50,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with contextlib.suppress(Exception):
             await registry.refresh()  # a first view before serving, if Redis is up
-        await proxy.start(settings.connect_timeout, settings.read_timeout)
+        await proxy.start(settings.connect_timeout_s, settings.read_timeout_s)
         task = asyncio.create_task(registry.run())
         yield
         task.cancel()

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -61,6 +62,21 @@ def build_directory() -> Path:
     return root / f"torch-{torch.__version__}-{instruction_set().lower()}-{digest}"
 
 
+# A build takes under a minute; cpp_extension's lock file outlives a build that was killed
+# (Ctrl-C, a pod evicted), and every later process would wait on it forever.
+STALE_LOCK_SECONDS = 600
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def has_prefill() -> bool:
     """Whether the loaded operators include the prefill kernel (AVX-512 builds)."""
     return load() and bool(torch.ops.pagefleet.has_prefill())
@@ -88,6 +104,7 @@ def load() -> bool:
         from torch.utils import cpp_extension
 
         directory.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(directory / "lock")
         logger.info("building the compiled CPU operators for %s in %s (once, about 20 s)", isa, directory)
         cpp_extension.load(
             name=name,

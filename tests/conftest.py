@@ -22,7 +22,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.processes import RedisProcess, free_port, start_redis  # noqa: E402
+from tests.processes import RedisProcess, running_redis  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -132,8 +132,5 @@ def tiny_llama(tiny_models: dict[str, Path]) -> Path:
 @pytest.fixture
 def redis_server() -> Iterator[RedisProcess]:
     """Debian's redis-server on a free loopback port, for one test."""
-    port = free_port()
-    server = RedisProcess(port, start_redis(port))
-    yield server
-    server.process.kill()
-    server.process.wait()
+    with running_redis() as server:
+        yield server

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -38,6 +42,19 @@ class RedisProcess:
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=10)
+
+
+@contextmanager
+def running_redis() -> Iterator[RedisProcess]:
+    """Debian's redis-server on a free loopback port, killed on exit: what every test and
+    fixture that needs a Redis uses."""
+    port = free_port()
+    server = RedisProcess(port, start_redis(port))
+    try:
+        yield server
+    finally:
+        server.process.kill()
+        server.process.wait()
 
 
 def start_redis(port: int) -> subprocess.Popen[bytes]:
@@ -140,14 +157,31 @@ def leave_before_the_answer(url: str, body: dict[str, object]) -> None:
         httpx.post(url, json=body, timeout=httpx.Timeout(30, read=0.5))
 
 
-def wait_for(condition, timeout: float = 20.0, interval: float = 0.1):  # type: ignore[no-untyped-def]
+def wait_for(
+    condition: Callable[[], Any],
+    timeout: float = 20.0,
+    interval: float = 0.1,
+    retry_on: tuple[type[BaseException], ...] = (AssertionError,),
+) -> Any:
+    """The first truthy result of `condition`, polled every `interval` seconds; an exception
+    of `retry_on` means "not yet". Fails with the last such exception after `timeout`."""
     deadline = time.monotonic() + timeout
+    last: BaseException | None = None
     while time.monotonic() < deadline:
-        value = condition()
+        try:
+            value = condition()
+        except retry_on as error:
+            last, value = error, None
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError("condition not met in time")
+    raise AssertionError(f"condition not met within {timeout} s: {last!r}")
+
+
+async def wait_for_async(condition: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02) -> Any:
+    """`wait_for` from inside an event loop: the polling runs in a thread, so the loop (and
+    an engine it drives) keeps running meanwhile."""
+    return await asyncio.to_thread(wait_for, condition, timeout, interval)
 
 
 @dataclass

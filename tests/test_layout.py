@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -64,3 +65,36 @@ def test_operator_imports_neither_torch_nor_the_engine() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _project_imports(folder: Path) -> dict[str, set[str]]:
+    """Every `pagefleet.*` module each file under `folder` imports, lazily or not."""
+    imports: dict[str, set[str]] = {}
+    for path in folder.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        imports[str(path.relative_to(ROOT))] = {name for name in names if name.startswith("pagefleet")}
+    return imports
+
+
+def test_kernels_import_nothing_else_of_the_project() -> None:
+    """Kernels are leaves: the engine uses them, never the other way round."""
+    outside = {
+        path: sorted(name for name in names if not name.startswith("pagefleet.kernels"))
+        for path, names in _project_imports(ROOT / "kernels").items()
+    }
+    assert {path: names for path, names in outside.items() if names} == {}
+
+
+def test_the_engine_core_never_imports_its_server() -> None:
+    """The HTTP server is a client of the engine core; the core runs without it."""
+    core = {
+        path: sorted(name for name in names if name.startswith("pagefleet.engine.server"))
+        for path, names in _project_imports(ROOT / "engine").items()
+        if not path.startswith("engine/server/")
+    }
+    assert {path: names for path, names in core.items() if names} == {}

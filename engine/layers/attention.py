@@ -24,6 +24,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key cache, value cache)
+
 
 @dataclass(slots=True, frozen=True)
 class CacheSpec:

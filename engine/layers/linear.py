@@ -15,9 +15,6 @@ from torch import nn
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key cache, value cache)
-
-
 def frozen_parameter(*shape: int) -> nn.Parameter:
     """An uninitialised inference-only parameter, filled by the weight loader."""
     return nn.Parameter(torch.empty(*shape), requires_grad=False)

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
-from pagefleet.engine.layers.linear import KVCache, Linear, frozen_parameter
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import WeightLoader
 

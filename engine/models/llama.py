@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.fused import rotary, silu_and_mul
-from pagefleet.engine.layers.linear import KVCache, Linear, frozen_parameter
+from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.models.config import ModelConfig

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from torch import nn
 
 from pagefleet.engine.errors import ModelNotFoundError
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
-from pagefleet.engine.layers.linear import KVCache, pack_linears
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.layers.linear import pack_linears
 from pagefleet.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)

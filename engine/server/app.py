@@ -26,16 +26,16 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.engine.async_engine import AsyncEngine
-from pagefleet.engine.llm_engine import EngineStats
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.chat import chat_prompt, create_chat_completion
 from pagefleet.engine.server.completions import create_completion
 from pagefleet.engine.server.errors import OpenAIError, install_error_handlers
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.publisher import CapacityPublisher
-from pagefleet.engine.server.serving import ServerState
 from pagefleet.engine.server.settings import ServerSettings
+from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import cancel_on_disconnect
+from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol.http import ErrorGuard, error_json
 from pagefleet.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 

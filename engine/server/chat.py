@@ -11,30 +11,20 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.chat_template import apply_chat_template
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.server.errors import OpenAIError
-from pagefleet.engine.server.serving import (
-    ChunkWriter,
-    ServerState,
-    check_admission,
-    finish_reason,
-    first_and_rest,
-    generate,
-    sampling_params,
-    sse,
-    usage,
-)
+from pagefleet.engine.server.events import ChunkWriter, finish_reason, sse, usage
+from pagefleet.engine.server.generation import DeltaTracker, Outputs, first_and_rest, generate, last_output
+from pagefleet.engine.server.params import sampling_params
+from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import EventStreamResponse
 from pagefleet.protocol.openai import ChatCompletionRequest
 
 
 def chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
-    tokenizer = engine.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return apply_chat_template(engine.tokenizer, messages, body.add_generation_prompt)
 
 
 def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput, start: int) -> dict[str, Any] | None:
@@ -57,23 +47,19 @@ def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput, start: 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest) -> Any:
     engine = state.ready_engine(body.model)
-    check_admission(engine, state.settings)
+    state.admit(engine)
     extra: dict[str, Any] = {}
     if body.logprobs:
         extra["logprobs"] = body.top_logprobs or 0
     elif body.top_logprobs is not None:
         raise OpenAIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
-    stream = await first_and_rest(generate(state, engine, chat_prompt(engine, body), params))
+    stream = await first_and_rest(generate(state.metrics, engine, chat_prompt(engine, body), params))
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(state, body, response_id, stream, include_usage))
-    final: RequestOutput | None = None
-    async with aclosing(stream):  # type: ignore[type-var]
-        async for output in stream:
-            final = output
-    assert final is not None
+    final = await last_output(stream)
     choices = [
         {
             "index": completion.index,
@@ -100,7 +86,7 @@ async def _stream(
     state: ServerState,
     body: ChatCompletionRequest,
     response_id: str,
-    stream: AsyncIterator[RequestOutput],
+    stream: Outputs,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """Per choice: the role first, then content deltas, then the finish reason; then usage
@@ -112,27 +98,24 @@ async def _stream(
             for i in range(body.n)
         ]
     )
-    sent_chars = [0] * body.n
-    sent_tokens = [0] * body.n
-    done = [False] * body.n
-    final = None
-    async with aclosing(stream):  # type: ignore[type-var]
+    tracker = DeltaTracker()
+    final: RequestOutput | None = None
+    async with aclosing(stream):
         async for output in stream:
             final = output
             choices = []
             for completion in output.outputs:
                 i = completion.index
-                if done[i]:
+                delta = tracker.delta(i, completion)
+                if delta is None:
                     continue
-                delta = completion.text[sent_chars[i] :]
-                logprobs = _logprobs(body, completion, sent_tokens[i])
-                if delta or (logprobs and logprobs["content"]):
+                logprobs = _logprobs(body, completion, delta.first_token)
+                if delta.text or (logprobs and logprobs["content"]):
                     choices.append(
-                        {"index": i, "delta": {"content": delta}, "logprobs": logprobs, "finish_reason": None}
+                        {"index": i, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": None}
                     )
-                sent_chars[i], sent_tokens[i] = len(completion.text), len(completion.token_ids)
-                if completion.finished:
-                    done[i] = True
+                tracker.sent(i, completion)
+                if delta.is_last:
                     reason = finish_reason(completion.finish_reason)
                     choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
             if choices:

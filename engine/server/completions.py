@@ -6,7 +6,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -14,18 +13,10 @@ from fastapi.responses import JSONResponse
 from pagefleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
-from pagefleet.engine.server.serving import (
-    ChunkWriter,
-    ServerState,
-    check_admission,
-    finish_reason,
-    generate,
-    merge,
-    sampling_params,
-    sse,
-    start_all,
-    usage,
-)
+from pagefleet.engine.server.events import ChunkWriter, finish_reason, sse, usage
+from pagefleet.engine.server.generation import DeltaTracker, Outputs, generate, last_output, merge, start_all
+from pagefleet.engine.server.params import sampling_params
+from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import EventStreamResponse
 from pagefleet.protocol.openai import CompletionRequest
 
@@ -97,16 +88,16 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
     engine = state.ready_engine(body.model)
     if body.stream and body.best_of is not None and body.best_of > body.n:
         raise OpenAIError(400, "best_of: cannot be used with stream (the best are known only at the end)", "best_of")
-    check_admission(engine, state.settings)
+    state.admit(engine)
     params = _params(body)
     prompts = _prompts(body)
-    streams = await start_all([generate(state, engine, prompt, params) for prompt in prompts])
+    streams = await start_all([generate(state.metrics, engine, prompt, params) for prompt in prompts])
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(state, body, response_id, streams, include_usage)
         return EventStreamResponse(events)
-    finals = await asyncio.gather(*(_last(stream) for stream in streams))
+    finals = await asyncio.gather(*(last_output(stream) for stream in streams))
     choices = []
     for prompt_index, output in enumerate(finals):
         prompt_text = _prompt_text(state, output)
@@ -139,50 +130,31 @@ def _prompt_text(state: ServerState, output: RequestOutput) -> str:
     return str(state.engine.tokenizer.decode(output.prompt_token_ids))
 
 
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final = None
-    async with aclosing(stream):  # type: ignore[type-var]
-        async for output in stream:
-            final = output
-    assert final is not None, "the engine ends every request with an output"
-    return final
-
-
 async def _stream(
     state: ServerState,
     body: CompletionRequest,
     response_id: str,
-    streams: list[AsyncIterator[RequestOutput]],
+    streams: list[Outputs],
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    sent_chars: dict[int, int] = {}  # choice index -> characters sent
-    sent_tokens: dict[int, int] = {}
-    finished: set[int] = set()
+    tracker = DeltaTracker()
     finals: dict[int, RequestOutput] = {}
-
     chunk = ChunkWriter(response_id, "text_completion", state.settings.model_name, include_usage)
-
     async for prompt_index, output in merge(streams):
         choices = []
         for completion in output.outputs:
             index = prompt_index * body.n + completion.index
-            if index in finished:
+            delta = tracker.delta(index, completion)
+            if delta is None:
                 continue
-            text = completion.text
-            first = index not in sent_chars
-            start_chars, start_tokens = sent_chars.get(index, 0), sent_tokens.get(index, 0)
-            delta = text[start_chars:]
-            if first and body.echo:
-                delta = _prompt_text(state, output) + delta
+            text = _prompt_text(state, output) + delta.text if delta.is_first and body.echo else delta.text
             reason = finish_reason(completion.finish_reason)
-            if delta or reason is not None or first:
-                logprobs = _choice_logprobs(body, output, completion, start_tokens)
+            if text or reason is not None or delta.is_first:
+                logprobs = _choice_logprobs(body, output, completion, delta.first_token)
                 choices.append(
-                    {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason, "stop_reason": None}
+                    {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "stop_reason": None}
                 )
-                sent_chars[index], sent_tokens[index] = len(text), len(completion.token_ids)
-            if completion.finished:
-                finished.add(index)
+                tracker.sent(index, completion)
         if output.finished:
             finals[prompt_index] = output
         if choices:

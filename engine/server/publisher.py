@@ -15,7 +15,7 @@ from collections.abc import Callable
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from pagefleet.engine.llm_engine import EngineStats
+from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol.replica import ReplicaRecord, record_key
 
 logger = logging.getLogger(__name__)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.protocol.replica import PUBLISH_INTERVAL_S, RECORD_TTL_S
 
 
@@ -73,6 +74,21 @@ class ServerSettings(BaseSettings):
     device: str = _default("device")
     attention_backend: str = _default("attention_backend")
 
+    _engine_config: EngineConfig | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _check_engine_config(self) -> ServerSettings:
+        """Build the engine's config now, so a bad engine flag is refused when the settings
+        are parsed (naming the flag), not when the model loads."""
+        try:
+            self._engine_config = EngineConfig(
+                model=self.model, **{name: getattr(self, name) for name in ENGINE_FIELDS}
+            )
+        except InvalidParameterError as error:
+            flag = "--" + error.param.replace("_", "-")
+            raise ValueError(f"{flag}: {str(error).removeprefix(error.param + ': ')}") from error
+        return self
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
@@ -86,4 +102,5 @@ class ServerSettings(BaseSettings):
         return self.replica_id or f"{socket.gethostname()}-{self.port}"
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, **{name: getattr(self, name) for name in ENGINE_FIELDS})
+        assert self._engine_config is not None, "built when the settings were validated"
+        return self._engine_config

@@ -11,7 +11,7 @@
 //   cache (any strides, head_dim contiguous):   [num_blocks, block_size, num_kv_heads, D]
 //   token t of a sequence lives at block table[t / block_size], offset t % block_size
 //
-// Built at run time by pagefleet/kernels/cpu_attention.py for the best instruction set the
+// Built at run time by pagefleet/kernels/cpu_ops.py for the best instruction set the
 // CPU has (AVX-512 with BF16, AVX2 or none); the loops below are written for the compiler
 // to vectorise (`omp simd`) and bf16 is widened to float by a shift, which vectorises too.
 

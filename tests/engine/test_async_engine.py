@@ -10,6 +10,7 @@ import pytest
 from pagefleet.engine import LLM, AsyncEngine, SamplingParams
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import random_prompts
+from tests.processes import wait_for_async
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +23,6 @@ def engine(tiny_llama: Path):  # type: ignore[no-untyped-def]
 def _free_equals_total(engine: AsyncEngine) -> bool:
     stats = engine.stats()
     return stats.num_free_blocks == stats.num_total_blocks and stats.num_running_requests == 0
-
-
-async def _wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.02)
 
 
 def test_concurrent_streams_match_offline_greedy(engine: AsyncEngine, tiny_llama: Path) -> None:
@@ -64,7 +58,7 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine: AsyncEngine) -> None
             if len(output.outputs[0].token_ids) >= 3:
                 break
         await stream.aclose()
-        await _wait_for(lambda: _free_equals_total(engine))
+        await wait_for_async(lambda: _free_equals_total(engine), timeout=10.0)
 
     asyncio.run(leave_early())
 

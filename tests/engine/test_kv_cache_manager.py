@@ -14,14 +14,14 @@ def _request(tokens: list[int], n: int = 1) -> Request:
 def test_blocks_are_allocated_on_demand_and_only_the_last_is_partial() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     seq = _request(list(range(10))).sequences[0]
-    assert manager.try_allocate_slots(seq, 6)
-    assert len(seq.block_ids) == 2  # 6 tokens: one full block, one with 2 of 4 slots
-    seq.num_computed_tokens = 6
-    assert manager.try_allocate_slots(seq, 2)
-    assert len(seq.block_ids) == 2, "tokens 7-8 fit the part-filled block"
-    seq.num_computed_tokens = 8
-    assert manager.try_allocate_slots(seq, 1)
-    assert len(seq.block_ids) == 3
+    assert manager.allocate_slots(seq, 6)
+    assert len(manager.block_table(seq)) == 2  # 6 tokens: one full block, one with 2 of 4 slots
+    manager.commit(seq, 6)
+    assert manager.allocate_slots(seq, 2)
+    assert len(manager.block_table(seq)) == 2, "tokens 7-8 fit the part-filled block"
+    manager.commit(seq, 2)
+    assert manager.allocate_slots(seq, 1)
+    assert len(manager.block_table(seq)) == 3
     manager.free(seq)
     assert manager.num_free_blocks == 8
 
@@ -30,21 +30,21 @@ def test_fork_shares_blocks_and_first_write_copies_the_partial_block() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     request = _request(list(range(6)), n=3)
     parent, *children = request.sequences
-    assert manager.try_allocate_slots(parent, 6)
-    parent.num_computed_tokens = 6
+    assert manager.allocate_slots(parent, 6)
+    manager.commit(parent, 6)
     for child in children:
         manager.fork(parent, child)
-    full, partial = parent.block_ids
+    full, partial = manager.block_table(parent)
     assert manager.pool.ref_count(full) == 3 and manager.pool.ref_count(partial) == 3
     assert manager.num_free_blocks == 6, "three sequences, two blocks"
 
     for seq in request.sequences:
         seq.token_ids.append(99)
-        assert manager.try_allocate_slots(seq, 1)
+        assert manager.allocate_slots(seq, 1)
     copies = manager.pending.take().device
     assert len(copies) == 2, "two of the three sharers copy; the last owns the original"
     assert all(src == partial for src, _ in copies)
-    assert len({seq.block_ids[1] for seq in request.sequences}) == 3
+    assert len({manager.block_table(seq)[1] for seq in request.sequences}) == 3
     assert manager.pool.ref_count(full) == 3, "the full prompt block stays shared"
     assert manager.stats.cow_copies == 2
     for seq in request.sequences:
@@ -55,10 +55,9 @@ def test_fork_shares_blocks_and_first_write_copies_the_partial_block() -> None:
 def test_prefix_hits_reuse_full_blocks_but_never_the_last_token() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     first = _request(list(range(8))).sequences[0]
-    assert manager.try_allocate_slots(first, 8)
-    first.num_computed_tokens = 8
-    manager.register_full_blocks(first)
-    first_blocks = list(first.block_ids)
+    assert manager.allocate_slots(first, 8)
+    manager.commit(first, 8)  # also publishes the full blocks
+    first_blocks = list(manager.block_table(first))
     manager.free(first)
     assert manager.pool.num_cached_blocks == 2
 
@@ -70,7 +69,7 @@ def test_prefix_hits_reuse_full_blocks_but_never_the_last_token() -> None:
     hits, _ = manager.find_prefix_hits(longer, longer.num_tokens)
     assert hits == first_blocks
     manager.take_cached_prefix(longer, hits)
-    assert longer.num_computed_tokens == 8
+    assert manager.num_computed_tokens(longer) == 8
     assert manager.stats.prefix_hits == 0  # counted by the scheduler, per request
     manager.free(longer)
     assert manager.num_free_blocks == 8
@@ -80,8 +79,8 @@ def test_swap_out_and_in_keeps_sharing() -> None:
     manager = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False, num_host_blocks=6)
     request = _request(list(range(6)), n=2)
     parent, child = request.sequences
-    assert manager.try_allocate_slots(parent, 6)
-    parent.num_computed_tokens = 6
+    assert manager.allocate_slots(parent, 6)
+    manager.commit(parent, 6)
     manager.fork(parent, child)
     assert manager.can_swap_out(request)
     manager.swap_out(request)
@@ -89,8 +88,8 @@ def test_swap_out_and_in_keeps_sharing() -> None:
     assert manager.num_free_blocks == 6 and manager.num_free_host_blocks == 4
     assert manager.try_swap_in(request)
     assert len(manager.pending.swap_in) == 2
-    assert parent.block_ids == child.block_ids
-    assert all(manager.pool.ref_count(b) == 2 for b in parent.block_ids)
+    assert manager.block_table(parent) == manager.block_table(child)
+    assert all(manager.pool.ref_count(b) == 2 for b in manager.block_table(parent))
     assert manager.num_free_host_blocks == 6
     manager.free_request(request)
     assert manager.num_free_blocks == 6

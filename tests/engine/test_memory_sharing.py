@@ -76,7 +76,7 @@ def test_beam_search_equals_transformers(tiny_models: dict[str, Path], arch: str
 def _check_block_accounting(engine: LLMEngine, request: Request) -> None:
     """Every reference in the pool belongs to a live beam; shared blocks exist once."""
     pool = engine.kv_cache.pool
-    tables = [seq.block_ids for seq in request.sequences]
+    tables = [engine.kv_cache.block_table(seq) for seq in request.sequences]
     distinct = {block_id for table in tables for block_id in table}
     assert sum(block.ref_count for block in pool.blocks) == sum(len(t) for t in tables)
     assert engine.kv_cache.num_free_blocks == pool.num_blocks - len(distinct)
@@ -98,8 +98,8 @@ def test_beams_share_blocks_and_free_pruned_ones_at_once(tiny_llama: Path) -> No
         _check_block_accounting(engine, request)
         if len(request.sequences) == 4:
             saw_four_beams = True
-            prompt_blocks = request.sequences[0].block_ids[:3]
-            assert all(seq.block_ids[:3] == prompt_blocks for seq in request.sequences)
+            prompt_blocks = engine.kv_cache.block_table(request.sequences[0])[:3]
+            assert all(engine.kv_cache.block_table(seq)[:3] == prompt_blocks for seq in request.sequences)
             assert [engine.kv_cache.pool.ref_count(b) for b in prompt_blocks] == [4, 4, 4]
             stats = engine.stats()
             assert stats.num_shared_blocks >= 3 and stats.num_blocks_saved_by_sharing >= 9

@@ -69,7 +69,7 @@ def test_n_samples_share_the_prompt_blocks(llm: LLM) -> None:
     request = engine.add_request("shared", prompt, _greedy(n=4, max_tokens=3))
     free_before = engine.kv_cache.num_free_blocks
     engine.step()  # prefill the prompt once, then fork
-    tables = [seq.block_ids for seq in request.sequences]
+    tables = [engine.kv_cache.block_table(seq) for seq in request.sequences]
     assert all(table[:3] == tables[0][:3] for table in tables)
     pool = engine.kv_cache.pool
     assert [pool.ref_count(b) for b in tables[0][:3]] == [4, 4, 4]

@@ -12,9 +12,8 @@ from tests.processes import (
     EngineServer,
     GatewayProcess,
     RedisProcess,
-    free_port,
+    running_redis,
     start_gateway,
-    start_redis,
     start_server,
     stop_process,
     stop_server,
@@ -39,13 +38,10 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("fleet")
-    port = free_port()
-    redis = RedisProcess(port, start_redis(port))
-    replicas = {name: start_replica(tiny_llama, logs, redis, name) for name in ("tiny-a", "tiny-b")}
-    gateway = start_gateway(redis.url, logs / "gateway.log")
-    yield Fleet(redis, replicas, gateway, logs)
-    stop_process(gateway.process)
-    for replica in replicas.values():
-        stop_server(replica)
-    redis.process.kill()
-    redis.process.wait()
+    with running_redis() as redis:
+        replicas = {name: start_replica(tiny_llama, logs, redis, name) for name in ("tiny-a", "tiny-b")}
+        gateway = start_gateway(redis.url, logs / "gateway.log")
+        yield Fleet(redis, replicas, gateway, logs)
+        stop_process(gateway.process)
+        for replica in replicas.values():
+            stop_server(replica)

@@ -33,8 +33,8 @@ from tests.processes import (
     leave_a_stream_after_a_few_events,
     leave_before_the_answer,
     metrics,
+    running_redis,
     start_gateway,
-    start_redis,
     stop_process,
     stop_server,
     wait_for,
@@ -140,8 +140,11 @@ def _publish(redis_url: str, replicas: list[tuple[FlakyReplica, int]], stop: thr
 @pytest.fixture(scope="module")
 def flaky(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlakyFleet]:
     logs = tmp_path_factory.mktemp("flaky")
-    port = free_port()
-    redis_process = RedisProcess(port, start_redis(port))
+    with running_redis() as redis_process:
+        yield from _flaky_fleet(redis_process, logs)
+
+
+def _flaky_fleet(redis_process: RedisProcess, logs: Path) -> Iterator[FlakyFleet]:
     preferred = FlakyReplica("flaky-a", free_port(), drops=True)
     other = FlakyReplica("flaky-b", free_port(), drops=False)
     stop = threading.Event()
@@ -212,16 +215,13 @@ def test_a_replica_is_skipped_only_after_several_failures_in_a_row(flaky: FlakyF
 @pytest.fixture(scope="module")
 def slow_fleet(slow_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("slow-fleet")
-    port = free_port()
-    redis_process = RedisProcess(port, start_redis(port))
-    replica = start_replica(slow_llama, logs, redis_process, "slow-a", "--num-kv-blocks", "512")
-    gateway = start_gateway(redis_process.url, logs / "gateway.log")
-    wait_for(lambda: "tiny" in httpx.get(f"{gateway.url}/v1/models").text)
-    yield Fleet(redis_process, {"slow-a": replica}, gateway, logs)
-    stop_process(gateway.process)
-    stop_server(replica)
-    redis_process.process.kill()
-    redis_process.process.wait()
+    with running_redis() as redis_process:
+        replica = start_replica(slow_llama, logs, redis_process, "slow-a", "--num-kv-blocks", "512")
+        gateway = start_gateway(redis_process.url, logs / "gateway.log")
+        wait_for(lambda: "tiny" in httpx.get(f"{gateway.url}/v1/models").text)
+        yield Fleet(redis_process, {"slow-a": replica}, gateway, logs)
+        stop_process(gateway.process)
+        stop_server(replica)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])

@@ -14,9 +14,7 @@ import pytest
 from tests.gateway.conftest import Fleet, start_replica
 from tests.processes import (
     RedisProcess,
-    free_port,
     start_gateway,
-    start_redis,
     stop_process,
     stop_server,
     wait_for,
@@ -150,9 +148,10 @@ def test_api_keys_and_rate_limits_shared_by_two_gateways(fleet: Fleet, tmp_path:
             stop_process(gateway.process)
 
 
-def test_redis_outage_grace_then_503_then_recovery(tiny_llama: Path, tmp_path: Path) -> None:
-    port = free_port()
-    redis = RedisProcess(port, start_redis(port))
+def test_redis_outage_grace_then_503_then_recovery(
+    tiny_llama: Path, tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    redis = redis_server
     replica = start_replica(tiny_llama, tmp_path, redis, "tiny-r")
     gateway = start_gateway(redis.url, tmp_path / "gateway.log", "--redis-grace", "3")
     try:
@@ -166,5 +165,3 @@ def test_redis_outage_grace_then_503_then_recovery(tiny_llama: Path, tmp_path: P
     finally:
         stop_process(gateway.process)
         stop_server(replica)
-        redis.process.kill()
-        redis.process.wait()

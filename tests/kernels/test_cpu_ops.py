@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,16 @@ def test_without_a_compiler_the_engine_says_so_once_and_runs_on_torch(tiny_llama
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     expected = compiled.generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids
     assert f"tokens {expected}" in result.stdout
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_later_builds(tmp_path: Path) -> None:
+    """cpp_extension's lock file outlives a build that was killed; every later process would
+    wait on it forever. An old one is removed, a fresh one (a build running now) is not."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_ops._clear_stale_lock(lock)
+    assert lock.exists(), "a build may be running: leave its lock"
+    old = time.time() - cpu_ops.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    cpu_ops._clear_stale_lock(lock)
+    assert not lock.exists()

@@ -57,12 +57,15 @@ class Cluster(kmock.KubernetesEmulator):
         self.writes: list[tuple[str, str]] = []  # (method, path) of every write
         self.failures: dict[tuple[str, str], int] = {}  # (method, path): answer 503 this many times
         self.operator_calls: set[tuple[str, str, str]] = set()  # (group, resource, verb) the operator used
+        self.operator_reads: list[str] = []  # path of every GET the operator made, in order
 
     async def _handle(self, request: kmock.Request) -> Any:
         method = str(request.method.value).upper()
         agent = request.headers.get("User-Agent", "")
         if agent.startswith(("kopf/", "pagefleet-operator")):
             self.operator_calls.update(_rbac_terms(method, request.url.path, dict(request.params)))
+            if method == "GET":
+                self.operator_reads.append(request.url.path)
         if method in WRITE_METHODS:
             self.writes.append((method, request.url.path))
         if self.failures.get((method, request.url.path), 0) > 0:

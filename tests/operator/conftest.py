@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from pagefleet.operator.kube import PERMISSIONS
 from pagefleet.operator.main import run_operator
 from pagefleet.operator.settings import OperatorSettings
 from tests.operator.cluster import ApiServer, Cluster
-from tests.processes import RedisProcess
+from tests.processes import RedisProcess, wait_for
 
 GROUP, VERSION, PLURAL = "pagefleet.io", "v1alpha1", "inferencedeployments"
 NAMESPACE = "models"
@@ -129,15 +128,6 @@ def operator(api_server: ApiServer, redis_server: RedisProcess) -> Iterator[Oper
 
 
 def eventually(check: Callable[[], Any], timeout: float = 15.0, interval: float = 0.1) -> Any:
-    """The first truthy result of `check` (an AssertionError in `check` means "not yet")."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-        except (AssertionError, KeyError, kubernetes.client.ApiException) as error:
-            last, result = error, None
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"not within {timeout}s: {last!r}")
+    """The first truthy result of `check` (an AssertionError, a missing key or an API error
+    in `check` means "not yet")."""
+    return wait_for(check, timeout, interval, retry_on=(AssertionError, KeyError, kubernetes.client.ApiException))

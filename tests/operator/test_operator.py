@@ -202,6 +202,17 @@ def test_deletion_removes_the_models_records_from_redis_then_the_resource(
     assert redis_client.keys("pagefleet:replica:other-model:*") != []
 
 
+def wait_for_reconciles(cluster: Cluster, name: str, count: int, operator: OperatorSettings) -> None:
+    """Until the periodic reconcile has run `count` more times for `name` (each run reads its
+    Deployment): the positive signal that lets a test assert something did not happen."""
+    path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{name}"
+    before = cluster.operator_reads.count(path)
+    eventually(
+        lambda: cluster.operator_reads.count(path) >= before + count,
+        timeout=(count + 2) * operator.reconcile_interval_s + 5,
+    )
+
+
 def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
     operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
 ) -> None:
@@ -217,7 +228,7 @@ def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
     publish(redis_client, "busy", "busy-b", free=0, waiting=10)
     eventually(lambda: client.get("busy")["spec"]["replicas"] == 3)
     publish(redis_client, "busy", "busy-c", free=0, waiting=10)
-    time.sleep(3 * operator.reconcile_interval_s)
+    wait_for_reconciles(cluster, "busy", 2, operator)
     assert client.get("busy")["spec"]["replicas"] == 3
 
 
@@ -229,7 +240,7 @@ def test_without_autoscaling_the_operator_never_writes_replicas(
     eventually(lambda: client.deployment("manual"))
     client.patch("manual", {"spec": {"replicas": 4}})  # an HPA or `kubectl scale`
     eventually(lambda: client.deployment("manual")["spec"]["replicas"] == 4)
-    time.sleep(2 * operator.reconcile_interval_s)
+    wait_for_reconciles(cluster, "manual", 2, operator)
     assert client.get("manual")["spec"]["replicas"] == 4
     assert not any(path.endswith("/scale") for _, path in cluster.writes)
 
@@ -269,7 +280,5 @@ def test_low_pressure_scales_down_only_after_the_window_and_never_below_min(
     assert [e["message"] for e in cluster.objects.values() if e.get("reason") == "ScaleDownStabilizing"]
     scaled = eventually(lambda: [e["message"] for e in cluster.objects.values() if e.get("reason") == "ScaledDown"])
     assert len(scaled) == 1 and scaled[0].startswith("4 -> 2 replicas")  # to minReplicas, not below
-    deadline = time.monotonic() + 2 * operator.reconcile_interval_s
-    while time.monotonic() < deadline:
-        assert replicas_after_report() == 2
-        time.sleep(0.2)
+    wait_for_reconciles(cluster, "idle", 2, operator)
+    assert replicas_after_report() == 2

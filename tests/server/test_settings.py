@@ -18,6 +18,21 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_invalid_engine_setting_fails_clearly() -> None:
-    settings = ServerSettings(_cli_parse_args=["--preemption-mode", "sometimes"])  # type: ignore[call-arg]
-    with pytest.raises(ValueError, match="preemption_mode"):
-        settings.engine_config()
+    """Refused when the flags are parsed, naming the flag, not later inside the loader."""
+    with pytest.raises(ValueError, match="--preemption-mode: must be 'recompute' or 'swap'"):
+        ServerSettings(_cli_parse_args=["--preemption-mode", "sometimes"])  # type: ignore[call-arg]
+
+
+def test_a_bad_flag_stops_serve_at_start_with_its_name() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", "x", "--block-size", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "--block-size: must be a power of two, got 3" in result.stderr
+    assert "Traceback" not in result.stderr

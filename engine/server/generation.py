@@ -1,0 +1,142 @@
+"""Engine output streams as the routes use them: metered, started early (so bad input fails
+before a response begins), merged across prompts, drained to the last output, and turned
+into per-choice deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.outputs import CompletionOutput, RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.metrics import ServerMetrics
+
+Outputs = AsyncGenerator[RequestOutput, None]
+
+
+async def generate(
+    metrics: ServerMetrics, engine: AsyncEngine, prompt: str | list[int], params: SamplingParams
+) -> Outputs:
+    """The engine's outputs for one prompt, with latency metrics. Closing the generator
+    early (a client gone) aborts the request and frees its blocks."""
+    started = last = time.monotonic()
+    tokens_seen = 0
+    async with aclosing(engine.generate(prompt, params, f"req-{uuid.uuid4().hex}")) as outputs:
+        async for output in outputs:
+            tokens = sum(len(c.token_ids) for c in output.outputs)
+            if tokens > tokens_seen:
+                now = time.monotonic()
+                histogram = metrics.time_to_first_token if tokens_seen == 0 else metrics.inter_token_latency
+                histogram.observe((now - started) if tokens_seen == 0 else (now - last))
+                last, tokens_seen = now, tokens
+            yield output
+    metrics.e2e_request_latency.observe(time.monotonic() - started)
+
+
+async def first_and_rest(stream: Outputs) -> Outputs:
+    """Start `stream` now, so that invalid input fails before a streaming response begins."""
+    try:
+        first = await anext(stream)
+    except BaseException:
+        await stream.aclose()
+        raise
+
+    async def replay() -> Outputs:
+        async with aclosing(stream):
+            yield first
+            async for item in stream:
+                yield item
+
+    return replay()
+
+
+async def start_all(streams: list[Outputs]) -> list[Outputs]:
+    """`first_and_rest` for several prompts at once; if one fails, the others are closed."""
+    started = await asyncio.gather(*(first_and_rest(stream) for stream in streams), return_exceptions=True)
+    ready = [item for item in started if not isinstance(item, BaseException)]
+    if len(ready) < len(started):
+        for item in ready:
+            await item.aclose()
+        raise next(item for item in started if isinstance(item, BaseException))
+    return ready
+
+
+async def last_output(stream: Outputs) -> RequestOutput:
+    """Drain a request to its final output."""
+    final = None
+    async with aclosing(stream):
+        async for output in stream:
+            final = output
+    assert final is not None, "the engine ends every request with an output"
+    return final
+
+
+async def merge(streams: list[Outputs]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Interleave several prompts' streams as (prompt index, output), as they come."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]):
+            async for output in streams[0]:
+                yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: Outputs) -> None:
+        try:
+            async with aclosing(stream):
+                async for output in stream:
+                    await queue.put((index, output))
+            await queue.put((index, None))
+        except BaseException as error:  # handed to the consumer, which re-raises
+            await queue.put((index, error))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(slots=True, frozen=True)
+class Delta:
+    """What one choice gained since it was last sent."""
+
+    text: str
+    first_token: int  # index of the first token not sent yet (its logprobs start there)
+    is_first: bool  # nothing of this choice was sent before
+    is_last: bool  # the choice finished with this output
+
+
+@dataclass(slots=True)
+class DeltaTracker:
+    """Turns the engine's cumulative outputs into stream deltas, choice by choice."""
+
+    _sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # choice -> (characters, tokens)
+    _finished: set[int] = field(default_factory=set)
+
+    def delta(self, choice: int, completion: CompletionOutput) -> Delta | None:
+        """The choice's news in `completion`; None once it finished in an earlier output."""
+        if choice in self._finished:
+            return None
+        if completion.finished:
+            self._finished.add(choice)
+        chars, tokens = self._sent.get(choice, (0, 0))
+        return Delta(completion.text[chars:], tokens, choice not in self._sent, completion.finished)
+
+    def sent(self, choice: int, completion: CompletionOutput) -> None:
+        """Record that the choice's text and tokens up to `completion` went out."""
+        self._sent[choice] = (len(completion.text), len(completion.token_ids))

@@ -1,0 +1,37 @@
+"""An OpenAI request's fields as the engine's `SamplingParams`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
+
+_PASSED_WHEN_SET = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+)
+
+
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, **extra: Any
+) -> SamplingParams:
+    """The engine's parameters from an OpenAI request (fields left out keep the defaults)."""
+    fields = {name: getattr(body, name) for name in _PASSED_WHEN_SET if getattr(body, name) is not None}
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        n=body.n,
+        stop=stop,
+        max_tokens=max_tokens,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        **fields,
+        **extra,
+    )

@@ -1,0 +1,39 @@
+"""The server's state: settings, metrics and the engine once it is loaded and warm."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.server.errors import OpenAIError
+from pagefleet.engine.server.metrics import ServerMetrics
+from pagefleet.engine.server.settings import ServerSettings
+
+
+@dataclass(slots=True)
+class ServerState:
+    settings: ServerSettings
+    metrics: ServerMetrics
+    engine: AsyncEngine | None = None  # None until the model is loaded and warm
+    load_error: BaseException | None = None
+    exit_code: int = 0  # what the process exits with once the server stops (non-zero: the engine died)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def ready_engine(self, model: str | None) -> AsyncEngine:
+        """The engine, once `model` is known to be ours; the right error otherwise."""
+        if model is not None and model != self.settings.model_name:
+            raise OpenAIError(
+                404, f"The model `{model}` does not exist; this server serves `{self.settings.model_name}`.", "model"
+            )
+        if self.engine is None:
+            raise OpenAIError(503, "The model is still loading; retry shortly.", headers={"Retry-After": "5"})
+        return self.engine
+
+    def admit(self, engine: AsyncEngine) -> None:
+        """Refuse a new request (503) while too many already wait."""
+        limit = self.settings.max_waiting_requests
+        if engine.stats().num_waiting_requests >= limit:
+            raise OpenAIError(
+                503, f"The server is at capacity ({limit} requests waiting); retry later.", headers={"Retry-After": "1"}
+            )

@@ -1,0 +1,33 @@
+"""What a replica reports about itself: `EngineStats`, read by the server's /metrics and the
+Redis publisher (see docs/redis-protocol.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """What a replica reports to the fleet (and what /metrics exports)."""
+
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    block_size: int
+    num_running_requests: int
+    num_waiting_requests: int
+    num_swapped_requests: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_cow_copies: int
+    num_shared_blocks: int  # blocks referenced by more than one sequence
+    num_blocks_saved_by_sharing: int  # copies that sharing avoids right now
+    peak_used_blocks: int  # most blocks ever in use at once
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
