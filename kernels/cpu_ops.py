@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_fused.cpp", "cpu_vec.h")
+    for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_fused.cpp", "cpu_paged.h", "cpu_vec.h")
 ]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],

@@ -27,6 +27,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_paged.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -41,11 +42,7 @@ inline void load_row(const T* source, float* row, int64_t head_dim) {
   for (int64_t d = 0; d < head_dim; ++d) row[d] = widen(source[d]);
 }
 
-struct Geometry {
-  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
-  int64_t query_stride_token, query_stride_head;
-  int64_t cache_stride_block, cache_stride_token, cache_stride_head;
-};
+using Geometry = PagedGeometry;
 
 // scores <- exp(scores - max); writes the max and the sum of the exponentials.
 inline void softmax_unnormalised(float* scores, int64_t count, float* max_out, float* sum_out) {
@@ -269,18 +266,7 @@ template <typename T>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t sliding_window) {
   const int64_t num_seqs = query.size(0);
-  Geometry g{};
-  g.num_heads = query.size(1);
-  g.num_kv_heads = key_cache.size(2);
-  g.group = g.num_heads / g.num_kv_heads;
-  g.head_dim = query.size(2);
-  g.block_size = key_cache.size(1);
-  g.max_blocks = block_tables.size(1);
-  g.query_stride_token = query.stride(0);
-  g.query_stride_head = query.stride(1);
-  g.cache_stride_block = key_cache.stride(0);
-  g.cache_stride_token = key_cache.stride(1);
-  g.cache_stride_head = key_cache.stride(2);
+  const Geometry g(query, key_cache, block_tables);
 
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lengths = context_lens.data_ptr<int32_t>();
@@ -367,16 +353,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t sliding_window) {
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "query [T, H, D], caches [N, B, KVH, D]");
-  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.sizes() == value_cache.sizes(),
-              "key and value caches must share shape and strides");
-  TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "query and caches must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-              "block tables and context lengths are int32");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+  check_paged_args(query, key_cache, value_cache, {block_tables, context_lens});
   const at::Tensor tables = block_tables.contiguous(), lengths = context_lens.contiguous();
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
   if (query.size(0) == 0) return out;

@@ -30,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_paged.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -43,11 +44,17 @@ constexpr int64_t kKeysPerTile = 64;  // keys per inner step
 constexpr int kKeysPerKernel = 8;     // score kernel: 8 keys x up to 3 row vectors = 24 accumulators
 constexpr int kDimsPerKernel = 8;     // output kernel: 8 dims x up to 3 row vectors
 
-struct Geometry {
-  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
-  int64_t query_stride_token, query_stride_head, out_stride_token, out_stride_head;
-  int64_t cache_stride_block, cache_stride_token, cache_stride_head;
+struct Geometry : PagedGeometry {
+  int64_t out_stride_token, out_stride_head;
   int64_t tokens_per_tile, rows, row_vectors;  // rows: tokens_per_tile * group padded to 16
+
+  Geometry(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& block_tables, const at::Tensor& out)
+      : PagedGeometry(query, key_cache, block_tables),
+        out_stride_token(out.stride(0)),
+        out_stride_head(out.stride(1)),
+        tokens_per_tile(std::max<int64_t>(1, kRowsPerTile / group)),
+        rows((tokens_per_tile * group + 15) / 16 * 16),
+        row_vectors(rows / 16) {}
 };
 
 struct Item {
@@ -239,23 +246,7 @@ template <typename T>
 void prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
              const at::Tensor& block_tables, const at::Tensor& cu_seqlens, const at::Tensor& context_lens, double scale,
              int64_t sliding_window) {
-  Geometry g{};
-  g.num_heads = query.size(1);
-  g.num_kv_heads = key_cache.size(2);
-  g.group = g.num_heads / g.num_kv_heads;
-  g.head_dim = query.size(2);
-  g.block_size = key_cache.size(1);
-  g.max_blocks = block_tables.size(1);
-  g.query_stride_token = query.stride(0);
-  g.query_stride_head = query.stride(1);
-  g.out_stride_token = out.stride(0);
-  g.out_stride_head = out.stride(1);
-  g.cache_stride_block = key_cache.stride(0);
-  g.cache_stride_token = key_cache.stride(1);
-  g.cache_stride_head = key_cache.stride(2);
-  g.tokens_per_tile = std::max<int64_t>(1, kRowsPerTile / g.group);
-  g.rows = (g.tokens_per_tile * g.group + 15) / 16 * 16;
-  g.row_vectors = g.rows / 16;
+  const Geometry g(query, key_cache, block_tables, out);
 
   const int32_t* starts = cu_seqlens.data_ptr<int32_t>();
   const int32_t* lengths = context_lens.data_ptr<int32_t>();
@@ -304,17 +295,7 @@ at::Tensor paged_attention_prefill(const at::Tensor& query, const at::Tensor& ke
                                    const at::Tensor& block_tables, const at::Tensor& cu_seqlens,
                                    const at::Tensor& context_lens, double scale, int64_t sliding_window) {
 #if defined(__AVX512F__)
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "query [T, H, D], caches [N, B, KVH, D]");
-  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.sizes() == value_cache.sizes(),
-              "key and value caches must share shape and strides");
-  TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "query and caches must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && cu_seqlens.scalar_type() == at::kInt &&
-                  context_lens.scalar_type() == at::kInt,
-              "block tables, cu_seqlens and context lengths are int32");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+  check_paged_args(query, key_cache, value_cache, {block_tables, cu_seqlens, context_lens});
   TORCH_CHECK(query.size(2) % 8 == 0, "head_dim must be a multiple of 8");
   const at::Tensor tables = block_tables.contiguous(), starts = cu_seqlens.contiguous(), lengths = context_lens.contiguous();
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
