@@ -1,7 +1,10 @@
 """Prometheus metrics, named `pagefleet:*` after vLLM's `vllm:*` so dashboards map over.
 
 Engine figures (requests, blocks, prefix cache, preemptions, copies, token counts) are read
-from `EngineStats` at scrape time; latencies are histograms observed by the handlers.
+from `EngineStats` at scrape time; latencies are histograms observed by the handlers. The
+three figures that stock routers scrape from vLLM servers (the Gateway API Inference
+Extension's endpoint picker, vLLM's router) are also exported under vLLM's own names
+(`VLLM_COMPATIBLE`), so those routers can balance pagefleet replicas unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +17,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pagefleet.engine.stats import EngineStats
+
+# Our name -> vLLM's, for the gauges stock routers read (same labels, same meaning).
+VLLM_COMPATIBLE = {
+    "num_requests_running": "vllm:num_requests_running",
+    "num_requests_waiting": "vllm:num_requests_waiting",
+    "kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+}
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -41,6 +51,16 @@ class EngineCollector(Collector):
             family.add_metric(label, value)
             return family
 
+        for name, value in (
+            ("num_requests_running", stats.num_running_requests),
+            ("num_requests_waiting", stats.num_waiting_requests),
+            ("kv_cache_usage_perc", stats.kv_usage),
+        ):
+            family = GaugeMetricFamily(
+                VLLM_COMPATIBLE[name], f"pagefleet:{name}, under vLLM's name.", labels=["model_name"]
+            )
+            family.add_metric(label, value)
+            yield family
         yield gauge("num_requests_running", "Requests being computed.", stats.num_running_requests)
         yield gauge("num_requests_waiting", "Requests queued or preempted.", stats.num_waiting_requests)
         yield gauge("num_requests_swapped", "Requests preempted to host memory.", stats.num_swapped_requests)

@@ -32,6 +32,9 @@ def test_models_health_version_tokenize(tiny_server: EngineServer, client: opena
     exported = metrics(tiny_server)
     for name in ("num_shared_blocks", "num_blocks_saved_by_sharing", "cow_copies_total", "prefix_cache_hits_total"):
         assert f"pagefleet:{name}" in exported
+    # The gauges stock routers (GIE's endpoint picker, vLLM's router) scrape, under vLLM's names.
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert exported[f"vllm:{name}"] == exported[f"pagefleet:{name}"]
 
 
 def test_completion_stream_equals_non_stream(tiny_server: EngineServer, client: openai.OpenAI) -> None:
