@@ -48,8 +48,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        with contextlib.suppress(Exception):
+        try:
             await registry.refresh()  # a first view before serving, if Redis is up
+        except Exception as error:  # Redis down at start: serve anyway, the registry keeps trying
+            logger.warning("no view of the replicas yet (%s); the registry retries in the background", error)
         await proxy.start(settings.connect_timeout_s, settings.read_timeout_s)
         task = asyncio.create_task(registry.run())
         yield
