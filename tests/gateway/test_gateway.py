@@ -10,10 +10,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis as redis_sync
 
+from pagefleet.protocol.replica import ReplicaRecord, record_key
 from tests.gateway.conftest import Fleet, start_replica
 from tests.processes import (
     RedisProcess,
+    idle_with_every_block_free,
     start_gateway,
     stop_process,
     stop_server,
@@ -78,12 +81,27 @@ def test_kv_routing_prefers_the_replica_with_more_free_blocks(fleet: Fleet, tiny
     wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 2)
 
 
+def _reported_idle(redis_url: str, names: list[str]) -> bool:
+    """Whether every replica's record in Redis shows all its blocks free."""
+    store = redis_sync.Redis.from_url(redis_url)
+    try:
+        raw = [store.get(record_key("tiny", name)) for name in names]
+    finally:
+        store.close()
+    records = [ReplicaRecord.model_validate_json(value) for value in raw if value is not None]
+    return len(records) == len(names) and all(r.free_blocks == r.total_blocks for r in records)
+
+
 def test_two_gateways_share_reservations(fleet: Fleet, tmp_path: Path) -> None:
     """Bursts through two gateways spread over both replicas: each promise made in Redis is
     seen by the other gateway before either replica reports again."""
     second = start_gateway(fleet.redis.url, tmp_path / "gateway-2.log")
     try:
         wait_for(lambda: _models(second.url).get("tiny") == 2)
+        # Both replicas start alike (the earlier tests' requests all done), and have said so.
+        for replica in fleet.replicas.values():
+            wait_for(lambda replica=replica: idle_with_every_block_free(replica))  # type: ignore[misc]
+        wait_for(lambda: _reported_idle(fleet.redis.url, list(fleet.replicas)))
         body = {"prompt": list(range(1, 100)), "max_tokens": 60, "ignore_eos": True}
         urls = [fleet.gateway.url, second.url] * 4
         with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
