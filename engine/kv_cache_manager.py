@@ -133,8 +133,8 @@ class KVCacheManager:
         return len(self._free_host_blocks)
 
     def usage(self) -> CacheUsage:
-        num_shared, num_saved = self.pool.sharing
         pool = self.pool
+        num_shared, num_saved = pool.sharing
         return CacheUsage(
             pool.num_blocks, pool.num_free_blocks, pool.num_cached_blocks, num_shared, num_saved, pool.peak_used_blocks
         )

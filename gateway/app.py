@@ -161,13 +161,22 @@ def _document_proxied_routes(app: FastAPI) -> None:
         ]
     }
 
-    @described.post("/v1/completions", responses=answers, summary="Completions, proxied to a replica")
-    async def completions(body: CompletionRequest) -> dict[str, Any]:
-        raise NotImplementedError  # never called: ProxyRoutes serves this path
+    # Declarations for the schema only: these routers are never mounted, so no request
+    # reaches the functions (ProxyRoutes serves both paths before FastAPI sees them).
+    @described.post(
+        "/v1/completions", responses=answers, response_model=dict[str, Any], summary="Completions, proxied to a replica"
+    )
+    def completions(body: CompletionRequest) -> None:
+        """The request schema the replicas validate."""
 
-    @described.post("/v1/chat/completions", responses=answers, summary="Chat completions, proxied to a replica")
-    async def chat_completions(body: ChatCompletionRequest) -> dict[str, Any]:
-        raise NotImplementedError  # never called: ProxyRoutes serves this path
+    @described.post(
+        "/v1/chat/completions",
+        responses=answers,
+        response_model=dict[str, Any],
+        summary="Chat completions, proxied to a replica",
+    )
+    def chat_completions(body: ChatCompletionRequest) -> None:
+        """The request schema the replicas validate."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

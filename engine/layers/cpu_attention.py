@@ -53,26 +53,28 @@ class CpuAttentionBackend:
         batch = metadata
         assert isinstance(batch, CpuMetadata), "metadata from another backend's prepare()"
         reshape_and_cache_torch(key, value, key_cache, value_cache, batch.slot_mapping)
-        decodes, window = batch.num_decodes, self.spec.sliding_window
-        decoded = None
-        if decodes:
-            tables, lengths = batch.decodes.tables, batch.decodes.lengths
-            decoded = paged_attention_decode_cpu(
-                query[:decodes], key_cache, value_cache, tables, lengths, scale, window
-            )
-            if decodes == query.shape[0]:  # a pure decode step: no copy
-                return decoded
-        if self.torch_prefill is None and decodes == 0:  # a pure prefill step: no copy either
-            return self._prefill(query, key_cache, value_cache, batch, scale)
-        output = torch.empty_like(query)
-        if decoded is not None:
-            output[:decodes] = decoded
-        if self.torch_prefill is None:
-            output[decodes:] = self._prefill(query[decodes:], key_cache, value_cache, batch, scale)
-        else:
+        decodes = batch.num_decodes
+        if self.torch_prefill is not None:  # no prefill operator: the torch backend's prefill
+            output = torch.empty_like(query)
+            if decodes:
+                output[:decodes] = self._decode(query[:decodes], key_cache, value_cache, batch, scale)
             keys, values = head_major(key_cache), head_major(value_cache)
             self.torch_prefill.attend_prefills(query, key, value, keys, values, batch.torch_prefills, scale, output)
-        return output
+            return output
+        parts = []  # decode rows first, then prefill rows; a step of one kind is not copied
+        if decodes:
+            parts.append(self._decode(query[:decodes], key_cache, value_cache, batch, scale))
+        if decodes < query.shape[0]:
+            parts.append(self._prefill(query[decodes:], key_cache, value_cache, batch, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _decode(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch, scale: float
+    ) -> torch.Tensor:
+        tables, lengths = batch.decodes.tables, batch.decodes.lengths
+        return paged_attention_decode_cpu(
+            query, key_cache, value_cache, tables, lengths, scale, self.spec.sliding_window
+        )
 
     def _prefill(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch, scale: float

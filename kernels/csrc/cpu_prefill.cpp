@@ -120,7 +120,6 @@ inline void over_row_chunks(int64_t row_vectors, F&& body) {
   }
 }
 
-template <typename T>
 struct Workspace {
   std::vector<float> queries, scores, out, keys, values, maxima, sums, positions;
   explicit Workspace(const Geometry& g)
@@ -155,7 +154,7 @@ void load_keys(const T* cache, const int32_t* table, const Geometry& g, int64_t 
 template <typename T>
 void attend_item(const T* query, const T* key_cache, const T* value_cache, const int32_t* table, const Geometry& g,
                  const Item& item, int64_t query_start, int64_t chunk_len, int64_t context_len, int64_t window,
-                 float scale, Workspace<T>& w, T* out_data) {
+                 float scale, Workspace& w, T* out_data) {
   const int64_t rows = g.rows, head_dim = g.head_dim, group = g.group;
   const int64_t real_rows = item.num_tokens * group;
   const int64_t prefix = context_len - chunk_len;
@@ -275,7 +274,7 @@ void prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cac
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   const int64_t total = cost_before.back();
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    Workspace<T> workspace(g);
+    Workspace workspace(g);
     // Part p takes the items whose cost starts in [total * p / parts, total * (p + 1) / parts).
     const auto first_item = [&](int64_t part) {
       return std::lower_bound(cost_before.begin(), cost_before.end() - 1, total * part / parts) - cost_before.begin();
