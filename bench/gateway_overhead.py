@@ -1,18 +1,22 @@
-"""What the gateway costs: the same requests sent to one replica directly and through the
-gateway, in one run.
+"""What a routing hop costs: the same requests sent to one replica directly, through
+`pagefleet gateway` and through vLLM's router (vllm-router, in Rust), in one run.
 
-    python bench/gateway_overhead.py [--requests 400] [--clients 16] [--policy kv]
+    python bench/gateway_overhead.py [--requests 300] [--clients 16] [--policy kv] [--no-router]
 
-One replica of the small random-weight Llama of bench/routing.py (float32, one thread; a
-one-token answer takes about 12 ms, so the gateway's share stands out from the engine's
-jitter), Redis and the gateway, started by the same code as `pagefleet up`.
+One replica (or `--replicas N`) of the small random-weight Llama of bench/routing.py
+(float32, one thread; a one-token answer takes a few ms, so a hop's share stands out from
+the engine's jitter), Redis and the gateway, started by the same code as `pagefleet up`;
+vllm-router (`--policy round_robin`, installed into `.peers/vllm-router` on first use) in
+front of the same replicas. With one replica the gateway's KV reservation is recorded while
+the request goes out; with several it is a Redis round trip before the choice.
 
-Latency: sequential one-token completions, alternating direct and gateway calls; the added
-latency is the median of the paired differences (each gateway call minus the direct call
-just before it, which cancels drift; target: at most 1 ms); then the CPU each process spends
-per request, through the gateway and direct (where the added latency goes). Throughput: `--clients`
-concurrent streams of 32 tokens, direct then through the gateway; the ratio of output
-tokens/s (target: at least 90%).
+Latency: sequential one-token completions, each round one call per path in turn; a path's
+added latency is the median of its paired differences (each call minus the direct call of
+the same round, which cancels drift; target for the gateway: at most 1 ms and at most 2x
+vllm-router's); p99 is reported beside it. Then the CPU each process spends per request
+through each path (where the added latency goes). Throughput: `--clients` concurrent
+streams of 32 tokens per path; the ratio of output tokens/s to direct (target: at least
+0.95).
 """
 
 from __future__ import annotations
@@ -27,65 +31,96 @@ from pathlib import Path
 
 import httpx
 from common import free_port, progress
+from peers import vllm_router_binary
 from routing import build_model
 
 from pagefleet.cli.up import Fleet, FleetSpec, ModelSpec
 
 MODEL = "small"
+ONE_TOKEN = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0.0}
 
 
-def start_fleet(log_dir: Path, policy: str, model_dir: Path) -> tuple[Fleet, str]:
+def start_fleet(log_dir: Path, policy: str, model_dir: Path, replicas: int = 1) -> tuple[Fleet, list[str]]:
+    """Redis, the gateway and `replicas` engines of the small model; the engines' URLs."""
     spec = FleetSpec(
         gateway_flags=["--policy", policy],
         redis_port=free_port(),
         gateway_port=free_port(),
         first_engine_port=free_port(),
         log_dir=log_dir,
-        models=[ModelSpec(name=MODEL, model=str(model_dir), replicas=1, flags=["--dtype", "float32"])],
+        models=[ModelSpec(name=MODEL, model=str(model_dir), replicas=replicas, flags=["--dtype", "float32"])],
     )
     fleet = Fleet(spec)
     deadline = time.monotonic() + 600
     fleet.start_redis()
     fleet.start_gateway()
-    replica = fleet.start_engine(spec.models[0], 0, spec.first_engine_port)
-    fleet.wait_healthy(replica, deadline)
+    urls = [fleet.start_engine(spec.models[0], index, free_port()) for index in range(replicas)]
+    for url in urls:
+        fleet.wait_healthy(url, deadline)
     fleet.wait_healthy(fleet.gateway_url, deadline)
     fleet.wait_models({MODEL}, deadline)
-    return fleet, replica
+    return fleet, urls
 
 
-def latencies(direct: str, gateway: str, requests: int) -> tuple[list[float], list[float]]:
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0.0}
-    times: dict[str, list[float]] = {direct: [], gateway: []}
+def start_router(fleet: Fleet, replicas: list[str]) -> str:
+    """vllm-router in front of the replicas, as a child of the fleet (stopped with it)."""
+    port = free_port()
+    command = [str(vllm_router_binary()), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *replicas]
+    command += ["--policy", "round_robin", "--log-level", "warning", "--prometheus-port", str(free_port())]
+    fleet.spawn("vllm-router", command)
+    url = f"http://127.0.0.1:{port}"
+    wait_serving(url, fleet)
+    return url
+
+
+def wait_serving(url: str, fleet: Fleet, timeout: float = 120) -> None:
+    """Until a completion goes through `url` (a router is up and sees the replica)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fleet.check_alive()
+        try:
+            if httpx.post(f"{url}/v1/completions", json=ONE_TOKEN, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{url} did not serve a completion in time")
+
+
+def latencies(paths: dict[str, str], requests: int) -> dict[str, list[float]]:
+    """Seconds per sequential one-token request, per path; one call per path each round."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
     with httpx.Client(timeout=60) as client:
-        for url in (direct, gateway):  # warm up both paths
-            client.post(f"{url}/v1/completions", json=body).raise_for_status()
+        for url in paths.values():  # warm up every path
+            for _ in range(5):
+                client.post(f"{url}/v1/completions", json=ONE_TOKEN).raise_for_status()
         for _ in range(requests):
-            for url in (direct, gateway):
+            for name, url in paths.items():
                 started = time.perf_counter()
-                client.post(f"{url}/v1/completions", json=body).raise_for_status()
-                times[url].append(time.perf_counter() - started)
-    return times[direct], times[gateway]
+                client.post(f"{url}/v1/completions", json=ONE_TOKEN).raise_for_status()
+                times[name].append(time.perf_counter() - started)
+    return times
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of every thread of a process so far (Linux /proc)."""
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
-        fields = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
+        try:
+            fields = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that just ended
+            continue
         total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_per_request(fleet: Fleet, url: str, requests: int) -> dict[str, float]:
-    """Milliseconds of CPU per sequential one-token request, per process of the fleet. A
-    sequential request is a serial chain through them, so these add up to its latency."""
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0.0}
-    pids = {(c.name if c.name in ("redis", "gateway") else "engine"): c.process.pid for c in fleet.children}
+def cpu_per_request(pids: dict[str, int], url: str, requests: int) -> dict[str, float]:
+    """Milliseconds of CPU per sequential one-token request, per process. A sequential
+    request is a serial chain through them, so these add up to most of its latency."""
     with httpx.Client(timeout=60) as client:
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         for _ in range(requests):
-            client.post(f"{url}/v1/completions", json=body).raise_for_status()
+            client.post(f"{url}/v1/completions", json=ONE_TOKEN).raise_for_status()
         return {name: (cpu_seconds(pid) - before[name]) / requests * 1e3 for name, pid in pids.items()}
 
 
@@ -96,6 +131,7 @@ async def throughput(url: str, clients: int, rounds: int) -> float:
         tokens = 0
         for _ in range(rounds):
             async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                response.raise_for_status()
                 async for line in response.aiter_lines():
                     tokens += line.startswith("data: {")
         return tokens
@@ -106,41 +142,60 @@ async def throughput(url: str, clients: int, rounds: int) -> float:
         return tokens / (time.perf_counter() - started)
 
 
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def report(times: dict[str, list[float]], rates: dict[str, float], cpu: dict[str, dict[str, float]]) -> None:
+    direct = times["direct"]
+    added = {
+        name: statistics.median(t - d for t, d in zip(values, direct, strict=True)) for name, values in times.items()
+    }
+    columns = ["p50 ms", "p99 ms", "added p50", "added p99", "16-stream tok/s", "x direct"]
+    print(f"{'path':<14}" + "".join(f"{c:>{len(c) + 2}}" for c in columns))
+    for name, values in times.items():
+        p99_added = percentile(values, 99) - percentile(direct, 99)
+        figures = [statistics.median(values) * 1e3, percentile(values, 99) * 1e3, added[name] * 1e3]
+        figures += [p99_added * 1e3, rates[name], rates[name] / rates["direct"]]
+        print(f"{name:<14}" + "".join(f"{f:>{len(c) + 2}.2f}" for c, f in zip(columns, figures, strict=True)))
+    if "vllm-router" in added and added["vllm-router"] > 0:
+        for name in times.keys() - {"direct", "vllm-router"}:
+            print(f"added p50, {name} / vllm-router: {added[name] / added['vllm-router']:.2f}x")
+    for name, per_process in cpu.items():
+        print(f"CPU per request through {name} (ms): " + ", ".join(f"{p} {ms:.2f}" for p, ms in per_process.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--policy", default="kv", help="the gateway's routing policy")
+    parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="engines behind the routers (direct calls go to the first)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as logs:
-        progress("building the small model; starting Redis, one replica and the gateway")
-        fleet, replica = start_fleet(Path(logs), args.policy, build_model(Path(logs) / "small"))
+        progress(f"building the small model; starting Redis, {args.replicas} replica(s) and the gateway")
+        fleet, replicas = start_fleet(Path(logs), args.policy, build_model(Path(logs) / "small"), args.replicas)
         try:
-            progress(f"latency: {args.requests} one-token requests each way")
-            direct, through = latencies(replica, fleet.gateway_url, args.requests)
-            progress("CPU per request of each process, through the gateway then direct")
-            cpu_through = cpu_per_request(fleet, fleet.gateway_url, args.requests)
-            cpu_direct = cpu_per_request(fleet, replica, args.requests)
-            progress(f"throughput: {args.clients} concurrent streams, direct then through the gateway")
-            direct_rate = asyncio.run(throughput(replica, args.clients, args.rounds))
-            gateway_rate = asyncio.run(throughput(fleet.gateway_url, args.clients, args.rounds))
+            paths = {"direct": replicas[0], "gateway": fleet.gateway_url}
+            if not args.no_router:
+                progress("starting vllm-router in front of the same replicas")
+                paths["vllm-router"] = start_router(fleet, replicas)
+            pids = {child.name: child.process.pid for child in fleet.children}
+            progress(f"latency: {args.requests} one-token requests per path, interleaved")
+            times = latencies(paths, args.requests)
+            progress("CPU per request of each process, per path")
+            cpu = {name: cpu_per_request(pids, url, args.requests // 2) for name, url in paths.items()}
+            rates = {}
+            for name, url in paths.items():
+                progress(f"throughput: {args.clients} concurrent streams through {name}")
+                rates[name] = asyncio.run(throughput(url, args.clients, args.rounds))
         finally:
             fleet.stop()
-    added = statistics.median(g - d for g, d in zip(through, direct, strict=True))
-    print(
-        f"latency p50 direct {statistics.median(direct) * 1e3:.2f} ms, through the gateway "
-        f"{statistics.median(through) * 1e3:.2f} ms (added {added * 1e3:.2f} ms) | throughput direct "
-        f"{direct_rate:.1f} tok/s, through the gateway {gateway_rate:.1f} tok/s (x{gateway_rate / direct_rate:.2f})",
-        flush=True,
-    )
-    print(
-        "CPU per request (ms), through the gateway: "
-        + ", ".join(f"{name} {ms:.2f}" for name, ms in cpu_through.items())
-        + " | direct: "
-        + ", ".join(f"{name} {ms:.2f}" for name, ms in cpu_direct.items()),
-        flush=True,
-    )
+    report(times, rates, cpu)
 
 
 if __name__ == "__main__":

@@ -183,8 +183,11 @@ def bench_cpu_prefill(dtype: torch.dtype) -> None:
             device,
         )
         flops = 2 * 2 * heads * head_dim * length * (length + 1) / 2  # causal: QK and PV over half the square
-        print(f"prefill {length:5d} | {compiled * 1e3:8.3f} ({flops / compiled / 1e9:4.0f}) | {sdpa * 1e3:8.3f} "
-              f"(x{sdpa / compiled:.1f})", flush=True)
+        print(
+            f"prefill {length:5d} | {compiled * 1e3:8.3f} ({flops / compiled / 1e9:4.0f}) | {sdpa * 1e3:8.3f} "
+            f"(x{sdpa / compiled:.1f})",
+            flush=True,
+        )
 
 
 def main() -> None:

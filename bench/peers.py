@@ -46,3 +46,26 @@ def vllm_environment(threads: int) -> dict[str, str]:
         "OMP_WAIT_POLICY": "PASSIVE",
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+VLLM_ROUTER_VERSION = "0.1.17"
+
+
+def vllm_router_binary() -> Path:
+    """The `vllm-router` executable (the vLLM project's router, in Rust), in its own venv,
+    installed on first use (a 24 MB wheel, seconds)."""
+    venv = PEERS / "vllm-router"
+    binary = venv / "bin" / "vllm-router"
+    python = venv / "bin" / "python"
+    check = [
+        str(python),
+        "-c",
+        f"import importlib.metadata as m; assert m.version('vllm-router') == {VLLM_ROUTER_VERSION!r}",
+    ]
+    if binary.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return binary
+    progress(f"installing vllm-router {VLLM_ROUTER_VERSION} into {venv} (once)")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, f"vllm-router=={VLLM_ROUTER_VERSION}"], check=True)
+    return binary

@@ -15,8 +15,15 @@ def make_server(app: Any, host: str, port: int, log_level: str) -> uvicorn.Serve
 
     logging.getLogger("pagefleet").setLevel(log_level.upper())
     # Our own logs say what matters; uvicorn's access log would print a line per request.
+    # Client addresses are used nowhere, so X-Forwarded-For is not parsed on every request.
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=5,
     )
     return uvicorn.Server(config)
 

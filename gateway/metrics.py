@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from pagefleet.gateway.errors import Refusal
+
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -33,3 +35,6 @@ class GatewayMetrics:
             "pagefleet_gateway:upstream_first_byte_seconds", "Time until the replica's response starts.",
             ["model", "replica"], registry=self.registry, buckets=_BUCKETS,
         )  # fmt: skip
+
+    def refused(self, refusal: Refusal) -> None:
+        self.errors.labels(refusal.model, refusal.reason).inc()

@@ -1,9 +1,9 @@
 """Forwarding one OpenAI request to a replica, with failover before the first byte.
 
-One shared aiohttp session (an upstream call costs a third of httpx's here); hop-by-hop
-headers and the client's API key are not forwarded; a request id is added. A JSON answer is
-read whole and sent in one write; an SSE stream is relayed chunk by chunk without
-buffering. Responses are written straight to ASGI: this is the hot path.
+Upstream calls go through the gateway's own keep-alive client (gateway/upstream.py);
+hop-by-hop headers and the client's API key are not forwarded; a request id is added. A
+JSON answer is read whole and sent in one write; an SSE stream is relayed chunk by chunk
+without buffering. Responses are written straight to ASGI: this is the hot path.
 
 Failure rules: only a failure of the replica itself (a connection error, a timeout, or a
 503 before the first byte) moves the request to another replica; any other answer, a 4xx
@@ -17,100 +17,41 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
-import uuid
-from dataclasses import dataclass
-from typing import Any
 
-import aiohttp
-from starlette.responses import JSONResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Send
 
+from pagefleet.gateway import errors
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
-from pagefleet.gateway.routing import RoutedRequest, RoutingPolicy
-from pagefleet.protocol.http import error_json
+from pagefleet.gateway.routing import Route, Router
+from pagefleet.gateway.shape import RequestShape
+from pagefleet.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from pagefleet.protocol.openai import error_response
 
 logger = logging.getLogger(__name__)
 
-HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailers",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-    "content-length",
-    "authorization",  # the gateway's key stays at the gateway
-}
-_CHARS_PER_TOKEN = 4  # a rough estimate of a prompt's tokens from its text
-_DEFAULT_CHAT_TOKENS = 256  # what a chat request without max_tokens is assumed to take
-PREFIX_CHARS = 256
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "authorization",  # the gateway's key stays at the gateway
+    }
+)
 
 
-@dataclass(slots=True)
-class RequestShape:
-    """What routing needs to know of a request body."""
-
-    model: str
-    prompt_tokens: int
-    max_tokens: int
-    num_sequences: int
-    prefix: str
-
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens * self.num_sequences
-
-    def blocks(self, block_size: int) -> int:
-        return math.ceil(self.prompt_tokens / block_size) + self.num_sequences * math.ceil(self.max_tokens / block_size)
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _text_tokens(value: Any) -> tuple[int, str]:
-    """(estimated tokens, text start) of a prompt: a string, token ids, or a list of either."""
-    if isinstance(value, str):
-        return max(1, len(value) // _CHARS_PER_TOKEN), value[:PREFIX_CHARS]
-    if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
-        return len(value), ",".join(map(str, value[:64]))
-    if isinstance(value, list):
-        parts = [_text_tokens(item) for item in value]
-        return sum(p[0] for p in parts), (parts[0][1] if parts else "")
-    return 0, ""
-
-
-def describe(body: bytes, chat: bool) -> RequestShape:
-    try:
-        payload = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest("the request body is not valid JSON") from exc
-    if not isinstance(payload, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model: a model name is required", "model")
-    if chat:
-        messages = payload.get("messages") or []
-        texts = [str(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
-        prompt_tokens, prefix = _text_tokens("\n".join(texts))
-        max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or _DEFAULT_CHAT_TOKENS
-    else:
-        prompt_tokens, prefix = _text_tokens(payload.get("prompt", ""))
-        max_tokens = payload.get("max_tokens") or 16
-    num = payload.get("best_of") or payload.get("n") or 1
-    if not isinstance(max_tokens, int) or not isinstance(num, int):
-        raise BadRequest("max_tokens and n must be integers", "max_tokens")
-    return RequestShape(model, prompt_tokens, max(1, max_tokens), max(1, num), prefix)
+def forwarded_headers(headers: list[tuple[str, str]], request_id: str) -> list[tuple[str, str]]:
+    """The client's end-to-end headers for the replica, with the request id."""
+    kept = [(name, value) for name, value in headers if name not in HOP_BY_HOP and name != "x-request-id"]
+    return [*kept, ("x-request-id", request_id)]
 
 
 class OutlierDetector:
@@ -138,81 +79,67 @@ class OutlierDetector:
 
 
 class Proxy:
-    def __init__(self, registry: ReplicaRegistry, metrics: GatewayMetrics, attempts: int, outliers: OutlierDetector):
-        self.session: aiohttp.ClientSession | None = None  # opened inside the server's loop (start)
-        self.registry, self.metrics = registry, metrics
-        self.attempts, self.outliers = attempts, outliers
-
-    async def start(self, connect_timeout: float, read_timeout: float) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
-        connector = aiohttp.TCPConnector(limit=1000, keepalive_timeout=30)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
-
-    async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+    def __init__(
+        self, router: Router, pool: UpstreamPool, outliers: OutlierDetector, metrics: GatewayMetrics, attempts: int
+    ) -> None:
+        self.router, self.pool, self.outliers, self.metrics = router, pool, outliers, metrics
+        self.attempts = attempts
 
     async def forward(
-        self, path: str, body: bytes, headers: dict[str, str], shape: RequestShape, policy: RoutingPolicy
-    ) -> ASGIResponse:
-        assert self.session is not None, "Proxy.start() opens the session"
-        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
-        forwarded = {k: v for k, v in headers.items() if k not in HOP_BY_HOP} | {"x-request-id": request_id}
+        self, path: str, body: bytes, headers: list[tuple[str, str]], shape: RequestShape, request_id: str
+    ) -> Relay:
+        """The first replica's answer that is not a failure of its own; raises a Refusal
+        (503) when no replica of the model could take the request."""
         tried: set[str] = set()
         model = shape.model
         for _ in range(self.attempts):
-            candidates = self.registry.candidates(model, skip=tried)
-            if not candidates:
-                break
-            routed = RoutedRequest(model, shape.blocks(candidates[0].block_size), shape.prefix)
-            route = await policy.choose(candidates, routed)
+            route = await self.router.pick(shape, tried)
             if route is None:
                 break
             replica = route.replica
             tried.add(replica.url)
-            self.metrics.routing_decisions.labels(model, replica.replica_id, policy.name).inc()
             started = time.monotonic()
             try:
-                upstream = await self.session.post(replica.url + path, data=body, headers=forwarded)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                await self._failed(route.release, model, replica.replica_id, replica.url, repr(exc))
+                upstream = await self.pool.post(replica.url, path, body, headers)
+            except (UpstreamError, TimeoutError) as exc:
+                await self._failed(route, str(exc) or repr(exc))
                 continue
             if upstream.status == 503:  # the replica cannot take it now (full, loading, stopped)
-                upstream.release()
-                await self._failed(route.release, model, replica.replica_id, replica.url, "HTTP 503")
+                upstream.close()
+                await self._failed(route, "HTTP 503")
                 continue
             self.outliers.succeeded(replica.url)
             self.metrics.upstream_latency.labels(model, replica.replica_id).observe(time.monotonic() - started)
             self.metrics.requests.labels(model, replica.replica_id, str(upstream.status)).inc()
             extra = [(b"x-request-id", request_id.encode()), (b"x-pagefleet-replica", replica.replica_id.encode())]
             return Relay(upstream, request_id, extra)
-        self.metrics.errors.labels(model, "no_replica").inc()
-        return error_json(
-            503, f"No replica of `{model}` could take the request; retry shortly.", headers={"Retry-After": "1"}
-        )
+        refusal = errors.no_replica(model)
+        self.metrics.refused(refusal)
+        raise refusal
 
-    async def _failed(self, release: Any, model: str, replica_id: str, url: str, reason: str) -> None:
-        await release()
-        skipped = self.outliers.failed(url)
-        self.metrics.failovers.labels(model, replica_id).inc()
+    async def _failed(self, route: Route, reason: str) -> None:
+        await route.release()
+        replica = route.replica
+        skipped = self.outliers.failed(replica.url)
+        self.metrics.failovers.labels(replica.model, replica.replica_id).inc()
         logger.warning(
             "replica %s failed before the first byte (%s); trying another%s",
-            replica_id,
+            replica.replica_id,
             reason,
             f"; skipping it for {self.outliers.exclude_for:g} s" if skipped else "",
         )
 
 
 class Relay:
-    """The replica's response, written to the client as an ASGI response."""
+    """The replica's response, to be written to the client over ASGI."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, request_id: str, extra: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, upstream: UpstreamResponse, request_id: str, extra: list[tuple[bytes, bytes]]) -> None:
         self.upstream, self.request_id = upstream, request_id
         kept = [(k, v) for k, v in upstream.raw_headers if k.decode("latin-1").lower() not in HOP_BY_HOP]
         self.headers = kept + extra
-        self.streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        self.streaming = upstream.header(b"content-type").startswith(b"text/event-stream")
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def send_to(self, send: Send) -> None:
         completed = False
         try:
             if self.streaming:
@@ -231,15 +158,12 @@ class Relay:
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.upstream.status, "headers": self.headers})
         try:
-            async for chunk in self.upstream.content.iter_any():
+            async for chunk in self.upstream.chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError) as exc:  # after the first byte: say so in the stream
+        except (UpstreamError, TimeoutError) as exc:  # after the first byte: say so in the stream
             logger.warning("request %s: the replica failed mid-response: %r", self.request_id, exc)
             message = error_response(502, "The replica failed during the response.")
             await send(
                 {"type": "http.response.body", "body": f"data: {json.dumps(message)}\n\n".encode(), "more_body": True}
             )
         await send({"type": "http.response.body", "body": b""})
-
-
-ASGIResponse = Relay | JSONResponse

@@ -3,6 +3,8 @@ the background so that routing never waits for Redis.
 
 Records older than their TTL are dropped at each refresh. If Redis becomes unreachable the
 last good view is kept for `grace` seconds, then the registry reports itself unavailable.
+A model whose replicas all went away stays known for `forget_after` seconds (its requests
+get 503 "retry shortly", not 404 "no such model", while it restarts), then is forgotten.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ logger = logging.getLogger(__name__)
 
 
 class ReplicaRegistry:
-    def __init__(self, client: redis.Redis, refresh_interval: float, ttl: float, grace: float) -> None:
+    def __init__(
+        self, client: redis.Redis, refresh_interval: float, ttl: float, grace: float, forget_after: float = 600.0
+    ) -> None:
         self.client = client
-        self.refresh_interval, self.ttl, self.grace = refresh_interval, ttl, grace
+        self.refresh_interval, self.ttl, self.grace, self.forget_after = refresh_interval, ttl, grace, forget_after
         self.by_model: dict[str, list[ReplicaRecord]] = {}
+        self._last_seen: dict[str, float] = {}  # model -> monotonic time it last had a replica
         self.last_refresh: float | None = None  # monotonic time of the last good refresh
         self._excluded: dict[str, float] = {}  # replica url -> monotonic time it may be used again
         self._redis_down = False
@@ -46,6 +51,10 @@ class ReplicaRegistry:
                 by_model.setdefault(record.model, []).append(record)
         self.by_model = by_model
         self.last_refresh = time.monotonic()
+        self._last_seen.update(dict.fromkeys(by_model, self.last_refresh))
+        forgotten = [m for m, seen in self._last_seen.items() if self.last_refresh - seen > self.forget_after]
+        for model in forgotten:
+            del self._last_seen[model]
 
     async def run(self) -> None:
         """Refresh until cancelled; Redis errors are logged once per outage."""
@@ -67,6 +76,10 @@ class ReplicaRegistry:
 
     def models(self) -> list[str]:
         return sorted(model for model, records in self.by_model.items() if records)
+
+    def is_known(self, model: str) -> bool:
+        """Served now, or lately enough that it is likely coming back."""
+        return model in self._last_seen
 
     def candidates(self, model: str, skip: set[str] = frozenset()) -> list[ReplicaRecord]:  # type: ignore[assignment]
         now = time.monotonic()

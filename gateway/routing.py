@@ -9,11 +9,10 @@ script, so several gateways never stampede the same replica before its next repo
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import logging
-import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,36 +20,13 @@ from typing import Protocol
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
+from pagefleet.gateway.metrics import GatewayMetrics
+from pagefleet.gateway.registry import ReplicaRegistry
+from pagefleet.gateway.reservations import Promise, Reservations
+from pagefleet.gateway.shape import RequestShape
 from pagefleet.protocol.replica import ReplicaRecord
 
 logger = logging.getLogger(__name__)
-
-RESERVATION_PREFIX = "pagefleet:reserved:"
-_RESERVATION_TTL_S = 120  # a gateway that dies mid-request cannot leak a promise for long
-
-# KEYS: one reservation set per candidate. ARGV: amount, now, member, TTL, then per candidate:
-# free blocks, waiting, report timestamp. Promises older than a replica's report are
-# already in its figures and are dropped; the best candidate gets the new promise.
-_RESERVE_SCRIPT = """
-local amount, now, member, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-local best, best_free, best_waiting = nil, nil, nil
-for i, key in ipairs(KEYS) do
-  local base = 4 + (i - 1) * 3
-  local free, waiting, reported = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', '(' .. reported)
-  local promised = 0
-  for _, entry in ipairs(redis.call('ZRANGE', key, 0, -1)) do
-    promised = promised + tonumber(string.match(entry, ':(%d+)$'))
-  end
-  local effective = free - promised
-  if best == nil or effective > best_free or (effective == best_free and waiting < best_waiting) then
-    best, best_free, best_waiting = i, effective, waiting
-  end
-end
-redis.call('ZADD', KEYS[best], now, member .. ':' .. amount)
-redis.call('EXPIRE', KEYS[best], ttl)
-return best
-"""
 
 
 @dataclass(slots=True)
@@ -79,39 +55,51 @@ class RoutingPolicy(Protocol):
     async def choose(self, candidates: list[ReplicaRecord], request: RoutedRequest) -> Route | None: ...
 
 
-def reservation_key(record: ReplicaRecord) -> str:
-    return f"{RESERVATION_PREFIX}{record.model}:{record.replica_id}"
-
-
 class KVPolicy:
+    """The most free KV blocks, net of the promises every router has made (reservations.py).
+
+    With a single candidate there is nothing to choose: its promise is recorded while the
+    request already goes out (pipelined), instead of waiting a Redis round trip for it."""
+
     name = "kv"
 
     def __init__(self, client: redis.Redis) -> None:
-        self.client = client
-        self._script = client.register_script(_RESERVE_SCRIPT)
+        self.reservations = Reservations(client)
+        self._in_flight: set[asyncio.Future[Promise | None]] = set()
 
     async def choose(self, candidates: list[ReplicaRecord], request: RoutedRequest) -> Route | None:
         if not candidates:
             return None
-        member = uuid.uuid4().hex
-        args: list[str | int | float] = [request.estimated_blocks, time.time(), member, _RESERVATION_TTL_S]
-        for record in candidates:
-            args += [record.free_blocks, record.waiting, record.timestamp]
-        try:
-            index = int(await self._script(keys=[reservation_key(r) for r in candidates], args=args)) - 1
-        except (RedisError, OSError) as error:  # Redis trouble: route on the reports alone
-            logger.debug("reservation failed (%s); routing without one", error)
-            return Route(max(candidates, key=lambda r: (r.free_blocks, -r.waiting)))
-        chosen = candidates[index]
-        entry = f"{member}:{request.estimated_blocks}"
+        reserving: asyncio.Future[Promise | None]
+        if len(candidates) == 1:
+            chosen = candidates[0]
+            reserving = asyncio.ensure_future(self._reserve(candidates, request.estimated_blocks))
+            self._in_flight.add(reserving)
+            reserving.add_done_callback(self._in_flight.discard)
+        else:
+            promise = await self._reserve(candidates, request.estimated_blocks)
+            # Without Redis, route on the reports alone.
+            chosen = promise.replica if promise else max(candidates, key=lambda r: (r.free_blocks, -r.waiting))
+            reserving = asyncio.get_running_loop().create_future()
+            reserving.set_result(promise)
 
         async def release() -> None:
+            promise = await reserving
+            if promise is None:
+                return
             try:
-                await self.client.zrem(reservation_key(chosen), entry)
+                await self.reservations.release(promise)
             except (RedisError, OSError):
-                pass  # it expires with its report or its TTL
+                pass  # it goes with the replica's next report, or its TTL
 
         return Route(chosen, release)
+
+    async def _reserve(self, candidates: list[ReplicaRecord], blocks: int) -> Promise | None:
+        try:
+            return await self.reservations.reserve(candidates, blocks)
+        except (RedisError, OSError) as error:
+            logger.debug("reservation failed (%s); routing without one", error)
+            return None
 
 
 class RoundRobinPolicy:
@@ -174,3 +162,43 @@ def make_policy(name: str, client: redis.Redis) -> RoutingPolicy:
     if name == "prefix":
         return PrefixPolicy()
     raise ValueError(f"policy: unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+
+class Router:
+    """The replica for a request: its model's policy over the live replicas not yet tried.
+    The gateway and the picker both route through one."""
+
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        default_policy: RoutingPolicy,
+        model_policies: dict[str, RoutingPolicy],
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.registry, self.default_policy, self.model_policies = registry, default_policy, model_policies
+        self.metrics = metrics
+
+    @classmethod
+    def from_names(
+        cls,
+        registry: ReplicaRegistry,
+        client: redis.Redis,
+        policy: str,
+        model_policies: dict[str, str],
+        metrics: GatewayMetrics,
+    ) -> Router:
+        policies = {model: make_policy(name, client) for model, name in model_policies.items()}
+        return cls(registry, make_policy(policy, client), policies, metrics)
+
+    async def pick(self, shape: RequestShape, tried: set[str]) -> Route | None:
+        """A route to a replica of the request's model whose URL is not in `tried`, or None
+        if there is none left."""
+        candidates = self.registry.candidates(shape.model, skip=tried)
+        if not candidates:
+            return None
+        policy = self.model_policies.get(shape.model, self.default_policy)
+        routed = RoutedRequest(shape.model, shape.blocks(candidates[0].block_size), shape.prefix)
+        route = await policy.choose(candidates, routed)
+        if route is not None:
+            self.metrics.routing_decisions.labels(shape.model, route.replica.replica_id, policy.name).inc()
+        return route

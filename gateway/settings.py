@@ -40,6 +40,9 @@ class GatewaySettings(BaseSettings):
     refresh_interval_s: float = seconds(0.2, "between registry refreshes from Redis", "refresh_interval")
     record_ttl_s: float = seconds(RECORD_TTL_S, "a replica's record lives unless refreshed", "record_ttl")
     redis_grace_s: float = seconds(30.0, "to keep routing on the last registry without Redis", "redis_grace")
+    forget_model_after_s: float = Field(
+        600.0, description="seconds a model with no live replica stays known (503 retry, not 404)"
+    )
     failover_attempts: int = 3
     eject_after_failures: int = Field(
         3, ge=1, description="consecutive failures (connection errors, timeouts, 503) before a replica is skipped"

@@ -47,8 +47,6 @@ class ErrorGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or f"req-{uuid.uuid4().hex}"
         started = False
 
         async def tracking_send(message: Message) -> None:
@@ -59,6 +57,8 @@ class ErrorGuard:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception:  # the app's boundary: answer, log, keep serving
+            sent_id = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+            request_id = sent_id or f"req-{uuid.uuid4().hex}"
             logger.exception("request %s %s failed", request_id, scope.get("path"))
             if started:
                 return  # the status is out already; the body simply ends
@@ -75,13 +75,26 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
     """`work`'s result, or None if the client went away first: then `work` is cancelled.
-    Call it after the request body was read. `work`'s own errors propagate."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(wait_for_disconnect(receive))
+    Call it after the request body was read. `work`'s own errors propagate.
+
+    `work` runs in the calling task, and one watcher task cancels it on a disconnect (one
+    task per request, not two: this is on every request's path)."""
+    this_task = asyncio.current_task()
+    assert this_task is not None
+    client_left = False
+
+    async def watch() -> None:
+        nonlocal client_left
+        await wait_for_disconnect(receive)
+        client_left = True
+        this_task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if client_left and this_task.uncancel() == 0:
+            return None  # cancelled by the watcher alone: the client left
+        raise
     finally:
-        for future in (task, watch):
-            future.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-    return None if task.cancelled() else task.result()
+        watcher.cancel()

@@ -9,9 +9,10 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
+from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.limits import RateLimiter
-from pagefleet.gateway.proxy import BadRequest, describe
 from pagefleet.gateway.routing import LeastRequestsPolicy, PrefixPolicy, RoundRobinPolicy, RoutedRequest
+from pagefleet.gateway.shape import describe
 from pagefleet.protocol.replica import ReplicaRecord
 from tests.processes import RedisProcess
 
@@ -78,9 +79,9 @@ def test_request_shaping_estimates_what_routing_and_limits_need() -> None:
         (b'{"prompt": "x"}', "model"),
         (b'{"model": "m", "n": "2"}', "max_tokens"),
     ):
-        with pytest.raises(BadRequest) as refused:
+        with pytest.raises(Refusal) as refused:
             describe(body, chat=False)
-        assert refused.value.param == param
+        assert (refused.value.status, refused.value.param) == (400, param)
 
 
 def test_rate_limiter_counts_requests_and_tokens_per_key_per_minute(redis_server: RedisProcess) -> None:

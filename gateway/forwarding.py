@@ -1,0 +1,77 @@
+"""The two proxied routes, POST /v1/completions and /v1/chat/completions, as plain ASGI in
+front of FastAPI: they are the hot path, and FastAPI's request and response machinery cost
+more than the rest of the hop. Everything else goes to the FastAPI app behind."""
+
+from __future__ import annotations
+
+import os
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagefleet.gateway import errors
+from pagefleet.gateway.admission import Admission
+from pagefleet.gateway.errors import Refusal
+from pagefleet.gateway.metrics import GatewayMetrics
+from pagefleet.gateway.proxy import Proxy, forwarded_headers
+from pagefleet.protocol.http import until_disconnected
+
+COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
+PROXIED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS})
+
+
+class ProxiedRoutes:
+    def __init__(
+        self, app: ASGIApp, admission: Admission, proxy: Proxy, metrics: GatewayMetrics, max_request_bytes: int
+    ) -> None:
+        self.app, self.admission, self.proxy, self.metrics = app, admission, proxy, metrics
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
+            await self.forward(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
+        values = dict(headers)
+        path = scope["path"]
+        try:
+            body = await self._read_body(receive, values.get("content-length"))
+            shape = await self.admission.admit(values.get("authorization", ""), body, chat=path == CHAT_COMPLETIONS)
+        except Refusal as refusal:
+            await refusal.response()(scope, receive, send)
+            return
+        request_id = values.get("x-request-id") or f"req-{os.urandom(16).hex()}"
+        upstream_headers = forwarded_headers(headers, request_id)
+
+        async def forward_and_relay() -> None:
+            try:
+                relay = await self.proxy.forward(path, body, upstream_headers, shape, request_id)
+            except Refusal as refusal:
+                await refusal.response()(scope, receive, send)
+                return
+            await relay.send_to(send)
+
+        await until_disconnected(receive, forward_and_relay())
+
+    async def _read_body(self, receive: Receive, declared: str | None) -> bytes:
+        """The request body; a Refusal (413) if it is over the limit, declared or sent."""
+        limit = self.max_request_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise self._too_large()
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise self._too_large()
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    def _too_large(self) -> Refusal:
+        refusal = errors.too_large(self.max_request_bytes)
+        self.metrics.refused(refusal)
+        return refusal

@@ -1,0 +1,71 @@
+"""What routing needs to know of an OpenAI request body, read without validating it all
+(the replica validates): the model, an estimate of the tokens and KV blocks it may take,
+and the start of its prompt for prefix affinity."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pagefleet.gateway.errors import bad_request
+
+_CHARS_PER_TOKEN = 4  # a rough estimate of a prompt's tokens from its text
+_DEFAULT_CHAT_TOKENS = 256  # what a chat request without max_tokens is assumed to take
+_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
+PREFIX_CHARS = 256
+
+
+@dataclass(slots=True)
+class RequestShape:
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    num_sequences: int
+    prefix: str
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens * self.num_sequences
+
+    def blocks(self, block_size: int) -> int:
+        return math.ceil(self.prompt_tokens / block_size) + self.num_sequences * math.ceil(self.max_tokens / block_size)
+
+
+def _text_tokens(value: Any) -> tuple[int, str]:
+    """(estimated tokens, text start) of a prompt: a string, token ids, or a list of either."""
+    if isinstance(value, str):
+        return max(1, len(value) // _CHARS_PER_TOKEN), value[:PREFIX_CHARS]
+    if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+        return len(value), ",".join(map(str, value[:64]))
+    if isinstance(value, list):
+        parts = [_text_tokens(item) for item in value]
+        return sum(p[0] for p in parts), (parts[0][1] if parts else "")
+    return 0, ""
+
+
+def describe(body: bytes, chat: bool) -> RequestShape:
+    """The shape of a completions (`chat=False`) or chat completions body; a body that is
+    not a JSON object naming a model is a Refusal (400)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise bad_request("the request body is not valid JSON") from None
+    if not isinstance(payload, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model: a model name is required", "model")
+    if chat:
+        messages = payload.get("messages") or []
+        texts = [str(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        prompt_tokens, prefix = _text_tokens("\n".join(texts))
+        max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or _DEFAULT_CHAT_TOKENS
+    else:
+        prompt_tokens, prefix = _text_tokens(payload.get("prompt", ""))
+        max_tokens = payload.get("max_tokens") or _DEFAULT_COMPLETION_TOKENS
+    num = payload.get("best_of") or payload.get("n") or 1
+    if not isinstance(max_tokens, int) or not isinstance(num, int):
+        raise bad_request("max_tokens and n must be integers", "max_tokens")
+    return RequestShape(model, prompt_tokens, max(1, max_tokens), max(1, num), prefix)
