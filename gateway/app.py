@@ -4,70 +4,46 @@ ASGI in front of FastAPI (gateway/forwarding.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import redis.asyncio as redis
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.exceptions import RedisError
 from starlette.types import ASGIApp
 
-from pagefleet.gateway.admission import Admission
+from pagefleet.gateway.core import RoutingCore
 from pagefleet.gateway.dashboard import PAGE, dashboard_data
 from pagefleet.gateway.forwarding import ProxiedRoutes
-from pagefleet.gateway.limits import RateLimiter
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import OutlierDetector, Proxy
 from pagefleet.gateway.registry import ReplicaRegistry
-from pagefleet.gateway.routing import Router
 from pagefleet.gateway.settings import GatewaySettings
 from pagefleet.gateway.upstream import UpstreamPool
 from pagefleet.protocol.http import ErrorGuard, error_json
 from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
 
-logger = logging.getLogger(__name__)
-
 
 def create_app(settings: GatewaySettings) -> ASGIApp:
-    client = redis.from_url(settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    registry = ReplicaRegistry(
-        client,
-        settings.refresh_interval_s,
-        settings.record_ttl_s,
-        settings.redis_grace_s,
-        settings.forget_model_after_s,
-    )
     metrics = GatewayMetrics()
-    limiter = RateLimiter(client, settings.requests_per_minute, settings.tokens_per_minute)
-    admission = Admission(settings.keys(), registry, limiter, metrics)
-    router = Router.from_names(registry, client, settings.policy, settings.model_policies, metrics)
+    core = RoutingCore(settings, metrics)
     pool = UpstreamPool(settings.connect_timeout_s, settings.read_timeout_s)
-    outliers = OutlierDetector(registry, settings.eject_after_failures, settings.exclude_failed_for_s)
-    proxy = Proxy(router, pool, outliers, metrics, settings.failover_attempts)
+    outliers = OutlierDetector(core.registry, settings.eject_after_failures, settings.exclude_failed_for_s)
+    proxy = Proxy(core.router, pool, outliers, metrics, settings.failover_attempts)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        try:
-            await registry.refresh()  # a first view before serving, if Redis is up
-        except (RedisError, OSError) as error:  # Redis down at start: serve anyway, the registry keeps trying
-            logger.warning("no view of the replicas yet (%s); the registry retries in the background", error)
-        task = asyncio.create_task(registry.run())
+        await core.start()
         yield
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         pool.close()
-        await client.aclose()
+        await core.close()
 
     app = FastAPI(title="pagefleet gateway", lifespan=lifespan)
-    app.include_router(fleet_routes(registry, metrics))
+    app.include_router(fleet_routes(core.registry, metrics))
     _document_proxied_routes(app)
-    return ErrorGuard(ProxiedRoutes(app, admission, proxy, metrics, settings.max_request_bytes))
+    return ErrorGuard(ProxiedRoutes(app, core.admission, proxy, metrics, settings.max_request_bytes))
 
 
 def fleet_routes(registry: ReplicaRegistry, metrics: GatewayMetrics) -> APIRouter:

@@ -1,4 +1,5 @@
-"""The gateway's Prometheus metrics (`pagefleet_gateway:*`), per model and replica."""
+"""The routers' Prometheus metrics, per model and replica: `pagefleet_gateway:*` for the
+gateway, `pagefleet_picker:*` for the picker (the same families)."""
 
 from __future__ import annotations
 
@@ -10,29 +11,29 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, namespace: str = "pagefleet_gateway") -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "pagefleet_gateway:requests", "Requests proxied, by status.", ["model", "replica", "status"],
+            f"{namespace}:requests", "Requests proxied, by status.", ["model", "replica", "status"],
             registry=self.registry,
         )  # fmt: skip
         self.errors = Counter(
-            "pagefleet_gateway:errors", "Requests answered with an error by the gateway.", ["model", "reason"],
+            f"{namespace}:errors", "Requests answered with an error by the gateway.", ["model", "reason"],
             registry=self.registry,
         )  # fmt: skip
         self.failovers = Counter(
-            "pagefleet_gateway:failovers", "Replicas that failed before the first byte.", ["model", "replica"],
+            f"{namespace}:failovers", "Replicas that failed before the first byte.", ["model", "replica"],
             registry=self.registry,
         )  # fmt: skip
         self.routing_decisions = Counter(
-            "pagefleet_gateway:routing_decisions", "Replicas chosen, by policy.", ["model", "replica", "policy"],
+            f"{namespace}:routing_decisions", "Replicas chosen, by policy.", ["model", "replica", "policy"],
             registry=self.registry,
         )  # fmt: skip
         self.rate_limited = Counter(
-            "pagefleet_gateway:rate_limited", "Requests refused by a rate limit.", ["model"], registry=self.registry
+            f"{namespace}:rate_limited", "Requests refused by a rate limit.", ["model"], registry=self.registry
         )
         self.upstream_latency = Histogram(
-            "pagefleet_gateway:upstream_first_byte_seconds", "Time until the replica's response starts.",
+            f"{namespace}:upstream_first_byte_seconds", "Time until the replica's response starts.",
             ["model", "replica"], registry=self.registry, buckets=_BUCKETS,
         )  # fmt: skip
 

@@ -1,11 +1,12 @@
-"""Settings of `pagefleet gateway`: flags and `PAGEFLEET_GATEWAY_*` variables."""
+"""Settings of `pagefleet gateway` (flags and `PAGEFLEET_GATEWAY_*` variables) and of
+`pagefleet picker` (`PAGEFLEET_PICKER_*`): what both routers share, then each one's own."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagefleet.protocol.replica import RECORD_TTL_S
@@ -13,22 +14,19 @@ from pagefleet.protocol.replica import RECORD_TTL_S
 Policy = Literal["kv", "round_robin", "least_requests", "prefix"]
 
 
-def seconds(default: float, description: str, old_name: str) -> Any:
-    """A duration in seconds, named `..._s`; the flag's old name (no unit) still works."""
-    names = AliasChoices(old_name + "_s", old_name)
-    return Field(default, description=f"seconds {description}", validation_alias=names)
+def seconds(default: float, description: str) -> Any:
+    """A duration in seconds (its name ends in `_s`)."""
+    return Field(default, description=f"seconds {description}")
 
 
-class GatewaySettings(BaseSettings):
-    """`pagefleet gateway ...`; every flag also reads from the environment as
-    PAGEFLEET_GATEWAY_<NAME> (e.g. PAGEFLEET_GATEWAY_REFRESH_INTERVAL_S)."""
+class RoutingSettings(BaseSettings):
+    """Where the replicas are, how one is picked, and who may ask."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="PAGEFLEET_GATEWAY_", cli_kebab_case=True, cli_prog_name="pagefleet gateway", populate_by_name=True
-    )
+    # Old names (before durations said their unit) still read, as flags and variables.
+    renamed: ClassVar[dict[str, str]] = {
+        name: name + "_s" for name in ("refresh_interval", "record_ttl", "redis_grace")
+    }
 
-    host: str = "127.0.0.1"
-    port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
     policy: Policy = Field("kv", description="kv, round_robin, least_requests or prefix")
     model_policies: dict[str, Policy] = Field(default_factory=dict, description='per model, e.g. {"m": "prefix"}')
@@ -36,20 +34,10 @@ class GatewaySettings(BaseSettings):
     api_keys_file: Path | None = Field(None, description="one key per line (a mounted Secret)")
     requests_per_minute: int = Field(0, description="per key; 0: unlimited")
     tokens_per_minute: int = Field(0, description="per key, prompt + max_tokens estimated; 0: unlimited")
-    max_request_bytes: int = 1 << 20
-    refresh_interval_s: float = seconds(0.2, "between registry refreshes from Redis", "refresh_interval")
-    record_ttl_s: float = seconds(RECORD_TTL_S, "a replica's record lives unless refreshed", "record_ttl")
-    redis_grace_s: float = seconds(30.0, "to keep routing on the last registry without Redis", "redis_grace")
-    forget_model_after_s: float = Field(
-        600.0, description="seconds a model with no live replica stays known (503 retry, not 404)"
-    )
-    failover_attempts: int = 3
-    eject_after_failures: int = Field(
-        3, ge=1, description="consecutive failures (connection errors, timeouts, 503) before a replica is skipped"
-    )
-    exclude_failed_for_s: float = seconds(10.0, "a replica is skipped after those failures", "exclude_failed_for")
-    connect_timeout_s: float = seconds(2.0, "to connect to a replica", "connect_timeout")
-    read_timeout_s: float = seconds(600.0, "to wait for a replica's next bytes", "read_timeout")
+    refresh_interval_s: float = seconds(0.2, "between registry refreshes from Redis")
+    record_ttl_s: float = seconds(RECORD_TTL_S, "a replica's record lives unless refreshed")
+    redis_grace_s: float = seconds(30.0, "to keep routing on the last registry without Redis")
+    forget_model_after_s: float = seconds(600.0, "a model with no live replica stays known (503 retry, not 404)")
     log_level: str = "INFO"
 
     def keys(self) -> set[str]:
@@ -57,3 +45,45 @@ class GatewaySettings(BaseSettings):
         if self.api_keys_file is not None:
             keys |= {line.strip() for line in self.api_keys_file.read_text().splitlines() if line.strip()}
         return keys
+
+
+class GatewaySettings(RoutingSettings):
+    """`pagefleet gateway ...`; every flag also reads from the environment as
+    PAGEFLEET_GATEWAY_<NAME> (e.g. PAGEFLEET_GATEWAY_REFRESH_INTERVAL_S)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PAGEFLEET_GATEWAY_", cli_kebab_case=True, cli_prog_name="pagefleet gateway", populate_by_name=True
+    )
+    renamed: ClassVar[dict[str, str]] = RoutingSettings.renamed | {
+        name: name + "_s" for name in ("exclude_failed_for", "connect_timeout", "read_timeout")
+    }
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_request_bytes: int = 1 << 20
+    failover_attempts: int = 3
+    eject_after_failures: int = Field(
+        3, ge=1, description="consecutive failures (connection errors, timeouts, 503) before a replica is skipped"
+    )
+    exclude_failed_for_s: float = seconds(10.0, "a replica is skipped after those failures")
+    connect_timeout_s: float = seconds(2.0, "to connect to a replica")
+    read_timeout_s: float = seconds(600.0, "to wait for a replica's next bytes")
+
+
+class PickerSettings(RoutingSettings):
+    """`pagefleet picker ...`: an Endpoint Picker for Envoy's ext_proc; every flag also reads
+    from the environment as PAGEFLEET_PICKER_<NAME>."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PAGEFLEET_PICKER_", cli_kebab_case=True, cli_prog_name="pagefleet picker", populate_by_name=True
+    )
+
+    host: str = Field("127.0.0.1", description="the gRPC address (0.0.0.0 in a pod)")
+    port: int = Field(9002, description="ext_proc and gRPC health (the Gateway API Inference Extension's port)")
+    metrics_port: int = Field(9090, description="Prometheus /metrics over HTTP; 0: none")
+    fallbacks: int = Field(
+        0,
+        ge=0,
+        description="other replicas listed after the chosen one, for a proxy that retries down the list "
+        "(Envoy's override_host policy); keep 0 for an ORIGINAL_DST cluster, which takes one address",
+    )

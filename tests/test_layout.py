@@ -48,9 +48,10 @@ def test_shared_contracts_import_without_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_gateway_imports_without_torch() -> None:
+def test_gateway_and_picker_import_without_torch() -> None:
     code = (
         "import sys, pagefleet.gateway.app, pagefleet.cli.up, pagefleet.cli.gateway; "
+        "import pagefleet.gateway.picker_server, pagefleet.cli.picker; "
         "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

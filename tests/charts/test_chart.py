@@ -14,7 +14,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pagefleet.gateway.settings import PickerSettings
 from pagefleet.operator.kube import PERMISSIONS
+from pagefleet.operator.manifests import Owner, labels
 from pagefleet.operator.settings import OperatorSettings
 from pagefleet.operator.spec import parse_spec
 
@@ -61,6 +63,11 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
+def inference_pool_validator() -> jsonschema.Draft7Validator:
+    schema = json.loads((Path(__file__).parent / "inferencepool-v1.schema.json").read_text())
+    return jsonschema.Draft7Validator(schema)
+
+
 def crd_validator() -> jsonschema.Draft4Validator:
     crd = yaml.safe_load((ROOT / "crds" / "inferencedeployments.pagefleet.io.yaml").read_text())
     return jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
@@ -88,6 +95,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "rateLimits": {"requestsPerMinute": 60},
         }
     },
+    "the picker, with a first model": {"picker": {"enabled": True, "failureMode": "FailOpen"}, "models": [FIRST_MODEL]},
     "watched namespaces, persistent redis": {
         "operator": {"watchNamespaces": ["models-a", "models-b"]},
         "redis": {"persistence": {"enabled": True, "size": "2Gi"}},
@@ -107,6 +115,8 @@ def test_every_rendered_object_passes_the_official_schemas(name: str) -> None:
         if doc["kind"] == "InferenceDeployment":
             crd_validator().validate(doc)
             parse_spec(doc["spec"])
+        elif doc["kind"] == "InferencePool":
+            inference_pool_validator().validate(doc)
         else:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     for doc in docs:
@@ -155,6 +165,45 @@ def test_the_operator_settings_from_the_chart_parse() -> None:
     plain = {k.removeprefix("PAGEFLEET_OPERATOR_").lower(): v for k, v in env.items() if isinstance(v, str)}
     settings = OperatorSettings(**{k: json.loads(v) if k == "namespaces" else v for k, v in plain.items()})
     assert settings.namespaces == ["a", "b"] and settings.reconcile_interval_s == 5.0
+
+
+def test_the_picker_and_an_inference_pool_per_model() -> None:
+    """The pool selects exactly the engine pods the operator makes for the model, on their
+    port, and names the picker's Service, whose environment PickerSettings accepts."""
+    docs = render({"picker": {"enabled": True}, "models": [FIRST_MODEL, {**FIRST_MODEL, "name": "second"}]})
+    pools = {d["metadata"]["name"]: d for d in docs if d["kind"] == "InferencePool"}
+    assert sorted(pools) == ["second", "smollm2"]
+    pool = pools["smollm2"]
+    validator = inference_pool_validator()
+    validator.validate(pool)
+    owner = Owner(name="smollm2", namespace=NAMESPACE, uid="u-1")
+    engine_labels = labels(owner, parse_spec(FIRST_MODEL["spec"]))
+    assert pool["spec"]["selector"]["matchLabels"].items() <= engine_labels.items()
+    assert pools["second"]["spec"]["selector"]["matchLabels"] != pool["spec"]["selector"]["matchLabels"]
+    assert pool["spec"]["targetPorts"] == [{"number": OperatorSettings().engine_port}]
+    reference = pool["spec"]["endpointPickerRef"]
+    assert reference["failureMode"] == "FailClose" and reference["port"] == {"number": 9002}
+    service = find(docs, "Service", reference["name"])
+    assert {"name": "grpc-ext-proc", "port": 9002, "targetPort": "grpc", "protocol": "TCP"}.items() <= (
+        service["spec"]["ports"][0].items()
+    )
+    picker = find(docs, "Deployment", "pf-pagefleet-picker")
+    assert service["spec"]["selector"].items() <= picker["spec"]["template"]["metadata"]["labels"].items()
+    pod = picker["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert find(docs, "ServiceAccount", pod["serviceAccountName"])["automountServiceAccountToken"] is False
+    container = pod["containers"][0]
+    assert container["args"] == ["picker"] and container["readinessProbe"]["grpc"] == {
+        "port": 9002,
+        "service": "readiness",
+    }
+    plain = {k.removeprefix("PAGEFLEET_PICKER_").lower(): v for k, v in env_of(container).items() if isinstance(v, str)}
+    settings = PickerSettings(**{k: json.loads(v) if k == "model_policies" else v for k, v in plain.items()})
+    assert (settings.host, settings.port, settings.metrics_port, settings.policy) == ("0.0.0.0", 9002, 9090, "kv")
+    # A pool that breaks the published schema is refused by the same check.
+    broken = {**pool, "spec": {**pool["spec"], "targetPorts": [{"number": 8000}, {"number": 8001}]}}
+    assert not validator.is_valid(broken)
+    assert "InferencePool" not in kinds(render({"models": [FIRST_MODEL]})), "no pools without the picker"
 
 
 def test_the_chart_crd_is_byte_identical_to_the_repository_crd() -> None:
@@ -269,6 +318,7 @@ def test_names_stay_within_63_characters() -> None:
         ({"models": [{"name": "x"}]}, "spec"),
         ({"gateway": {"apiKeys": {"enabled": True}}}, "gateway.apiKeys.keys"),
         ({"redis": {"enabled": False}}, "redis.external.url"),
+        ({"picker": {"failureMode": "Open"}}, "/picker/failureMode"),
     ],
 )
 def test_bad_values_are_refused(values: dict[str, Any], message: str) -> None:
