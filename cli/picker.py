@@ -15,9 +15,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
     import logging
-
-    import uvloop
 
     from pagefleet.cli.flags import parse_flags
     from pagefleet.gateway.picker_server import serve
@@ -27,5 +26,5 @@ def run(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     logging.getLogger("pagefleet").setLevel(settings.log_level.upper())
-    uvloop.run(serve(settings))
+    asyncio.run(serve(settings))
     return 0

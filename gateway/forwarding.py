@@ -33,16 +33,17 @@ class ProxiedRoutes:
             await self.app(scope, receive, send)
 
     async def forward(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
         values = dict(headers)
         path = scope["path"]
         try:
-            body = await self._read_body(receive, values.get("content-length"))
-            shape = await self.admission.admit(values.get("authorization", ""), body, chat=path == CHAT_COMPLETIONS)
+            body = await self._read_body(receive, values.get(b"content-length"))
+            authorization = values.get(b"authorization", b"").decode("latin-1")
+            shape = await self.admission.admit(authorization, body, chat=path == CHAT_COMPLETIONS)
         except Refusal as refusal:
             await refusal.response()(scope, receive, send)
             return
-        request_id = values.get("x-request-id") or f"req-{os.urandom(16).hex()}"
+        request_id = values.get(b"x-request-id") or b"req-" + os.urandom(16).hex().encode()
         upstream_headers = forwarded_headers(headers, request_id)
 
         async def forward_and_relay() -> None:
@@ -55,7 +56,7 @@ class ProxiedRoutes:
 
         await until_disconnected(receive, forward_and_relay())
 
-    async def _read_body(self, receive: Receive, declared: str | None) -> bytes:
+    async def _read_body(self, receive: Receive, declared: bytes | None) -> bytes:
         """The request body; a Refusal (413) if it is over the limit, declared or sent."""
         limit = self.max_request_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:

@@ -98,7 +98,7 @@ class Exchange:
     route: Route | None = None
     endpoints: list[ReplicaRecord] = field(default_factory=list)  # chosen first, then fallbacks
     picked_at: float = 0.0
-    answered_headers: bool = False
+    picked: bool = False
 
 
 class EndpointPicker(ExternalProcessorServicer):
@@ -139,7 +139,7 @@ class EndpointPicker(ExternalProcessorServicer):
                 return []
             return [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
         if kind == "request_trailers":
-            answers = [] if exchange.answered_headers else await self._pick(exchange, message)
+            answers = [] if exchange.picked else await self._pick(exchange, message)
             return [*answers, ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())]
         if kind == "response_headers":
             served = self._served(exchange, message)
@@ -159,7 +159,7 @@ class EndpointPicker(ExternalProcessorServicer):
 
     async def _pick(self, exchange: Exchange, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         """Admit and route the request; the answers that send it to its replica, or refuse it."""
-        exchange.answered_headers = True
+        exchange.picked = True
         body = b"".join(exchange.body)
         try:
             if not body:

@@ -33,25 +33,27 @@ logger = logging.getLogger(__name__)
 
 HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-        "authorization",  # the gateway's key stays at the gateway
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"authorization",  # the gateway's key stays at the gateway
     }
 )
+_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
 
 
-def forwarded_headers(headers: list[tuple[str, str]], request_id: str) -> list[tuple[str, str]]:
-    """The client's end-to-end headers for the replica, with the request id."""
-    kept = [(name, value) for name, value in headers if name not in HOP_BY_HOP and name != "x-request-id"]
-    return [*kept, ("x-request-id", request_id)]
+def forwarded_headers(headers: list[tuple[bytes, bytes]], request_id: bytes) -> bytes:
+    """The client's end-to-end headers (lower-case names, as ASGI gives them) as header
+    lines for the replica, with the request id."""
+    lines = [b"%s: %s\r\n" % (name, value) for name, value in headers if name not in _NOT_FORWARDED]
+    return b"".join(lines) + b"x-request-id: " + request_id + b"\r\n"
 
 
 class OutlierDetector:
@@ -85,9 +87,7 @@ class Proxy:
         self.router, self.pool, self.outliers, self.metrics = router, pool, outliers, metrics
         self.attempts = attempts
 
-    async def forward(
-        self, path: str, body: bytes, headers: list[tuple[str, str]], shape: RequestShape, request_id: str
-    ) -> Relay:
+    async def forward(self, path: str, body: bytes, headers: bytes, shape: RequestShape, request_id: bytes) -> Relay:
         """The first replica's answer that is not a failure of its own; raises a Refusal
         (503) when no replica of the model could take the request."""
         tried: set[str] = set()
@@ -111,8 +111,8 @@ class Proxy:
             self.outliers.succeeded(replica.url)
             self.metrics.upstream_latency.labels(model, replica.replica_id).observe(time.monotonic() - started)
             self.metrics.requests.labels(model, replica.replica_id, str(upstream.status)).inc()
-            extra = [(b"x-request-id", request_id.encode()), (b"x-pagefleet-replica", replica.replica_id.encode())]
-            return Relay(upstream, request_id, extra)
+            extra = [(b"x-request-id", request_id), (b"x-pagefleet-replica", replica.replica_id.encode())]
+            return Relay(upstream, request_id.decode("latin-1"), extra)
         refusal = errors.no_replica(model)
         self.metrics.refused(refusal)
         raise refusal
@@ -135,7 +135,7 @@ class Relay:
 
     def __init__(self, upstream: UpstreamResponse, request_id: str, extra: list[tuple[bytes, bytes]]) -> None:
         self.upstream, self.request_id = upstream, request_id
-        kept = [(k, v) for k, v in upstream.raw_headers if k.decode("latin-1").lower() not in HOP_BY_HOP]
+        kept = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _NOT_FORWARDED]
         self.headers = kept + extra
         self.streaming = upstream.header(b"content-type").startswith(b"text/event-stream")
 

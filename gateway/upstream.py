@@ -15,6 +15,7 @@ never makes the gateway buffer a whole response.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -23,6 +24,13 @@ from urllib.parse import urlsplit
 import httptools
 
 _HIGH_WATER = 1 << 20
+
+
+@functools.lru_cache(maxsize=4096)
+def replica_address(url: str) -> tuple[str, int]:
+    """(host, port) of a replica's URL."""
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
 
 
 class UpstreamError(ConnectionError):
@@ -136,7 +144,10 @@ class UpstreamResponse:
             yield chunk
 
     async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self.chunks()])
+        chunks = []
+        while (chunk := await self._connection.next_chunk(self._pool.read_timeout)) is not None:
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def release(self) -> None:
         """Back to the pool if the body was read to its end and the replica keeps it open;
@@ -167,11 +178,6 @@ class UpstreamPool:
         self.max_idle, self.max_idle_s = max_idle_per_replica, max_idle_s
         self._idle: dict[tuple[str, int], list[tuple[float, _Connection]]] = {}
 
-    @staticmethod
-    def address(url: str) -> tuple[str, int]:
-        parts = urlsplit(url)
-        return parts.hostname or "127.0.0.1", parts.port or 80
-
     def put(self, address: tuple[str, int], connection: _Connection) -> None:
         idle = self._idle.setdefault(address, [])
         if len(idle) < self.max_idle:
@@ -179,13 +185,17 @@ class UpstreamPool:
         else:
             connection.transport.close()  # type: ignore[union-attr]
 
-    async def post(self, url: str, path: str, body: bytes, headers: list[tuple[str, str]]) -> UpstreamResponse:
-        """Send the request and wait for the response's status and headers."""
-        address = self.address(url)
-        host = f"{address[0]}:{address[1]}"
-        head = [f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {len(body)}\r\n"]
-        head += [f"{name}: {value}\r\n" for name, value in headers]
-        request = "".join(head).encode("latin-1") + b"\r\n" + body
+    async def post(self, url: str, path: str, body: bytes, header_lines: bytes) -> UpstreamResponse:
+        """Send the request (`header_lines`: `name: value\\r\\n` each) and wait for the
+        response's status and headers."""
+        address = replica_address(url)
+        head = b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\n" % (
+            path.encode(),
+            address[0].encode(),
+            address[1],
+            len(body),
+        )
+        request = b"".join((head, header_lines, b"\r\n", body))
         return await self._exchange(self._pooled(address) or await self._connect(address), request, address)
 
     def _pooled(self, address: tuple[str, int]) -> _Connection | None:

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ class EnvoyProcess:
     log: Path
 
 
-def start_envoy(config: dict[str, Any], directory: Path, timeout: float = 60) -> EnvoyProcess:
+def start_envoy(config: dict[str, Any], directory: Path) -> EnvoyProcess:
     """Envoy with `config`, once its admin says it is ready."""
     path = directory / "envoy.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -81,18 +82,8 @@ def start_envoy(config: dict[str, Any], directory: Path, timeout: float = 60) ->
     listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
     admin = config["admin"]["address"]["socket_address"]["port_value"]
     envoy = EnvoyProcess(f"http://127.0.0.1:{listener}", f"http://127.0.0.1:{admin}", process, log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"envoy exited early:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{envoy.admin_url}/ready", timeout=1).status_code == 200:
-                return envoy
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    stop_process(process)
-    raise RuntimeError(f"envoy did not become ready:\n{log.read_text()[-3000:]}")
+    _wait_ready("envoy", process, log, lambda: httpx.get(f"{envoy.admin_url}/ready", timeout=1).status_code == 200)
+    return envoy
 
 
 @dataclass
@@ -109,7 +100,7 @@ class PickerProcess:
             return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status)
 
 
-def start_picker(redis_url: str, log: Path, *flags: str, port: int | None = None, timeout: float = 60) -> PickerProcess:
+def start_picker(redis_url: str, log: Path, *flags: str, port: int | None = None) -> PickerProcess:
     """`pagefleet picker` in its own process, once its readiness check serves."""
     port = port or free_port()
     metrics_port = free_port()
@@ -118,15 +109,26 @@ def start_picker(redis_url: str, log: Path, *flags: str, port: int | None = None
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     picker = PickerProcess(f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", process, log)
+    _wait_ready(
+        "pagefleet picker", process, log, lambda: picker.health("readiness") == health_pb2.HealthCheckResponse.SERVING
+    )
+    return picker
+
+
+def _wait_ready(
+    name: str, process: subprocess.Popen[bytes], log: Path, ready: Callable[[], bool], timeout: float = 60
+) -> None:
+    """Until `ready()` (its connection errors mean not yet); the log in the error if the
+    process dies or never gets there."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"pagefleet picker exited early:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"{name} exited early:\n{log.read_text()[-3000:]}")
         try:
-            if picker.health("readiness") == health_pb2.HealthCheckResponse.SERVING:
-                return picker
-        except grpc.RpcError:
+            if ready():
+                return
+        except (httpx.HTTPError, grpc.RpcError):
             pass
         time.sleep(0.1)
     stop_process(process)
-    raise RuntimeError(f"pagefleet picker did not become ready:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"{name} did not become ready:\n{log.read_text()[-3000:]}")

@@ -5,29 +5,46 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from google.protobuf.struct_pb2 import Struct
 
+from pagefleet.gateway.admission import Admission
+from pagefleet.gateway.core import RoutingCore
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.limits import RateLimiter
+from pagefleet.gateway.metrics import GatewayMetrics
+from pagefleet.gateway.picker import DESTINATION, LB_NAMESPACE, SUBSET, SUBSET_NAMESPACE, EndpointPicker, endpoint
+from pagefleet.gateway.registry import ReplicaRegistry
+from pagefleet.gateway.reservations import Reservations, promise_keys
 from pagefleet.gateway.routing import LeastRequestsPolicy, PrefixPolicy, RoundRobinPolicy, RoutedRequest
+from pagefleet.gateway.settings import PickerSettings
 from pagefleet.gateway.shape import describe
-from pagefleet.protocol.replica import ReplicaRecord
+from pagefleet.gateway.upstream import UpstreamError, UpstreamPool
+from pagefleet.protocol.replica import ReplicaRecord, record_key
 from tests.processes import RedisProcess
 
 
-def _replica(name: str, free: int = 100, running: int = 0, waiting: int = 0) -> ReplicaRecord:
+def _replica(
+    name: str, free: int = 100, running: int = 0, waiting: int = 0, reported: float | None = None, port: int = 8000
+) -> ReplicaRecord:
+    """A replica record of model `m` at 10.0.0.<n>:<port>, reported at `reported` (now)."""
     return ReplicaRecord(
         replica_id=name,
         model="m",
-        url=f"http://{name}:8000",
+        url=f"http://10.0.0.{sum(map(ord, name)) % 250}:{port}",
         free_blocks=free,
-        total_blocks=100,
+        total_blocks=1000,
         block_size=16,
         running=running,
         waiting=waiting,
         max_model_len=2048,
+        timestamp=time.time() if reported is None else reported,
     )
 
 
@@ -111,3 +128,229 @@ def test_rate_limiter_fails_open_when_redis_is_gone() -> None:
         return verdict.allowed
 
     assert asyncio.run(scenario()), "Redis trouble must not stop traffic"
+
+
+def test_reservations_choose_net_of_promises_and_keep_their_sum(redis_server: RedisProcess) -> None:
+    """Promises count against a replica until its next report, are released once, and the
+    running sum always equals the promises outstanding."""
+
+    async def scenario() -> None:
+        client = aioredis.from_url(redis_server.url)
+        await client.flushdb()
+        reservations = Reservations(client)
+        before = time.time() - 5  # both replicas reported before any promise
+        a, b = _replica("a", 100, reported=before), _replica("b", 90, reported=before)
+        chosen = [await reservations.reserve([a, b], 30) for _ in range(3)]
+        # a: 100 -> 70; b: 90 -> 60; a: 70 -> 40.
+        assert [p.replica.replica_id for p in chosen] == ["a", "b", "a"]
+        promises, total = promise_keys(a)
+        assert await client.zcard(promises) == 2 and int(await client.get(total)) == 60
+        await reservations.release(chosen[0])
+        await reservations.release(chosen[0])  # twice: taken off once
+        assert int(await client.get(total)) == 30
+        # a reports after the promises were made: they are in its figures now, and dropped.
+        reported_a = _replica("a", 70, reported=time.time() + 1)
+        assert (await reservations.reserve([reported_a, b], 1)).replica.replica_id == "a"  # 70 vs 90 - 30
+        assert await client.zcard(promises) == 1 and int(await client.get(total)) == 1
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+class _Upstream:
+    """A real HTTP/1.1 server on loopback: answers JSON with a length, or a chunked stream,
+    and counts its connections."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+            if not head:
+                break
+            length = int(
+                next(line.split(b":")[1] for line in head.split(b"\r\n") if line.startswith(b"content-length"))
+            )
+            body = await reader.readexactly(length)
+            if body == b"stream":
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
+                for piece in (b"data: 1\n\n", b"data: 2\n\n"):
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+            elif body == b"close":
+                writer.close()
+                return
+            else:
+                answer = b'{"echo": "' + body + b'"}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer))
+            await writer.drain()
+        writer.close()
+
+
+def test_upstream_pool_reuses_connections_and_reads_both_kinds_of_body() -> None:
+    async def scenario() -> None:
+        upstream = _Upstream()
+        server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = UpstreamPool(connect_timeout=1, read_timeout=5, max_idle_s=0.3)
+        for text in (b"one", b"two"):
+            response = await pool.post(url, "/v1/completions", text, b"x-request-id: r\r\n")
+            assert response.status == 200 and await response.read() == b'{"echo": "' + text + b'"}'
+            response.release()
+        assert upstream.connections == 1, "the second request reuses the first's connection"
+        streamed = await pool.post(url, "/v1/completions", b"stream", b"")
+        assert streamed.header(b"content-type") == b"text/event-stream"
+        assert [chunk async for chunk in streamed.chunks()] == [b"data: 1\n\n", b"data: 2\n\n"]
+        streamed.release()
+        await asyncio.sleep(0.4)  # idle longer than max_idle_s: not reused
+        (await pool.post(url, "/", b"three", b"")).close()
+        assert upstream.connections == 2
+        with pytest.raises(UpstreamError):
+            await pool.post(url, "/", b"close", b"")  # the replica hangs up without answering
+        pool.close()
+        server.close()
+        with pytest.raises(UpstreamError):
+            await pool.post("http://127.0.0.1:1", "/", b"x", b"")
+
+    asyncio.run(scenario())
+
+
+def test_a_model_without_replicas_is_known_for_a_while_then_forgotten(redis_server: RedisProcess) -> None:
+    async def scenario() -> None:
+        client = aioredis.from_url(redis_server.url)
+        await client.flushdb()
+        registry = ReplicaRegistry(client, refresh_interval=0.1, ttl=60, grace=30, forget_after=0.3)
+        record = _replica("a", 10, reported=time.time())
+        await client.set(record_key("m", "a"), record.model_dump_json())
+        await registry.refresh()
+        assert registry.is_known("m") and registry.candidates("m")
+        await client.delete(record_key("m", "a"))
+        await registry.refresh()
+        assert registry.is_known("m") and not registry.candidates("m"), "503 for a while, not 404"
+        await asyncio.sleep(0.35)
+        await registry.refresh()
+        assert not registry.is_known("m") and not registry.is_known("never-served")
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_admission_refuses_with_the_right_status_and_counts_each_refusal(redis_server: RedisProcess) -> None:
+    async def scenario() -> list[int]:
+        client = aioredis.from_url(redis_server.url)
+        await client.flushdb()
+        await client.set(record_key("m", "a"), _replica("a", 10, reported=time.time()).model_dump_json())
+        registry = ReplicaRegistry(client, 0.1, 60, 30)
+        metrics = GatewayMetrics()
+        admission = Admission({"good-key"}, registry, RateLimiter(client, 1, 0), metrics)
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+        statuses = []
+        for authorization, payload in [
+            ("", body),  # no key
+            ("Bearer good-key", body),  # not refreshed yet: no view of the replicas
+        ]:
+            with pytest.raises(Refusal) as refused:
+                await admission.admit(authorization, payload, chat=False)
+            statuses.append(refused.value.status)
+        await registry.refresh()
+        for authorization, payload in [
+            ("Bearer good-key", b"{"),
+            ("Bearer good-key", json.dumps({"model": "other", "prompt": "hi"}).encode()),
+        ]:
+            with pytest.raises(Refusal) as refused:
+                await admission.admit(authorization, payload, chat=False)
+            statuses.append(refused.value.status)
+        assert (await admission.admit("Bearer good-key", body, chat=False)).model == "m"
+        with pytest.raises(Refusal) as refused:
+            await admission.admit("Bearer good-key", body, chat=False)  # one request a minute
+        statuses.append(refused.value.status)
+        assert refused.value.headers["Retry-After"].isdigit()
+        counted = {
+            (s.labels["model"], s.labels["reason"]): s.value
+            for family in metrics.registry.collect()
+            for s in family.samples
+            if s.name == "pagefleet_gateway:errors_total"
+        }
+        assert counted == {
+            ("", "unauthorized"): 1,
+            ("", "registry_unavailable"): 1,
+            ("", "bad_request"): 1,
+            ("", "unknown_model"): 1,
+            ("m", "rate_limited"): 1,
+        }
+        await client.aclose()
+        return statuses
+
+    assert asyncio.run(scenario()) == [401, 503, 400, 404, 429]
+
+
+def _exchange(body: dict[str, object], subset: list[str] | None = None) -> list[ext_proc.ProcessingRequest]:
+    """What Envoy sends in BUFFERED mode for one POST /v1/completions."""
+    headers = ext_proc.HttpHeaders(
+        headers=HeaderMap(headers=[HeaderValue(key=":path", raw_value=b"/v1/completions")]), end_of_stream=False
+    )
+    request_body = ext_proc.ProcessingRequest(
+        request_body=ext_proc.HttpBody(body=json.dumps(body).encode(), end_of_stream=True)
+    )
+    if subset is not None:
+        hint = Struct()
+        hint.update({SUBSET: subset})
+        request_body.metadata_context.filter_metadata[SUBSET_NAMESPACE].CopyFrom(hint)
+    return [ext_proc.ProcessingRequest(request_headers=headers), request_body]
+
+
+def test_the_picker_honours_the_subset_hint_and_lists_fallbacks(redis_server: RedisProcess) -> None:
+    """Envoy's `envoy.lb.subset_hint` limits the choice; fallbacks follow the chosen replica
+    in the header and in the `envoy.lb` metadata, with one value for both."""
+
+    async def pick(picker: EndpointPicker, messages: list[ext_proc.ProcessingRequest]) -> ext_proc.ProcessingResponse:
+        async def stream() -> AsyncIterator[ext_proc.ProcessingRequest]:
+            for message in messages:
+                yield message
+
+        answers = [answer async for answer in picker.Process(stream(), None)]  # type: ignore[arg-type]
+        return answers[-1]
+
+    async def scenario() -> None:
+        client = aioredis.from_url(redis_server.url)
+        await client.flushdb()
+        now = time.time()
+        records = [
+            _replica("a", 300, reported=now, port=8001),
+            _replica("b", 200, reported=now, port=8002),
+            _replica("c", 100, reported=now, port=8003),
+        ]
+        for record in records:
+            await client.set(record_key("m", record.replica_id), record.model_dump_json())
+        metrics = GatewayMetrics("pagefleet_picker")
+        core = RoutingCore(PickerSettings(redis_url=redis_server.url, policy="least_requests"), metrics)
+        await core.registry.refresh()
+        picker = EndpointPicker(core, metrics, fallbacks=1)
+        body = {"model": "m", "prompt": "hi"}
+        a, b, c = (endpoint(r.url) for r in records)
+
+        answer = await pick(picker, _exchange(body))
+        mutation = answer.request_body.response.header_mutation.set_headers[0].header
+        assert (mutation.key, mutation.raw_value.decode()) == (DESTINATION, f"{a},{b}")
+        assert answer.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value == f"{a},{b}"
+
+        answer = await pick(picker, _exchange(body, subset=[b, c]))
+        assert answer.request_body.response.header_mutation.set_headers[0].header.raw_value.decode().startswith(b)
+
+        refused = await pick(picker, _exchange(body, subset=["10.9.9.9:1"]))
+        assert refused.immediate_response.status.code == 503
+        assert json.loads(refused.immediate_response.body)["error"]["code"] == 503
+        await core.close()
+
+    asyncio.run(scenario())
+
+
+def test_endpoints_are_ip_and_port_with_ipv6_in_brackets() -> None:
+    assert endpoint("http://10.1.2.3:8000") == "10.1.2.3:8000"
+    assert endpoint("http://[fd00::1]:8000/") == "[fd00::1]:8000"
+    assert endpoint("http://pod.example") == "pod.example:80"
