@@ -131,6 +131,16 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, token_ids
         self._cached[block_hash] = block_id
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block's contents, if no block is referenced; else False."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
+        for block_id in self._evictable:
+            self._forget(self.blocks[block_id])
+            self._free_uncached.append(block_id)
+        self._evictable.clear()
+        return True
+
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
 

@@ -45,6 +45,13 @@ class EngineConfig:
             model's own.
         skip_tokenizer_init: load no tokenizer: prompts must be token ids, outputs carry
             token ids and no text (as vLLM's option).
+        gpu_memory_utilization: vLLM's memory knob. On CUDA, the fraction of the device's
+            memory for weights and KV cache together (the KV cache gets what the loaded
+            model leaves of it); on CPU, the fraction of free host memory for the KV cache.
+            Give it or `kv_cache_memory`, not both.
+        enforce_eager: accepted for vLLM's sake: the engine never captures graphs.
+        trust_remote_code: only False: the engine runs its own code for the architectures
+            it knows and never a checkpoint's Python.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -64,6 +71,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         def fail(param: str, message: str) -> None:
@@ -89,6 +99,16 @@ class EngineConfig:
             fail("swap_space", f"must be >= 0 bytes, got {self.swap_space}")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("device", f"must be auto, cpu or cuda; got {self.device!r}")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+            if self.kv_cache_memory is not None:
+                fail("gpu_memory_utilization", "give it or kv_cache_memory, not both")
+        if self.trust_remote_code:
+            fail(
+                "trust_remote_code",
+                "remote code is never run: only the built-in architectures are supported (leave it False)",
+            )
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             fail("attention_backend", f"must be auto, cpu, torch or triton; got {self.attention_backend!r}")
 
@@ -105,8 +125,14 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def kv_cache_bytes(self) -> int:
-        """The KV budget in bytes, resolving a fraction against free device memory."""
+        """The KV budget in bytes, resolving a fraction against free device memory (called
+        once the model's weights are loaded)."""
         device = self.torch_device
+        if self.gpu_memory_utilization is not None:
+            if device.type == "cuda":
+                total = torch.cuda.get_device_properties(device).total_memory
+                return max(0, int(self.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device))
+            return int(self.gpu_memory_utilization * _free_device_memory(device))
         budget = self.kv_cache_memory
         if budget is None:
             budget = 0.8 if device.type == "cuda" else _DEFAULT_CPU_KV_BYTES

@@ -64,9 +64,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
     if num_blocks < 1:
-        raise InvalidParameterError(
-            "kv_cache_memory", f"the KV budget holds no block of {block_bytes} bytes; raise kv_cache_memory"
-        )
+        knob = "gpu_memory_utilization" if config.gpu_memory_utilization is not None else "kv_cache_memory"
+        raise InvalidParameterError(knob, f"the KV budget holds no block of {block_bytes} bytes; raise {knob}")
     max_model_len = _resolve_max_model_len(config, model_config, num_blocks)
     num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
     logger.info(

@@ -128,6 +128,10 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; only while no block is in use (False otherwise)."""
+        return self.pool.reset_prefix_cache()
+
     @property
     def num_free_host_blocks(self) -> int:
         return len(self._free_host_blocks)

@@ -113,5 +113,13 @@ class LLM:
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
 
+    def get_tokenizer(self) -> Any:
+        """The engine's Hugging Face tokenizer (None with skip_tokenizer_init=True)."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -29,6 +30,18 @@ from pagefleet.engine.scheduler import ScheduledChunk
 from pagefleet.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, as it would start the text and as it would follow a
+    space (distinct variants only)."""
+    variants: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in variants:
+                variants.append(ids)
+    return variants
 
 
 def worst_case_blocks(num_prompt_tokens: int, max_tokens: int, num_sequences: int, block_size: int) -> int:
@@ -89,10 +102,9 @@ class LLMEngine:
             field = "prompt" if text is not None else "stop"
             raise InvalidParameterError(field, "this engine has no tokenizer (skip_tokenizer_init=True): use token ids")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         self._validate_prompt(token_ids)
-        vocab = self.parts.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidParameterError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        self._prepare_token_constraints(params)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         request = Request(
             request_id,
@@ -110,6 +122,29 @@ class LLMEngine:
         self.scheduler.add(request)
         self._num_prompt_tokens += len(token_ids)
         return request
+
+    def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (-1: as many as the context window holds)."""
+        if keep is None:
+            return token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return token_ids[-keep:]
+
+    def _prepare_token_constraints(self, params: SamplingParams) -> None:
+        """Check every token id against the vocabulary; tokenize `bad_words` (once per
+        params object: LLM.generate shares one between prompts)."""
+        vocab = self.parts.model_config.vocab_size
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("logit_bias", list(params.logit_bias or {})),
+        ):
+            if any(t >= vocab for t in ids):
+                raise InvalidParameterError(name, f"token ids must be in [0, {vocab})")
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise InvalidParameterError("bad_words", "this engine has no tokenizer (skip_tokenizer_init=True)")
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
 
     def _stop_token_ids(self, params: SamplingParams) -> set[int]:
         eos = set() if params.ignore_eos else set(self.parts.model_config.eos_token_ids)
@@ -158,6 +193,11 @@ class LLMEngine:
         self.outputs.finish_unfinished(request, "abort")
         self.scheduler.finish(request)
         return self.outputs.make_output(request)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's): only while no block is in use; False
+        (and nothing changed) otherwise."""
+        return self.kv_cache.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

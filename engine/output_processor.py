@@ -106,6 +106,7 @@ class OutputProcessor:
             finished=request.is_done or request.is_finished,
             usage=Usage(request.num_prompt_tokens, num_completion, request.num_cached_tokens),
             prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+            num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
             error=request.error,
         )

@@ -61,5 +61,6 @@ class RequestOutput:
     finished: bool
     usage: Usage
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (as vLLM's)
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when the request failed inside the engine (finish_reason "error")

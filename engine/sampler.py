@@ -1,4 +1,5 @@
-"""Vectorised sampling for one step: penalties, temperature, top-k/top-p/min-p, logprobs.
+"""Vectorised sampling for one step: penalties, token constraints (logit bias, allowed
+tokens, bad words), temperature, top-k/top-p/min-p, logprobs.
 
 One row of `logits` per sequence that samples this step. Requests with a seed draw from
 their own generator, so their tokens do not depend on what else is in the batch; the rest
@@ -71,6 +72,7 @@ class Sampler:
         raw_logits = logits
         logits = self._apply_penalties(logits, seqs, params)
         logits = self._apply_min_tokens(logits, seqs, params)
+        logits = apply_token_constraints(logits, seqs, params)
         chosen = self._choose(logits, seqs, params)
         # Only rows that keep a cumulative logprob pay for it (one logsumexp over the
         # vocabulary each); the others get 0.0, which nobody reads (as in vLLM).
@@ -101,7 +103,10 @@ class Sampler:
         its best `beams_to_keep` continuations overall from them."""
         logprobs = torch.log_softmax(logits[torch.tensor(rows)], dim=-1)
         # Like transformers' min-new-tokens processor: stop tokens masked after the softmax.
-        logprobs = self._apply_min_tokens(logprobs, [seqs[i] for i in rows], [params[i] for i in rows])
+        beam_seqs, beam_params = [seqs[i] for i in rows], [params[i] for i in rows]
+        logprobs = apply_token_constraints(
+            self._apply_min_tokens(logprobs, beam_seqs, beam_params), beam_seqs, beam_params
+        )
         num_stop = len(self.eos_token_ids) + max(len(params[i].stop_token_ids) for i in rows)
         k = min(logprobs.shape[1], max((2 + num_stop) * params[i].beam_width for i in rows))
         values, token_ids = logprobs.topk(k, dim=-1)
@@ -164,6 +169,37 @@ class Sampler:
                 noise[r].exponential_(generator=generator)
         chosen[index] = (probs / noise).argmax(dim=-1)
         return chosen
+
+
+def apply_token_constraints(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+    """Allowed tokens, logit bias and bad words, on the rows that set any (few, typically)."""
+    rows = [i for i, p in enumerate(params) if p.has_token_constraints]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        p = params[i]
+        if p.allowed_token_ids is not None:
+            allowed = torch.full((logits.shape[1],), float("-inf"), dtype=logits.dtype)
+            allowed[p.allowed_token_ids] = 0.0
+            logits[i] += allowed
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        banned = _bad_word_endings(seqs[i].output_token_ids, p.bad_words_token_ids)
+        if banned:
+            logits[i, banned] = float("-inf")
+    return logits
+
+
+def _bad_word_endings(output: list[int], bad_words: list[list[int]]) -> list[int]:
+    """The tokens that would complete a bad word after `output`."""
+    banned = []
+    for word in bad_words:
+        before = word[:-1]
+        if not before or (len(output) >= len(before) and output[len(output) - len(before) :] == before):
+            banned.append(word[-1])
+    return banned
 
 
 def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

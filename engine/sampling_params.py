@@ -50,6 +50,14 @@ class SamplingParams:
     `early_stopping` is True, False or "never") and the `n` best finished beams returned;
     beam search is deterministic, so the sampling fields must keep their defaults.
 
+    Token constraints, applied before choosing (logprobs stay those of the raw
+    distribution): `logit_bias` adds to chosen tokens' logits; `allowed_token_ids` keeps
+    only those tokens; `bad_words` are never completed (each word's last token is banned
+    where the output ends with the rest of it, with and without a leading space, as vLLM).
+    `truncate_prompt_tokens` keeps only the prompt's last k tokens (-1: as many as the
+    context window holds). `spaces_between_special_tokens` is accepted for vLLM's sake;
+    the fast tokenizers used here always decode special tokens without added spaces.
+
     Raises:
         InvalidParameterError: (a ValueError) naming the first invalid field.
     """
@@ -77,6 +85,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # Token ids of `bad_words`, filled in by the engine from its tokenizer (as vLLM's).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +144,34 @@ class SamplingParams:
             fail("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        self._validate_token_constraints(fail)
+
+    def _validate_token_constraints(self, fail: Callable[[str, str], None]) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "must map token ids to biases")
+            for token, bias in self.logit_bias.items():  # type: ignore[union-attr]
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    fail("logit_bias", f"keys must be token ids (non-negative integers), got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+                    fail("logit_bias", f"biases must be finite numbers, got {bias!r} for token {token}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)
+            ):
+                fail("allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            fail("bad_words", "must be a list of non-empty strings")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (
+            isinstance(truncate, bool) or not isinstance(truncate, int) or (truncate < 1 and truncate != -1)
+        ):
+            fail("truncate_prompt_tokens", f"must be an integer >= 1, or -1 for the context window; got {truncate!r}")
 
     def _validate_beam_search(self, fail: Callable[[str, str], None]) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -165,6 +208,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_token_constraints(self) -> bool:
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:

@@ -17,6 +17,9 @@ _PASSED_WHEN_SET = (
     "frequency_penalty",
     "repetition_penalty",
     "stop_token_ids",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
 )
 
 
@@ -26,12 +29,17 @@ def sampling_params(
     """The engine's parameters from an OpenAI request (fields left out keep the defaults)."""
     fields = {name: getattr(body, name) for name in _PASSED_WHEN_SET if getattr(body, name) is not None}
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if body.logit_bias:
+        fields["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
     return SamplingParams(
         n=body.n,
         stop=stop,
         max_tokens=max_tokens,
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
         **fields,
         **extra,
     )

@@ -133,6 +133,11 @@ def test_concurrent_streams_are_batched(tiny_server: EngineServer, client: opena
         ({}, 400, "prompt", "prompt"),
         ({"prompt": "hi", "model": "no-such-model"}, 404, "model", "no-such-model"),
         ({"prompt": "hi", "use_beam_search": True, "n": 2, "top_p": 0.5}, 400, "top_p", "beam search"),
+        ({"prompt": "hi", "logit_bias": {"12": 101}}, 400, "logit_bias", "[-100, 100]"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
+        ({"prompt": "hi", "allowed_token_ids": [10**6]}, 400, "allowed_token_ids", "token ids"),
+        ({"prompt": "hi", "bad_words": "one"}, 400, "bad_words", "bad_words"),
+        ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "truncate_prompt_tokens"),
     ],
 )
 def test_errors_are_openai_shaped(tiny_server: EngineServer, body: dict, status: int, param: str, message: str) -> None:
@@ -192,3 +197,33 @@ def test_several_prompts_echo_and_beam_search(tiny_server: EngineServer, client:
         prompt="One", n=2, best_of=3, extra_body={"use_beam_search": True, "ignore_eos": True}, **greedy
     )
     assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text
+
+
+def test_token_constraints_and_vllm_fields_on_both_routes(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    """logit_bias (OpenAI's), allowed_token_ids, truncate_prompt_tokens and the rest of
+    vLLM's extra fields, through the official client's extra_body."""
+    allowed = [7, 11, 13]
+    completion = client.completions.create(
+        model=tiny_server.model,
+        prompt=[1, 2, 3, 4, 5, 6, 7, 8],
+        max_tokens=6,
+        temperature=0,
+        logprobs=0,
+        user="someone",
+        extra_body={"allowed_token_ids": allowed, "truncate_prompt_tokens": 4, "ignore_eos": True},
+    )
+    assert completion.usage is not None and completion.usage.prompt_tokens == 4
+    tokens = completion.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert len(tokens) == 6
+    forced = client.chat.completions.create(
+        model=tiny_server.model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True, "skip_special_tokens": False, "spaces_between_special_tokens": True},
+    )
+    token_42 = httpx.post(f"{tiny_server.url}/detokenize", json={"model": tiny_server.model, "tokens": [42]}).json()
+    chosen = [item.token for item in forced.choices[0].logprobs.content]  # type: ignore[union-attr]
+    assert chosen == [token_42["prompt"]] * 3
