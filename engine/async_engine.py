@@ -84,7 +84,7 @@ class AsyncEngine:
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            added: Future[Any] = self._adder.submit(self._locked, self.engine.add_request, request_id, prompt, params)
+            added: Future[Any] = self._adder.submit(self._add, request_id, prompt, params)
         except RuntimeError as error:  # shut down
             self._queues.pop(request_id, None)
             raise EngineDeadError("the engine is shut down") from error
@@ -130,6 +130,12 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
         self._adder.shutdown(wait=False, cancel_futures=True)
+
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Any:
+        """Compile the request's structured-output constraint first, outside the lock (a
+        large schema must not stall the steps), then add it."""
+        self.engine.compile_grammar(params)
+        return self._locked(self.engine.add_request, request_id, prompt, params)
 
     def _locked(self, function: Any, *args: Any) -> Any:
         with self._lock:

@@ -65,6 +65,9 @@ class BeamSearchState:
         num_generated = len(outputs[0]) + 1
         totals = (logprobs + self.scores[:, None]).flatten()
         top_scores, top_index = totals.topk(min(self.beams_to_keep, totals.numel()))
+        finite = torch.isfinite(top_scores)  # a masked token (a constraint forbids it) is no candidate
+        if not bool(finite.all()):
+            top_scores, top_index = top_scores[finite], top_index[finite]
         parents = (top_index // logprobs.shape[1]).tolist()
         tokens = token_ids.flatten()[top_index].tolist()
         at_limit = num_generated >= self.max_tokens

@@ -28,6 +28,7 @@ from pagefleet.engine.sampler import SampleResult
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
 from pagefleet.engine.stats import EngineStats
+from pagefleet.engine.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class LLMEngine:
             Detokenizer(self.tokenizer), self.parts.model_config.eos_token_ids, self.max_model_len
         )
         self.requests: dict[str, Request] = {}
+        self._grammars: GrammarCompiler | None = None  # made on the first constrained request
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -105,6 +107,7 @@ class LLMEngine:
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         self._validate_prompt(token_ids)
         self._prepare_token_constraints(params)
+        grammar = self.compile_grammar(params)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         request = Request(
             request_id,
@@ -117,11 +120,32 @@ class LLMEngine:
         )
         if params.use_beam_search:
             request.beam = BeamSearchState(params, max_tokens, self._stop_token_ids(params))
+        if grammar is not None:
+            for seq in request.sequences:
+                seq.grammar = self._grammars.matcher(grammar)  # type: ignore[union-attr]
         self.outputs.start(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self._num_prompt_tokens += len(token_ids)
         return request
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled structured-output constraint of `params` (None without one); cached,
+        so callers that compile ahead, off the engine's lock, make `add_request` cheap.
+
+        Raises:
+            InvalidParameterError: for a constraint that does not compile, or no tokenizer.
+        """
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidParameterError(
+                    "structured_outputs", "this engine has no tokenizer (skip_tokenizer_init=True)"
+                )
+            model_config = self.parts.model_config
+            self._grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+        return self._grammars.compile(params.structured_outputs)
 
     def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (-1: as many as the context window holds)."""
@@ -296,6 +320,7 @@ class LLMEngine:
             parent = beams[continuation.parent]
             if any(child is parent for child in children):
                 child = Sequence(0, list(parent.token_ids), parent.num_prompt_tokens)
+                child.grammar = parent.grammar.fork() if parent.grammar is not None else None
                 self.kv_cache.fork(parent, child)
             else:
                 child = parent

@@ -15,6 +15,12 @@ from pagefleet.engine.request import Request, Sequence
 from pagefleet.engine.sampler import SampleResult, TokenLogprobs
 
 
+def _advance_grammar(seq: Sequence, token_id: int) -> None:
+    """Move a constrained sequence's matcher past its new token (masked, so allowed)."""
+    if seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(token_id):
+        raise RuntimeError(f"token {token_id} breaks the structured-output constraint")
+
+
 class OutputProcessor:
     def __init__(self, detokenizer: Detokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         self.detokenizer = detokenizer
@@ -37,11 +43,13 @@ class OutputProcessor:
             beam.index = index
             beam.token_ids.append(continuation.token_id)
             beam.cumulative_logprob = continuation.cumulative_logprob
+            _advance_grammar(beam, continuation.token_id)
 
     def append_token(self, request: Request, seq: Sequence, result: SampleResult, row: int) -> None:
         token_id = result.token_ids[row]
         params = request.params
         seq.token_ids.append(token_id)
+        _advance_grammar(seq, token_id)
         seq.cumulative_logprob += result.logprobs[row]
         if params.logprobs is not None:
             assert result.details is not None, "the sampler skipped logprobs that were asked for"
@@ -54,6 +62,9 @@ class OutputProcessor:
 
     def _check_stop(self, request: Request, seq: Sequence, token_id: int, num_new_chars: int) -> None:
         params = request.params
+        if seq.grammar is not None and seq.grammar.is_terminated():  # the constraint is complete
+            seq.finish_reason = "stop"
+            return
         if seq.num_output_tokens >= params.min_tokens:
             if token_id in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = "stop"

@@ -22,6 +22,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,7 @@ class Sequence:
     logprobs: list[PositionLogprobs] | None = None
     text: str = ""
     generator: torch.Generator | None = None
+    grammar: Any = None  # its structured-output matcher (xgrammar), if the request has a constraint
     # Incremental detokenizer cursors into token_ids (see detokenizer.py).
     prefix_offset: int = 0
     read_offset: int = 0

@@ -1,5 +1,5 @@
 """Vectorised sampling for one step: penalties, token constraints (logit bias, allowed
-tokens, bad words), temperature, top-k/top-p/min-p, logprobs.
+tokens, bad words, structured-output grammars), temperature, top-k/top-p/min-p, logprobs.
 
 One row of `logits` per sequence that samples this step. Requests with a seed draw from
 their own generator, so their tokens do not depend on what else is in the batch; the rest
@@ -15,6 +15,7 @@ import torch
 
 from pagefleet.engine.request import Sequence
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.structured_outputs import apply_grammar_masks
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ class Sampler:
         logits = self._apply_penalties(logits, seqs, params)
         logits = self._apply_min_tokens(logits, seqs, params)
         logits = apply_token_constraints(logits, seqs, params)
+        logits = apply_grammar_masks(logits, [seq.grammar for seq in seqs])
         chosen = self._choose(logits, seqs, params)
         # Only rows that keep a cumulative logprob pay for it (one logsumexp over the
         # vocabulary each); the others get 0.0, which nobody reads (as in vLLM).
@@ -107,6 +109,7 @@ class Sampler:
         logprobs = apply_token_constraints(
             self._apply_min_tokens(logprobs, beam_seqs, beam_params), beam_seqs, beam_params
         )
+        logprobs = apply_grammar_masks(logprobs, [seq.grammar for seq in beam_seqs])
         num_stop = len(self.eos_token_ids) + max(len(params[i].stop_token_ids) for i in rows)
         k = min(logprobs.shape[1], max((2 + num_stop) * params[i].beam_width for i in rows))
         values, token_ids = logprobs.topk(k, dim=-1)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.structured_outputs import StructuredOutputsParams
 
 _MAX_LOGPROBS = 20
 # Seeds are 64-bit, as torch's generators (and vLLM's limits) take them.
@@ -58,6 +59,9 @@ class SamplingParams:
     context window holds). `spaces_between_special_tokens` is accepted for vLLM's sake;
     the fast tokenizers used here always decode special tokens without added spaces.
 
+    `structured_outputs` constrains the text to a JSON schema, a regex, a choice or a
+    grammar (`StructuredOutputsParams`, or a dict of its fields).
+
     Raises:
         InvalidParameterError: (a ValueError) naming the first invalid field.
     """
@@ -90,6 +94,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Token ids of `bad_words`, filled in by the engine from its tokenizer (as vLLM's).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
@@ -98,6 +103,15 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as error:
+                raise InvalidParameterError("structured_outputs", str(error)) from None
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParameterError(
+                "structured_outputs", "must be a StructuredOutputsParams or a dict of its fields"
+            )
         self._validate()
 
     def _validate(self) -> None:

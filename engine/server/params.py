@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.structured_outputs import StructuredOutputsParams
 from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 _PASSED_WHEN_SET = (
@@ -31,6 +33,9 @@ def sampling_params(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if body.logit_bias:
         fields["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
+    constraint = structured_outputs(body)
+    if constraint is not None:
+        fields["structured_outputs"] = constraint
     return SamplingParams(
         n=body.n,
         stop=stop,
@@ -43,3 +48,28 @@ def sampling_params(
         **fields,
         **extra,
     )
+
+
+def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The request's constraint: vLLM's `structured_outputs`, or OpenAI's `response_format`
+    (`json_object`, or `json_schema` with its schema); not both."""
+    fmt, given = body.response_format, body.structured_outputs
+    wants_json = fmt is not None and fmt.type != "text"
+    if wants_json and given is not None:
+        raise InvalidParameterError("response_format", "give response_format or structured_outputs, not both")
+    if given is not None:
+        return StructuredOutputsParams(
+            json=given.json_,
+            regex=given.regex,
+            choice=given.choice,
+            grammar=given.grammar,
+            json_object=given.json_object,
+            disable_any_whitespace=given.disable_any_whitespace,
+        )
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise InvalidParameterError("response_format", 'json_schema needs {"json_schema": {"schema": {...}}}')
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)

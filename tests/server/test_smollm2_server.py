@@ -33,3 +33,66 @@ def test_chat_answers_and_streams_the_same(smollm2_server: EngineServer) -> None
         c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True) if c.choices
     )
     assert streamed == text
+
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "country": {"type": "string", "maxLength": 30},
+        "population_millions": {"type": "number", "minimum": 0, "maximum": 40},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["city", "country", "population_millions", "landmarks"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_and_structured_outputs_through_the_openai_client(smollm2_server: EngineServer) -> None:
+    import json
+
+    import httpx
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    model = "smollm2-135m-instruct"
+    messages = [{"role": "user", "content": "Describe Paris as JSON."}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    answer = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=200, temperature=0.7, seed=3, n=2, response_format=schema_format
+    )
+    for choice in answer.choices:
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+    streamed = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=200, temperature=0, response_format=schema_format, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    jsonschema.validate(json.loads(text), CITY)
+    anything = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=120, temperature=0, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    verdict = client.completions.create(
+        model=model,
+        prompt="The film was a delight from start to finish. Sentiment:",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
+    )
+    assert verdict.choices[0].text in ("positive", "negative")
+    bad = httpx.post(
+        f"{smollm2_server.url}/v1/chat/completions",
+        json={"model": model, "messages": messages, "structured_outputs": {"regex": "(unclosed"}},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
+    assert "regex" in bad.json()["error"]["message"]
+    both = httpx.post(
+        f"{smollm2_server.url}/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": messages,
+            "structured_outputs": {"choice": ["a"]},
+            "response_format": {"type": "json_object"},
+        },
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "response_format"
