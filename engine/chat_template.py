@@ -10,14 +10,23 @@ from pagefleet.engine.errors import InvalidParameterError
 Message = dict[str, Any]  # {"role": ..., "content": ...}
 
 
-def apply_chat_template(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-    """The token ids of `messages` as the model expects them.
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a `tools` argument itself."""
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True, tools: list[Any] | None = None
+) -> list[int]:
+    """The token ids of `messages` (and `tools`, for a template that takes them) as the
+    model expects them.
 
     Raises:
         InvalidParameterError: (ValueError) on "messages" if the tokenizer has no template.
     """
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidParameterError("messages", "this model's tokenizer has no chat template; use a plain prompt")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     # transformers returns a BatchEncoding (a dict) or a plain list, depending on version.
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

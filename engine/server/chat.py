@@ -11,7 +11,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from pagefleet.engine.async_engine import AsyncEngine
-from pagefleet.engine.chat_template import apply_chat_template
+from pagefleet.engine.chat_template import apply_chat_template, template_takes_tools
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.events import ChunkWriter, finish_reason, sse, usage
@@ -19,12 +19,15 @@ from pagefleet.engine.server.generation import DeltaTracker, Outputs, first_and_
 from pagefleet.engine.server.params import sampling_params
 from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import EventStreamResponse
+from pagefleet.engine.server.tools import ToolPlan, chat_messages
 from pagefleet.protocol.openai import ChatCompletionRequest
 
 
 def chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return apply_chat_template(engine.tokenizer, messages, body.add_generation_prompt)
+    takes_tools = template_takes_tools(engine.tokenizer)
+    messages = chat_messages(body, takes_tools)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] if takes_tools else None
+    return apply_chat_template(engine.tokenizer, messages, body.add_generation_prompt, tools)
 
 
 def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput, start: int) -> dict[str, Any] | None:
@@ -53,23 +56,36 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         extra["logprobs"] = body.top_logprobs or 0
     elif body.top_logprobs is not None:
         raise OpenAIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+    tools = ToolPlan.of(body)
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is not None:
+        if body.structured_outputs is not None or (body.response_format and body.response_format.type != "text"):
+            raise OpenAIError(
+                400, "tool_choice: a required or named tool call cannot take a response_format too", "tool_choice"
+            )
+        extra["structured_outputs"] = constraint
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
     stream = await first_and_rest(generate(state.metrics, engine, chat_prompt(engine, body), params))
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    calling = tools if tools is not None and tools.parses_calls else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if calling is not None:
+            return EventStreamResponse(_stream_answers(state, body, response_id, stream, calling, include_usage))
         return EventStreamResponse(_stream(state, body, response_id, stream, include_usage))
     final = await last_output(stream)
-    choices = [
-        {
-            "index": completion.index,
-            "message": {"role": "assistant", "content": completion.text},
-            "logprobs": _logprobs(body, completion, 0),
-            "finish_reason": finish_reason(completion.finish_reason),
-            "stop_reason": completion.stop_reason,
-        }
-        for completion in final.outputs
-    ]
+    choices = []
+    for completion in final.outputs:
+        message, reason = _answer(completion, calling)
+        choices.append(
+            {
+                "index": completion.index,
+                "message": message,
+                "logprobs": _logprobs(body, completion, 0),
+                "finish_reason": reason,
+                "stop_reason": completion.stop_reason,
+            }
+        )
     return JSONResponse(
         {
             "id": response_id,
@@ -80,6 +96,50 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             "usage": usage([final]),
         }
     )
+
+
+def _answer(completion: CompletionOutput, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished completion, its tool calls parsed out, and the
+    finish reason ("tool_calls" when it called any)."""
+    reason = finish_reason(completion.finish_reason)
+    if tools is None:
+        return {"role": "assistant", "content": completion.text}, reason
+    content, calls = tools.parse(completion.text)
+    if not calls:
+        return {"role": "assistant", "content": content}, reason
+    message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai() for call in calls]}
+    return message, "tool_calls" if reason == "stop" else reason
+
+
+async def _stream_answers(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    response_id: str,
+    stream: Outputs,
+    tools: ToolPlan,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """A tool-calling answer as a stream: whether the text is a call is known only at its
+    end, so each choice is sent whole then (role, content or calls, finish reason)."""
+    chunk = ChunkWriter(response_id, "chat.completion.chunk", state.settings.model_name, include_usage)
+    final = await last_output(stream)
+    for completion in final.outputs:
+        i = completion.index
+        message, reason = _answer(completion, tools)
+        yield chunk(
+            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
+        if message.get("content"):
+            yield chunk(
+                [{"index": i, "delta": {"content": message["content"]}, "logprobs": None, "finish_reason": None}]
+            )
+        for position, call in enumerate(message.get("tool_calls", [])):
+            delta = {"tool_calls": [{"index": position, **call}]}
+            yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+        yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}])
+    if include_usage:
+        yield chunk([], usage([final]))
+    yield sse("[DONE]")
 
 
 async def _stream(

@@ -96,3 +96,84 @@ def test_response_format_and_structured_outputs_through_the_openai_client(smollm
         },
     )
     assert both.status_code == 400 and both.json()["error"]["param"] == "response_format"
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_tool_calls_with_the_openai_client(smollm2_server: EngineServer) -> None:
+    import json
+
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    args = dict(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "What is the weather like in Paris?"}],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        temperature=0,
+        max_tokens=120,
+    )
+    required = client.chat.completions.create(**args, tool_choice="required")
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        tool = next(t for t in (WEATHER_TOOL, TIME_TOOL) if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    named = client.chat.completions.create(
+        **args, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    ).choices[0]
+    (call,) = named.message.tool_calls  # type: ignore[misc]
+    assert call.function.name == "get_weather" and call.id.startswith("call_") and named.message.content is None
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    # Streamed: the client's accumulation of the deltas gives the same call.
+    chunks = list(
+        client.chat.completions.create(
+            **args, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True
+        )
+    )
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert json.loads(deltas[0].function.arguments) == json.loads(call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The conversation goes on with the tool's answer.
+    follow_up = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[
+            *args["messages"],  # type: ignore[misc]
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'},
+        ],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="none",
+        temperature=0,
+        max_tokens=40,
+    ).choices[0]
+    assert follow_up.message.content and not follow_up.message.tool_calls

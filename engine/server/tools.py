@@ -1,0 +1,179 @@
+"""Tool calling on `/v1/chat/completions`: the tools into the prompt, `tool_choice` into a
+constraint, and the model's answer back into OpenAI's `tool_calls`.
+
+- Prompt: a chat template that knows tools gets them as `tools=`; one that does not (such
+  as SmolLM2's) gets them in the system message, in the format SmolLM2 was tuned on: the
+  definitions inside `<tools></tools>`, calls answered as
+  `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`. Earlier assistant calls are
+  written back in that same format.
+- `tool_choice`: `none` leaves the output alone; `auto` (the default with tools) parses
+  what the model wrote, in SmolLM2's list format or Hermes' one-object-per-tag format;
+  `required` constrains the output to a JSON list of calls of the given functions (one
+  call only with `parallel_tool_calls: false`) and a named function constrains it to that
+  function's arguments, so even a small model returns valid arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagefleet.engine.server.errors import OpenAIError
+from pagefleet.engine.structured_outputs import StructuredOutputsParams
+from pagefleet.protocol.openai import ChatCompletionRequest, ChatMessage, Tool
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}
+_SYSTEM_PROMPT = (
+    "You are an expert in composing functions. You are given a question and a set of possible functions. "
+    "Based on the question, you will need to make one or more function/tool calls to achieve the purpose. "
+    "If none of the functions can be used, answer in plain text.\n\n"
+    "You have access to the following tools:\n<tools>{tools}</tools>\n\n"
+    "To call tools, answer with\n"
+    '<tool_call>[{{"name": "func_name1", "arguments": {{"argument1": "value1"}}}}]</tool_call>'
+)
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+
+    def as_openai(self) -> dict[str, Any]:
+        return {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    """What a chat request's tools ask of the generation and of its answer."""
+
+    tools: list[Tool]
+    choice: str  # "none", "auto", "required" or "named"
+    named: str | None = None
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest) -> ToolPlan | None:
+        """None without tools. Raises OpenAIError (400) for a tool_choice naming a function
+        that is not among the tools, or asking for tools when there are none."""
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none"):
+                raise OpenAIError(400, "tool_choice: there are no tools to choose from", "tool_choice")
+            return None
+        if choice is None or isinstance(choice, str):
+            return cls(body.tools, choice or "auto", parallel=body.parallel_tool_calls)
+        names = [tool.function.name for tool in body.tools]
+        if choice.function.name not in names:
+            raise OpenAIError(
+                400,
+                f"tool_choice: {choice.function.name!r} is not one of the tools ({', '.join(names)})",
+                "tool_choice",
+            )
+        return cls(body.tools, "named", choice.function.name, body.parallel_tool_calls)
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.choice != "none"
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured output that `required` and a named function impose."""
+        if self.choice == "named":
+            return StructuredOutputsParams(json=self._function(self.named).parameters or _ANY_ARGUMENTS)
+        if self.choice != "required":
+            return None
+        one_call = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool.function.name},
+                    "arguments": tool.function.parameters or _ANY_ARGUMENTS,
+                },
+                "required": ["name", "arguments"],
+            }
+            for tool in self.tools
+        ]
+        calls: dict[str, Any] = {"type": "array", "items": {"anyOf": one_call}, "minItems": 1}
+        if not self.parallel:
+            calls["maxItems"] = 1
+        return StructuredOutputsParams(json=calls)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content, tool calls) of the model's answer; text that is no call stays content."""
+        if self.choice == "named":
+            return None, [ParsedCall(str(self.named), _compact(text))]
+        if self.choice == "required":
+            try:
+                return None, _calls(json.loads(text))
+            except (ValueError, TypeError, KeyError):  # cut off by max_tokens: say what came
+                return text, []
+        calls: list[ParsedCall] = []
+        for match in _TOOL_CALL.finditer(text):
+            try:
+                calls += _calls(json.loads(match.group(1).strip()))
+            except (ValueError, TypeError, KeyError):
+                return text, []  # not a well-formed call: the text is the answer
+        if not calls:
+            return text, []
+        content = _TOOL_CALL.sub("", text).strip()
+        return content or None, calls
+
+    def _function(self, name: str | None) -> Any:
+        return next(tool.function for tool in self.tools if tool.function.name == name)
+
+
+def _calls(value: Any) -> list[ParsedCall]:
+    """Calls from `{"name", "arguments"}` objects, alone or in a list ("parameters" too)."""
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        arguments = item.get("arguments", item.get("parameters", {}))
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        calls.append(ParsedCall(str(item["name"]), text))
+    return calls
+
+
+def _compact(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text))
+    except ValueError:
+        return text
+
+
+def chat_messages(body: ChatCompletionRequest, template_takes_tools: bool) -> list[dict[str, Any]]:
+    """The request's messages for the chat template: earlier calls written out as the model
+    writes them, and the tools in the system message when the template cannot take them."""
+    messages = [_message(message) for message in body.messages]
+    if not body.tools or template_takes_tools or body.tool_choice == "none":
+        return messages
+    definitions = json.dumps([tool.function.model_dump(exclude_none=True) for tool in body.tools])
+    system = _SYSTEM_PROMPT.format(tools=definitions)
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + system}
+    else:
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def _message(message: ChatMessage) -> dict[str, Any]:
+    content = message.text()
+    if message.tool_calls:
+        calls = [
+            {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)} for c in message.tool_calls
+        ]
+        content = (content + "\n" if content else "") + f"<tool_call>{json.dumps(calls)}</tool_call>"
+    return {"role": message.role, "content": content}
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -1,0 +1,118 @@
+"""Tool calling's parts without a server: the plan from tools and tool_choice, the
+constraint it imposes, the parsers of both call formats, and the prompt's messages."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from pagefleet.engine.server.errors import OpenAIError
+from pagefleet.engine.server.tools import ToolPlan, chat_messages
+from pagefleet.protocol.openai import ChatCompletionRequest
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+
+
+def _request(**fields) -> ChatCompletionRequest:  # type: ignore[no-untyped-def]
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], **fields}
+    )
+
+
+def _plan(**fields) -> ToolPlan:  # type: ignore[no-untyped-def]
+    plan = ToolPlan.of(_request(tools=[WEATHER, TIME], **fields))
+    assert plan is not None
+    return plan
+
+
+def test_auto_parses_smollm2_and_hermes_formats_and_leaves_plain_text_alone() -> None:
+    plan = _plan()
+    assert plan.choice == "auto" and plan.constraint() is None
+    smollm2 = (
+        '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]</tool_call>'
+    )
+    content, calls = plan.parse(smollm2)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    hermes = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    content, calls = plan.parse(hermes)
+    assert content == "Let me look." and [c.name for c in calls] == ["get_weather", "get_time"]
+    unclosed = '<tool_call>{"name": "get_time", "arguments": {}}'  # the stop token came first
+    assert [c.name for c in plan.parse(unclosed)[1]] == ["get_time"]
+    assert plan.parse("It is sunny in Paris.") == ("It is sunny in Paris.", [])
+    broken = "<tool_call>[{not json</tool_call>"
+    assert plan.parse(broken) == (broken, [])
+    call = plan.parse(smollm2)[1][0].as_openai()
+    assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+
+
+def test_required_and_named_choices_constrain_the_output() -> None:
+    required = _plan(tool_choice="required").constraint()
+    assert required is not None and isinstance(required.json, dict)
+    good = [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]
+    jsonschema.validate(good, required.json)
+    for bad in ([], [{"name": "get_weather", "arguments": {}}], [{"name": "launch", "arguments": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, required.json)
+    single = _plan(tool_choice="required", parallel_tool_calls=False).constraint()
+    assert single is not None and single.json["maxItems"] == 1  # type: ignore[index]
+    named = _plan(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    constraint = named.constraint()
+    assert constraint is not None and constraint.json == WEATHER["function"]["parameters"]  # type: ignore[index]
+    assert [(c.name, c.arguments) for c in named.parse('{ "city" : "Rome" }')[1]] == [
+        ("get_weather", '{"city": "Rome"}')
+    ]
+    assert _plan(tool_choice="none").parses_calls is False
+
+
+def test_bad_tool_choices_are_400s_naming_the_field() -> None:
+    for fields in (
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tool_choice": "required"},
+    ):
+        with pytest.raises(OpenAIError) as refused:
+            ToolPlan.of(_request(**fields))
+        assert refused.value.status == 400 and refused.value.param == "tool_choice"
+    assert ToolPlan.of(_request()) is None
+
+
+def test_the_prompt_carries_the_tools_and_earlier_calls() -> None:
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": history, "tools": [WEATHER]})
+    messages = chat_messages(body, template_takes_tools=False)
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
+    assert "<tools>" in messages[0]["content"] and '"get_weather"' in messages[0]["content"]
+    assert messages[2]["content"] == '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
+    assert messages[3] == {"role": "tool", "content": '{"sky": "clear"}'}
+    assert "<tools>" not in chat_messages(body, template_takes_tools=True)[0]["content"]
