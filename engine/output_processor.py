@@ -15,10 +15,13 @@ from pagefleet.engine.request import Request, Sequence
 from pagefleet.engine.sampler import SampleResult, TokenLogprobs
 
 
-def _advance_grammar(seq: Sequence, token_id: int) -> None:
-    """Move a constrained sequence's matcher past its new token (masked, so allowed)."""
-    if seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(token_id):
-        raise RuntimeError(f"token {token_id} breaks the structured-output constraint")
+def _advance_grammar(seq: Sequence, token_id: int) -> bool:
+    """Move a constrained sequence's matcher past its new token; False if the constraint
+    allowed no token at all (every one masked: the constraint is complete but its stop
+    token is barred, or other constraints left nothing), so the sampled one is not its."""
+    if seq.grammar is None or seq.grammar.is_terminated():
+        return True
+    return bool(seq.grammar.accept_token(token_id))
 
 
 class OutputProcessor:
@@ -43,13 +46,16 @@ class OutputProcessor:
             beam.index = index
             beam.token_ids.append(continuation.token_id)
             beam.cumulative_logprob = continuation.cumulative_logprob
-            _advance_grammar(beam, continuation.token_id)
+            # Beams take only candidates with a finite score: the constraint allowed them.
+            assert _advance_grammar(beam, continuation.token_id), "a beam took a token its constraint forbids"
 
     def append_token(self, request: Request, seq: Sequence, result: SampleResult, row: int) -> None:
         token_id = result.token_ids[row]
         params = request.params
+        if not _advance_grammar(seq, token_id):
+            seq.finish_reason = "stop"  # nothing more can be generated within the constraint
+            return
         seq.token_ids.append(token_id)
-        _advance_grammar(seq, token_id)
         seq.cumulative_logprob += result.logprobs[row]
         if params.logprobs is not None:
             assert result.details is not None, "the sampler skipped logprobs that were asked for"

@@ -122,7 +122,10 @@ class GrammarCompiler:
             ) from error
 
     def matcher(self, compiled: Any) -> Any:
-        """A fresh matcher: one per sequence."""
+        """A fresh matcher: one per sequence. It ends at the model's stop tokens; a model
+        without any ends where the constraint is complete."""
+        if not self.stop_token_ids:
+            return self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
         return self._xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
 
 

@@ -140,3 +140,21 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_anything_runs(llm: 
         with pytest.raises(InvalidParameterError) as refused:
             llm.generate([[1, 2, 3]], _greedy(**fields))
         assert refused.value.param == next(iter(fields))
+
+
+def test_structured_outputs_on_a_model_without_stop_tokens(llm: LLM) -> None:
+    """The tiny model has no EOS: a constraint ends the sequence where it is complete, and
+    one that other constraints leave nothing to satisfy ends it too, without an error."""
+    choice = llm.generate(["pick"], SamplingParams(max_tokens=16, structured_outputs={"choice": ["", "x"]}))[0]
+    assert choice.error is None and choice.outputs[0].finish_reason == "stop" and choice.outputs[0].text in ("", "x")
+    regex = llm.generate(["digits"], SamplingParams(max_tokens=16, seed=1, structured_outputs={"regex": "[0-9]{3}"}))
+    assert regex[0].outputs[0].finish_reason == "stop" and len(regex[0].outputs[0].text) == 3
+    digits = llm.get_tokenizer().convert_tokens_to_ids(list("0123456789"))
+    starved = SamplingParams(
+        max_tokens=8,
+        temperature=0,
+        structured_outputs={"regex": "[0-9]{3}"},
+        allowed_token_ids=[t for t in range(10) if t not in digits],
+    )
+    ended = llm.generate(["nothing fits"], starved)[0]
+    assert ended.error is None and ended.outputs[0].finish_reason == "stop" and ended.outputs[0].token_ids == []
