@@ -46,8 +46,9 @@ class OutputProcessor:
             beam.index = index
             beam.token_ids.append(continuation.token_id)
             beam.cumulative_logprob = continuation.cumulative_logprob
-            # Beams take only candidates with a finite score: the constraint allowed them.
-            assert _advance_grammar(beam, continuation.token_id), "a beam took a token its constraint forbids"
+            # Beams take only candidates with a finite score, which their constraint allowed.
+            if not _advance_grammar(beam, continuation.token_id):
+                raise RuntimeError(f"beam took token {continuation.token_id}, which its constraint forbids")
 
     def append_token(self, request: Request, seq: Sequence, result: SampleResult, row: int) -> None:
         token_id = result.token_ids[row]
