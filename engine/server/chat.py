@@ -19,7 +19,7 @@ from pagefleet.engine.server.generation import DeltaTracker, Outputs, first_and_
 from pagefleet.engine.server.params import sampling_params
 from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import EventStreamResponse
-from pagefleet.engine.server.tools import ToolPlan, chat_messages
+from pagefleet.engine.server.tools import ParsedCall, ToolPlan, chat_messages
 from pagefleet.protocol.openai import ChatCompletionRequest
 
 
@@ -70,6 +70,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     calling = tools if tools is not None and tools.parses_calls else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if calling is not None and calling.choice == "named":  # a call from the first token: streamed as one
+            return EventStreamResponse(_stream(state, body, response_id, stream, include_usage, calling.named))
         if calling is not None:
             return EventStreamResponse(_stream_answers(state, body, response_id, stream, calling, include_usage))
         return EventStreamResponse(_stream(state, body, response_id, stream, include_usage))
@@ -148,16 +150,20 @@ async def _stream(
     response_id: str,
     stream: Outputs,
     include_usage: bool,
+    function: str | None = None,
 ) -> AsyncIterator[str]:
     """Per choice: the role first, then content deltas, then the finish reason; then usage
-    (if asked) and [DONE]."""
+    (if asked) and [DONE]. With `function` (a named tool choice) the text is that call's
+    arguments: the first delta opens the call, the others carry its arguments."""
     chunk = ChunkWriter(response_id, "chat.completion.chunk", state.settings.model_name, include_usage)
-    yield chunk(
-        [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(body.n)
-        ]
-    )
+    first: list[dict[str, Any]] = []
+    for i in range(body.n):
+        opening: dict[str, Any] = {"role": "assistant", "content": ""}
+        if function is not None:
+            call = ParsedCall(function, "").as_openai()
+            opening = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **call}]}
+        first.append({"index": i, "delta": opening, "logprobs": None, "finish_reason": None})
+    yield chunk(first)
     tracker = DeltaTracker()
     final: RequestOutput | None = None
     async with aclosing(stream):
@@ -171,12 +177,15 @@ async def _stream(
                     continue
                 logprobs = _logprobs(body, completion, delta.first_token)
                 if delta.text or (logprobs and logprobs["content"]):
-                    choices.append(
-                        {"index": i, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": None}
-                    )
+                    text: dict[str, Any] = {"content": delta.text}
+                    if function is not None:
+                        text = {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
+                    choices.append({"index": i, "delta": text, "logprobs": logprobs, "finish_reason": None})
                 tracker.sent(i, completion)
                 if delta.is_last:
                     reason = finish_reason(completion.finish_reason)
+                    if function is not None and reason == "stop":
+                        reason = "tool_calls"
                     choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
             if choices:
                 yield chunk(choices)

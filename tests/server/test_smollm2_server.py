@@ -160,8 +160,14 @@ def test_tool_calls_with_the_openai_client(smollm2_server: EngineServer) -> None
         )
     )
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert [d.function.name for d in deltas] == ["get_weather"]
-    assert json.loads(deltas[0].function.arguments) == json.loads(call.function.arguments)
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert len(deltas) > 2, "the arguments stream as they are generated"
+    streamed_arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(streamed_arguments) == json.loads(call.function.arguments)
+    required_stream = list(client.chat.completions.create(**args, tool_choice="required", stream=True))
+    whole = [d for c in required_stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert whole and all(d.function.name in ("get_weather", "get_time") for d in whole)
+    assert all(isinstance(json.loads(d.function.arguments), dict) for d in whole)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # The conversation goes on with the tool's answer.
     follow_up = client.chat.completions.create(
