@@ -18,6 +18,7 @@ in the first message's `protocol_config`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -104,6 +105,7 @@ class Exchange:
 class EndpointPicker(ExternalProcessorServicer):
     def __init__(self, core: RoutingCore, metrics: GatewayMetrics, fallbacks: int) -> None:
         self.core, self.metrics, self.fallbacks = core, metrics, fallbacks
+        self._releasing: set[asyncio.Task[None]] = set()
 
     async def Process(  # noqa: N802 (the gRPC method's name)
         self, requests: AsyncIterator[ext_proc.ProcessingRequest], context: aio.ServicerContext
@@ -114,8 +116,11 @@ class EndpointPicker(ExternalProcessorServicer):
                 for answer in await self._answer(message, exchange):
                     yield answer
         finally:
-            if exchange.route is not None:
-                await exchange.route.release()  # the response is over (or Envoy gave up)
+            if exchange.route is not None:  # the response is over (or Envoy gave up)
+                # In a task of its own: Envoy's closing the stream may cancel this one.
+                release = asyncio.ensure_future(exchange.route.release())
+                self._releasing.add(release)
+                release.add_done_callback(self._releasing.discard)
 
     async def _answer(
         self, message: ext_proc.ProcessingRequest, exchange: Exchange
