@@ -28,9 +28,7 @@ class Admission:
         not one of them."""
         key = bearer_key(authorization)
         if self.api_keys and key not in self.api_keys:
-            refusal = errors.unauthorized()
-            self.metrics.refused(refusal)
-            raise refusal
+            raise self.metrics.refused(errors.unauthorized())
         return key
 
     async def admit(self, authorization: str, body: bytes, chat: bool) -> RequestShape:

@@ -9,6 +9,7 @@ import json
 
 from starlette.responses import JSONResponse
 
+from pagefleet.protocol.http import error_json
 from pagefleet.protocol.openai import error_response
 
 
@@ -30,7 +31,7 @@ class Refusal(Exception):
         return json.dumps(error_response(self.status, self.message, self.param)).encode()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_response(self.status, self.message, self.param), self.status, self.headers)
+        return error_json(self.status, self.message, self.param, self.headers)
 
 
 def unauthorized() -> Refusal:

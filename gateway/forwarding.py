@@ -73,6 +73,4 @@ class ProxiedRoutes:
                 return b"".join(chunks)
 
     def _too_large(self) -> Refusal:
-        refusal = errors.too_large(self.max_request_bytes)
-        self.metrics.refused(refusal)
-        return refusal
+        return self.metrics.refused(errors.too_large(self.max_request_bytes))

@@ -37,5 +37,7 @@ class GatewayMetrics:
             ["model", "replica"], registry=self.registry, buckets=_BUCKETS,
         )  # fmt: skip
 
-    def refused(self, refusal: Refusal) -> None:
+    def refused(self, refusal: Refusal) -> Refusal:
+        """Count a refusal under its reason; returns it, to be raised."""
         self.errors.labels(refusal.model, refusal.reason).inc()
+        return refusal

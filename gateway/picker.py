@@ -178,7 +178,7 @@ class EndpointPicker(ExternalProcessorServicer):
                 exchange.shape = shape
                 exchange.route = await self._route(shape, self._subset(message))
                 exchange.endpoints = [exchange.route.replica, *self._fallbacks(shape, exchange.route.replica)]
-        except Refusal as refusal:
+        except Refusal as refusal:  # admission and routing have counted it already
             return [refusal_response(refusal)]
         exchange.picked_at = time.monotonic()
         destination = ",".join(endpoint(record.url) for record in exchange.endpoints)
@@ -209,9 +209,7 @@ class EndpointPicker(ExternalProcessorServicer):
             outside = {r.url for r in self.core.registry.candidates(shape.model) if endpoint(r.url) not in subset}
         route = await self.core.router.pick(shape, outside)
         if route is None:
-            refusal = errors.no_replica(shape.model)
-            self.metrics.refused(refusal)
-            raise refusal
+            raise self.metrics.refused(errors.no_replica(shape.model))
         return route
 
     def _fallbacks(self, shape: RequestShape, chosen: ReplicaRecord) -> list[ReplicaRecord]:
@@ -224,11 +222,11 @@ class EndpointPicker(ExternalProcessorServicer):
     def _any_replica(self, subset: set[str] | None) -> list[ReplicaRecord]:
         """For a request without a body (no model named): the emptiest live replica."""
         if not self.core.registry.is_available:
-            raise errors.registry_unavailable()
+            raise self.metrics.refused(errors.registry_unavailable())
         records = [r for records in self.core.registry.by_model.values() for r in records]
         records = [r for r in records if subset is None or endpoint(r.url) in subset]
         if not records:
-            raise errors.no_replica("any model")
+            raise self.metrics.refused(errors.no_replica("any model"))
         return [max(records, key=lambda r: (r.free_blocks, -r.waiting))]
 
     @staticmethod

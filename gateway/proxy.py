@@ -113,9 +113,7 @@ class Proxy:
             self.metrics.requests.labels(model, replica.replica_id, str(upstream.status)).inc()
             extra = [(b"x-request-id", request_id), (b"x-pagefleet-replica", replica.replica_id.encode())]
             return Relay(upstream, request_id.decode("latin-1"), extra)
-        refusal = errors.no_replica(model)
-        self.metrics.refused(refusal)
-        raise refusal
+        raise self.metrics.refused(errors.no_replica(model))
 
     async def _failed(self, route: Route, reason: str) -> None:
         await route.release()

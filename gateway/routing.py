@@ -10,6 +10,7 @@ script, so several gateways never stampede the same replica before its next repo
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import logging
@@ -70,29 +71,26 @@ class KVPolicy:
     async def choose(self, candidates: list[ReplicaRecord], request: RoutedRequest) -> Route | None:
         if not candidates:
             return None
-        reserving: asyncio.Future[Promise | None]
         if len(candidates) == 1:
-            chosen = candidates[0]
             reserving = asyncio.ensure_future(self._reserve(candidates, request.estimated_blocks))
             self._in_flight.add(reserving)
             reserving.add_done_callback(self._in_flight.discard)
-        else:
-            promise = await self._reserve(candidates, request.estimated_blocks)
-            # Without Redis, route on the reports alone.
-            chosen = promise.replica if promise else max(candidates, key=lambda r: (r.free_blocks, -r.waiting))
-            reserving = asyncio.get_running_loop().create_future()
-            reserving.set_result(promise)
+            return Route(candidates[0], functools.partial(self._release_once_made, reserving))
+        promise = await self._reserve(candidates, request.estimated_blocks)
+        if promise is None:  # without Redis, route on the reports alone
+            return Route(max(candidates, key=lambda r: (r.free_blocks, -r.waiting)))
+        return Route(promise.replica, functools.partial(self._release, promise))
 
-        async def release() -> None:
-            promise = await reserving
-            if promise is None:
-                return
-            try:
-                await self.reservations.release(promise)
-            except (RedisError, OSError):
-                pass  # it goes with the replica's next report, or its TTL
+    async def _release_once_made(self, reserving: asyncio.Future[Promise | None]) -> None:
+        promise = await reserving
+        if promise is not None:
+            await self._release(promise)
 
-        return Route(chosen, release)
+    async def _release(self, promise: Promise) -> None:
+        try:
+            await self.reservations.release(promise)
+        except (RedisError, OSError):
+            pass  # it goes with the replica's next report, or its TTL
 
     async def _reserve(self, candidates: list[ReplicaRecord], blocks: int) -> Promise | None:
         try:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ import httpx
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.processes import free_port, stop_process
+from tests.processes import free_port, wait_ready
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "envoy" / "envoy.yaml"
 
@@ -82,7 +80,7 @@ def start_envoy(config: dict[str, Any], directory: Path) -> EnvoyProcess:
     listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
     admin = config["admin"]["address"]["socket_address"]["port_value"]
     envoy = EnvoyProcess(f"http://127.0.0.1:{listener}", f"http://127.0.0.1:{admin}", process, log)
-    _wait_ready("envoy", process, log, lambda: httpx.get(f"{envoy.admin_url}/ready", timeout=1).status_code == 200)
+    wait_ready("envoy", process, log, lambda: httpx.get(f"{envoy.admin_url}/ready", timeout=1).status_code == 200)
     return envoy
 
 
@@ -109,26 +107,7 @@ def start_picker(redis_url: str, log: Path, *flags: str, port: int | None = None
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     picker = PickerProcess(f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", process, log)
-    _wait_ready(
+    wait_ready(
         "pagefleet picker", process, log, lambda: picker.health("readiness") == health_pb2.HealthCheckResponse.SERVING
     )
     return picker
-
-
-def _wait_ready(
-    name: str, process: subprocess.Popen[bytes], log: Path, ready: Callable[[], bool], timeout: float = 60
-) -> None:
-    """Until `ready()` (its connection errors mean not yet); the log in the error if the
-    process dies or never gets there."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited early:\n{log.read_text()[-3000:]}")
-        try:
-            if ready():
-                return
-        except (httpx.HTTPError, grpc.RpcError):
-            pass
-        time.sleep(0.1)
-    stop_process(process)
-    raise RuntimeError(f"{name} did not become ready:\n{log.read_text()[-3000:]}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
@@ -90,18 +91,26 @@ class EngineServer:
 
 def wait_healthy(name: str, process: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> None:
     """Until `url`/health answers 200; the process's log in the error if it dies or hangs."""
+    wait_ready(name, process, log, lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, timeout)
+
+
+def wait_ready(
+    name: str, process: subprocess.Popen[bytes], log: Path, ready: Callable[[], bool], timeout: float = 60
+) -> None:
+    """Until `ready()` (a connection error of httpx or grpc means not yet); the process's
+    log in the error if it dies or never gets there."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited early:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if ready():
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, grpc.RpcError):
             pass
         time.sleep(0.1)
     process.kill()
-    raise RuntimeError(f"{name} did not become healthy:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"{name} did not become ready:\n{log.read_text()[-3000:]}")
 
 
 def start_server(model: str, log: Path, *flags: str, timeout: float = 240) -> EngineServer:

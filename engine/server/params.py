@@ -58,14 +58,7 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> Struc
     if wants_json and given is not None:
         raise InvalidParameterError("response_format", "give response_format or structured_outputs, not both")
     if given is not None:
-        return StructuredOutputsParams(
-            json=given.json_,
-            regex=given.regex,
-            choice=given.choice,
-            grammar=given.grammar,
-            json_object=given.json_object,
-            disable_any_whitespace=given.disable_any_whitespace,
-        )
+        return StructuredOutputsParams(**given.model_dump(by_alias=True))
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
