@@ -23,9 +23,12 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeAlias
 
+import torch
+
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineDeadError, RequestFailedError
 from pagefleet.engine.inputs import PromptType
+from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
@@ -49,6 +52,7 @@ class AsyncEngine:
         # Aborts handed over by callers that cannot wait (cancelled tasks); the engine
         # thread applies them before its next step. deque.append is thread-safe.
         self._pending_aborts: collections.deque[str] = collections.deque()
+        self._pin_updates: collections.deque[tuple[Callable[[str], Any], str]] = collections.deque()
         # add_request runs here: off the event loop, and as a Future an abort can wait on.
         self._adder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagefleet-add")
         self._stats = self.engine.stats()  # refreshed under the lock; read without it
@@ -68,9 +72,14 @@ class AsyncEngine:
         return self._thread.is_alive() and self._dead is None
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        remote_kv: RemoteKV | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that changed it; the last is final.
+        `remote_kv`: the prompt's KV pulled from a prefill replica (see kv_transfer).
 
         Raises:
             InvalidParameterError: (ValueError) before the first output, for bad input.
@@ -84,7 +93,7 @@ class AsyncEngine:
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            added: Future[Any] = self._adder.submit(self._add, request_id, prompt, params)
+            added: Future[Any] = self._adder.submit(self._add, request_id, prompt, params, remote_kv)
         except RuntimeError as error:  # shut down
             self._queues.pop(request_id, None)
             raise EngineDeadError("the engine is shut down") from error
@@ -131,11 +140,39 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self._adder.shutdown(wait=False, cancel_futures=True)
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Any:
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, remote_kv: RemoteKV | None) -> Any:
         """Compile the request's structured-output constraint first, outside the lock (a
         large schema must not stall the steps), then add it."""
         self.engine.compile_grammar(params)
-        return self._locked(self.engine.add_request, request_id, prompt, params)
+        return self._locked(self.engine.add_request, request_id, prompt, params, remote_kv)
+
+    async def read_pinned(
+        self, request_id: str, block_ids: list[int]
+    ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The prompt tokens and the KV of `block_ids` pinned for `request_id`, read without
+        stalling the steps; the blocks stay pinned until `release_pinned` (after a
+        successful send) or `checkin_pinned` (a send that failed: another pull may come).
+
+        Raises:
+            KVTransferError: nothing pinned under that id, or other blocks.
+        """
+        pinned = await asyncio.to_thread(self._locked, self.engine.checkout_pinned, request_id, block_ids)
+        try:
+            blocks = await asyncio.to_thread(self.engine.read_blocks, block_ids)
+        except BaseException:
+            self.checkin_pinned(request_id)
+            raise
+        return pinned.token_ids, blocks
+
+    def release_pinned(self, request_id: str) -> None:
+        """Free a pulled prompt's blocks before the next step (from any thread, no wait)."""
+        self._pin_updates.append((self.engine.pins.release, request_id))
+        self._wake.set()
+
+    def checkin_pinned(self, request_id: str) -> None:
+        """A pull that failed: keep the blocks pinned for another (from any thread, no wait)."""
+        self._pin_updates.append((self.engine.pins.checkin, request_id))
+        self._wake.set()
 
     def _locked(self, function: Any, *args: Any) -> Any:
         with self._lock:
@@ -148,7 +185,9 @@ class AsyncEngine:
         while not self._stopping.is_set():
             self._wake.clear()  # before looking for work, so a wake-up is never lost
             with self._lock:
-                self._apply_pending_aborts()
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests() and self.engine.expire_pins():
+                    self._stats = self.engine.stats()
                 has_work = self.engine.has_unfinished_requests()
                 if has_work:
                     try:
@@ -163,9 +202,13 @@ class AsyncEngine:
             else:
                 self._wake.wait(timeout=0.5)
 
-    def _apply_pending_aborts(self) -> None:
-        if not self._pending_aborts:
+    def _apply_pending(self) -> None:
+        """Apply what callers handed over without waiting: pin releases, then aborts."""
+        if not self._pending_aborts and not self._pin_updates:
             return
+        while self._pin_updates:
+            update, request_id = self._pin_updates.popleft()
+            update(request_id)
         while self._pending_aborts:
             request_id = self._pending_aborts.popleft()
             if self.engine.abort_request(request_id) is not None:

@@ -52,6 +52,11 @@ class EngineConfig:
         enforce_eager: accepted for vLLM's sake: the engine never captures graphs.
         trust_remote_code: only False: the engine runs its own code for the architectures
             it knows and never a checkpoint's Python.
+        kv_role: "both" (default: whole requests, and either side of a KV transfer),
+            "prefill" (prompts whose KV decode replicas pull: `do_remote_decode`) or
+            "decode" (requests whose prompt KV is pulled from a prefill replica).
+        kv_pin_timeout: seconds a prefill replica keeps a finished prompt's blocks for a
+            decode replica to pull before it frees them.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -74,6 +79,8 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     trust_remote_code: bool = False
+    kv_role: str = "both"
+    kv_pin_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         def fail(param: str, message: str) -> None:
@@ -109,6 +116,10 @@ class EngineConfig:
                 "trust_remote_code",
                 "remote code is never run: only the built-in architectures are supported (leave it False)",
             )
+        if self.kv_role not in ("prefill", "decode", "both"):
+            fail("kv_role", f"must be prefill, decode or both; got {self.kv_role!r}")
+        if self.kv_pin_timeout <= 0:
+            fail("kv_pin_timeout", f"must be > 0 seconds, got {self.kv_pin_timeout}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             fail("attention_backend", f"must be auto, cpu, torch or triton; got {self.attention_backend!r}")
 

@@ -20,6 +20,9 @@ from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.engine_setup import build_engine_parts
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
 from pagefleet.engine.inputs import PromptType, parse_prompt
+from pagefleet.engine.kv_transfer.connector import KVConnector
+from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
+from pagefleet.engine.kv_transfer.pins import PinnedPrompt, PinnedPrompts
 from pagefleet.engine.model_runner import RequestResults, SampleRequest
 from pagefleet.engine.output_processor import OutputProcessor
 from pagefleet.engine.outputs import RequestOutput
@@ -86,11 +89,20 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        # Prefill/decode disaggregation: prompts kept for decode replicas to pull, and how
+        # they reach this replica (set by the server; without one, answers name no address).
+        self.pins = PinnedPrompts(self.kv_cache.pool.free, config.kv_pin_timeout)
+        self.kv_connector: KVConnector | None = None
 
     # --- requests -----------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, remote_kv: RemoteKV | None = None
+    ) -> Request:
         """Validate and queue a request; `prompt` in any shape of `inputs.PromptType`.
+        `remote_kv`: its prompt's KV pulled from a prefill replica (a decode replica's
+        request); `params.extra_args["kv_transfer_params"]` with `do_remote_decode` makes it
+        a prefill replica's request, whose prompt blocks stay pinned for a pull.
 
         Raises:
             InvalidParameterError: (ValueError) naming the field, e.g. an empty prompt or a
@@ -100,12 +112,13 @@ class LLMEngine:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         prompt = parse_prompt(prompt)
         text = prompt if isinstance(prompt, str) else None
-        if self.tokenizer is None and (text is not None or params.stop):
-            field = "prompt" if text is not None else "stop"
-            raise InvalidParameterError(field, "this engine has no tokenizer (skip_tokenizer_init=True): use token ids")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
+        if self.tokenizer is None and params.stop:
+            raise InvalidParameterError(
+                "stop", "this engine has no tokenizer (skip_tokenizer_init=True): use token ids"
+            )
+        token_ids = self.prompt_token_ids(prompt, params)
         self._validate_prompt(token_ids)
+        self._check_kv_role(params, remote_kv, token_ids)
         self._prepare_token_constraints(params)
         grammar = self.compile_grammar(params)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
@@ -118,6 +131,8 @@ class LLMEngine:
             max_tokens,
             shares_prompt=self.config.enable_block_sharing,
         )
+        if remote_kv is not None and request.prompt_logprobs is None:
+            request.remote_kv = remote_kv  # prompt logprobs need the prompt computed here
         if params.use_beam_search:
             request.beam = BeamSearchState(params, max_tokens, self._stop_token_ids(params))
         if grammar is not None:
@@ -147,8 +162,77 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, model_config.eos_token_ids)
         return self._grammars.compile(params.structured_outputs)
 
-    def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """The prompt's last `keep` tokens (-1: as many as the context window holds)."""
+    def _check_kv_role(self, params: SamplingParams, remote_kv: RemoteKV | None, token_ids: list[int]) -> None:
+        role = self.config.kv_role
+        transfer = (params.extra_args or {}).get("kv_transfer_params")
+        if transfer is not None and not isinstance(transfer, dict):
+            raise InvalidParameterError("kv_transfer_params", "must be an object")
+        if transfer and transfer.get("do_remote_decode") and role == "decode":
+            raise InvalidParameterError(
+                "kv_transfer_params", "this replica decodes (--role decode): send do_remote_decode to a prefill replica"
+            )
+        if remote_kv is not None:
+            if role == "prefill":
+                raise InvalidParameterError(
+                    "kv_transfer_params",
+                    "this replica prefills (--role prefill): send do_remote_prefill to a decode replica",
+                )
+            if (
+                remote_kv.num_tokens >= len(token_ids)
+                or remote_kv.num_blocks * self.kv_cache.block_size < remote_kv.num_tokens
+            ):
+                raise InvalidParameterError("kv_transfer_params", "the pulled KV does not fit this prompt")
+
+    def kv_layout(self) -> KVLayout:
+        """What a KV transfer with this replica must agree on."""
+        model = self.parts.model_config
+        return KVLayout(
+            model=self.config.model,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            block_size=self.kv_cache.block_size,
+            dtype=str(self.config.torch_dtype).removeprefix("torch."),
+        )
+
+    def checkout_pinned(self, request_id: str, block_ids: list[int]) -> PinnedPrompt:
+        """A pinned prompt for a pull to read (expiry spares it until released or checked
+        in); the asked blocks must be its first ones.
+
+        Raises:
+            KVTransferError: unknown, expired, already pulled, or other blocks.
+        """
+        pinned = self.pins.checkout(request_id)
+        if pinned is None:
+            raise KVTransferError(f"no KV is pinned for request {request_id!r} (already pulled, or timed out)")
+        if pinned.block_ids[: len(block_ids)] != block_ids:
+            self.pins.checkin(request_id)
+            raise KVTransferError(f"request {request_id!r} holds blocks {pinned.block_ids}, not {block_ids}")
+        return pinned
+
+    def read_blocks(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the blocks' keys and values, layer by layer (safe beside a running
+        step only for pinned blocks: nothing writes them)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.runner.device)
+        return [(k[index].cpu(), v[index].cpu()) for k, v in self.runner.kv_caches]
+
+    def expire_pins(self) -> int:
+        """Free the prompts no decode replica pulled in time."""
+        return self.pins.expire() if len(self.pins) else 0
+
+    def prompt_token_ids(self, prompt: PromptType, params: SamplingParams) -> list[int]:
+        """The token ids the engine computes for `prompt`: tokenized, then truncated to its
+        last `truncate_prompt_tokens` (-1: as many as the context window holds)."""
+        prompt = parse_prompt(prompt)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameterError(
+                    "prompt", "this engine has no tokenizer (skip_tokenizer_init=True): use token ids"
+                )
+            token_ids = list(self.tokenizer.encode(prompt))
+        else:
+            token_ids = list(prompt)
+        keep = params.truncate_prompt_tokens
         if keep is None:
             return token_ids
         keep = self.max_model_len if keep == -1 else keep
@@ -229,6 +313,7 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.expire_pins()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._fail_unschedulable()
@@ -345,6 +430,8 @@ class LLMEngine:
         return list(touched.values())
 
     def _after_step(self, request: Request) -> RequestOutput:
+        if request.is_done and request.wants_remote_decode:
+            self._pin_prompt(request)
         for seq in request.sequences:
             if seq.is_finished and self.kv_cache.block_table(seq):
                 self.kv_cache.free(seq)  # siblings still running keep only what they share
@@ -352,6 +439,24 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
             self.scheduler.finish(request)
         return self.outputs.make_output(request)
+
+    def _pin_prompt(self, request: Request) -> None:
+        """Keep a finished prefill request's prompt blocks for a decode replica's pull, and
+        say where to pull them from (vLLM's `kv_transfer_params`)."""
+        holder = next((seq for seq in request.sequences if self.kv_cache.block_table(seq)), None)
+        if holder is None or self.kv_cache.num_computed_tokens(holder) < request.num_prompt_tokens:
+            return
+        blocks = self.kv_cache.pin_prompt(holder, request.num_prompt_tokens)
+        self.pins.pin(request.request_id, blocks, request.prompt_token_ids)
+        if self.kv_connector is not None:
+            request.kv_transfer_params = self.kv_connector.transfer_params(request.request_id, blocks)
+        else:
+            request.kv_transfer_params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": blocks,
+                "remote_request_id": request.request_id,
+            }
 
     # --- stats --------------------------------------------------------------------------
 
@@ -375,4 +480,10 @@ class LLMEngine:
             peak_used_blocks=usage.peak_used_blocks,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
+            num_waiting_prompt_tokens=sum(
+                r.num_prompt_tokens for r in scheduler.waiting if r.status == RequestStatus.WAITING
+            ),
+            num_pinned_blocks=self.pins.num_blocks,
+            num_pinned_requests=len(self.pins),
+            num_pin_timeouts=self.pins.num_timeouts,
         )

@@ -127,6 +127,7 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
             error=request.error,
+            kv_transfer_params=request.kv_transfer_params,
         )
 
     def _sample_outputs(self, request: Request) -> list[CompletionOutput]:

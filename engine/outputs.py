@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,3 +65,5 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (as vLLM's)
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when the request failed inside the engine (finish_reason "error")
+    # A prefill replica's answer (as vLLM's): where a decode replica pulls the prompt's KV.
+    kv_transfer_params: dict[str, Any] | None = None

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pagefleet.engine.beam_search import BeamSearchState
+from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.outputs import PositionLogprobs
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -101,6 +102,10 @@ class Request:
     first_token_time: float | None = None
     beam: BeamSearchState | None = None  # set for beam search
     error: str | None = None  # why the request failed inside the engine, if it did
+    # Prefill/decode disaggregation: the prompt's KV pulled from a prefill replica, loaded
+    # into the first blocks when the request is admitted (then dropped).
+    remote_kv: RemoteKV | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # for the caller: how to pull this prompt's KV
 
     def __post_init__(self) -> None:
         num_prompt = len(self.prompt_token_ids)
@@ -166,6 +171,12 @@ class Request:
         if self.beam is not None:
             return self.beam.done
         return all(seq.is_finished for seq in self.sequences)
+
+    @property
+    def wants_remote_decode(self) -> bool:
+        """A prefill replica's request: its prompt's blocks are kept for a decode replica."""
+        extra = self.params.extra_args or {}
+        return bool((extra.get("kv_transfer_params") or {}).get("do_remote_decode"))
 
     @property
     def wants_prompt_logprobs(self) -> bool:

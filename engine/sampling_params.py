@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.structured_outputs import StructuredOutputsParams
@@ -95,6 +96,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Free-form arguments for extensions, as vLLM's; `kv_transfer_params` (prefill/decode
+    # disaggregation, see engine/kv_transfer) is read from here.
+    extra_args: dict[str, Any] | None = None
     # Token ids of `bad_words`, filled in by the engine from its tokenizer (as vLLM's).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 

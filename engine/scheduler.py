@@ -129,16 +129,23 @@ class Scheduler:
             starts_afresh = request.status == RequestStatus.WAITING and not self.kv_cache.block_table(
                 request.sequences[0]
             )
+            remote = request.remote_kv if starts_afresh else None
             if request.status == RequestStatus.SWAPPED:
                 if not self._try_swap_in(request):
+                    break
+            elif remote is not None:
+                if not self.kv_cache.take_remote_prefix(request.sequences[0], remote):
                     break
             elif starts_afresh:
                 self._take_prefix_hits(request)
             scheduled = self._try_schedule_request(request, plan, budget)
             if scheduled is None:
                 if starts_afresh:
-                    self.kv_cache.free(request.sequences[0])  # give back prefix hits
+                    self.kv_cache.free(request.sequences[0])  # give back prefix hits or remote blocks
                 break  # strict FCFS: a later request may not overtake the head of the queue
+            if remote is not None:
+                self.kv_cache.queue_load(request.sequences[0], remote)
+                request.remote_kv = None  # loaded once; a recompute preemption computes it here
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -29,6 +29,11 @@ class GatewayMetrics:
             f"{namespace}:routing_decisions", "Replicas chosen, by policy.", ["model", "replica", "policy"],
             registry=self.registry,
         )  # fmt: skip
+        self.disaggregated = Counter(
+            f"{namespace}:disaggregated_requests", "Requests of models with prefill and decode replicas, by how "
+            "they were served: paired (prefill then decode) or fallback (one replica ran it all).",
+            ["model", "outcome"], registry=self.registry,
+        )  # fmt: skip
         self.rate_limited = Counter(
             f"{namespace}:rate_limited", "Requests refused by a rate limit.", ["model"], registry=self.registry
         )

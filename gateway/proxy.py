@@ -22,6 +22,7 @@ import time
 from starlette.types import Send
 
 from pagefleet.gateway import errors
+from pagefleet.gateway.disaggregation import decode_body, prefill_body, transfer_params
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import Route, Router
@@ -89,13 +90,40 @@ class Proxy:
 
     async def forward(self, path: str, body: bytes, headers: bytes, shape: RequestShape, request_id: bytes) -> Relay:
         """The first replica's answer that is not a failure of its own; raises a Refusal
-        (503) when no replica of the model could take the request."""
+        (503) when no replica of the model could take the request.
+
+        A model with prefill and decode replicas is served disaggregated: the prompt on a
+        prefill replica, then the request on a decode replica that pulls the prompt's KV.
+        If that fails before the first byte (no prefill replica left, a failed pull), one
+        replica runs the whole request."""
+        if self.router.is_disaggregated(shape.model):
+            relay = await self._forward_disaggregated(path, body, headers, shape, request_id)
+            self.metrics.disaggregated.labels(shape.model, "paired" if relay else "fallback").inc()
+            if relay is not None:
+                return relay
+        relay = await self._forward(path, body, headers, shape, request_id, "whole")
+        if relay is None:
+            raise self.metrics.refused(errors.no_replica(shape.model))
+        return relay
+
+    async def _forward(
+        self,
+        path: str,
+        body: bytes,
+        headers: bytes,
+        shape: RequestShape,
+        request_id: bytes,
+        phase: str,
+        extra: list[tuple[bytes, bytes]] = [],  # noqa: B006 (read only)
+    ) -> Relay | None:
+        """The first answer of a `phase` replica that is not a failure of its own, or None.
+        A decode replica's 502 (its KV pull failed) is such a failure too."""
         tried: set[str] = set()
         model = shape.model
         for _ in range(self.attempts):
-            route = await self.router.pick(shape, tried)
+            route = await self.router.pick(shape, tried, phase)
             if route is None:
-                break
+                return None
             replica = route.replica
             tried.add(replica.url)
             started = time.monotonic()
@@ -104,16 +132,34 @@ class Proxy:
             except (UpstreamError, TimeoutError) as exc:
                 await self._failed(route, str(exc) or repr(exc))
                 continue
-            if upstream.status == 503:  # the replica cannot take it now (full, loading, stopped)
+            # 503: the replica cannot take it now (full, loading, stopped).
+            if upstream.status == 503 or (phase == "decode" and upstream.status == 502):
                 upstream.close()
-                await self._failed(route, "HTTP 503")
+                await self._failed(route, f"HTTP {upstream.status}")
                 continue
             self.outliers.succeeded(replica.url)
             self.metrics.upstream_latency.labels(model, replica.replica_id).observe(time.monotonic() - started)
             self.metrics.requests.labels(model, replica.replica_id, str(upstream.status)).inc()
-            extra = [(b"x-request-id", request_id), (b"x-pagefleet-replica", replica.replica_id.encode())]
-            return Relay(upstream, request_id.decode("latin-1"), extra)
-        raise self.metrics.refused(errors.no_replica(model))
+            headers_out = [(b"x-request-id", request_id), (b"x-pagefleet-replica", replica.replica_id.encode())]
+            return Relay(upstream, request_id.decode("latin-1"), headers_out + extra)
+        return None
+
+    async def _forward_disaggregated(
+        self, path: str, body: bytes, headers: bytes, shape: RequestShape, request_id: bytes
+    ) -> Relay | None:
+        """Prefill, then decode; None when either finds no replica that does its part."""
+        payload = json.loads(body)
+        prefill = await self._forward(path, prefill_body(payload), headers, shape, request_id, "prefill")
+        if prefill is None:
+            return None
+        answer = await prefill.upstream.read()
+        prefill.upstream.release()
+        transfer = transfer_params(answer) if prefill.upstream.status == 200 else None
+        if transfer is None:  # its own error (the request's): the whole request says it again
+            return None
+        prefill_replica = dict(prefill.headers).get(b"x-pagefleet-replica", b"")
+        extra = [(b"x-pagefleet-prefill-replica", prefill_replica)]
+        return await self._forward(path, decode_body(payload, transfer), headers, shape, request_id, "decode", extra)
 
     async def _failed(self, route: Route, reason: str) -> None:
         await route.release()

@@ -83,14 +83,15 @@ class Reservations:
         self._reserve = client.register_script(_RESERVE)
         self._release = client.register_script(_RELEASE)
 
-    async def reserve(self, candidates: list[ReplicaRecord], blocks: int) -> Promise:
+    async def reserve(self, candidates: list[ReplicaRecord], blocks: int, prefill: bool = False) -> Promise:
         """Promise `blocks` on the candidate with the most free blocks net of promises (ties:
-        fewer waiting). Raises RedisError or OSError when Redis cannot be asked."""
+        fewer waiting requests; for a prefill, fewer queued prompt tokens). Raises RedisError
+        or OSError when Redis cannot be asked."""
         member = f"{os.urandom(8).hex()}:{blocks}"
         args: list[str | int | float] = [blocks, time.time(), member, RESERVATION_TTL_S]
         keys: list[str] = []
         for record in candidates:
-            args += [record.free_blocks, record.waiting, record.timestamp]
+            args += [record.free_blocks, record.waiting_prompt_tokens if prefill else record.waiting, record.timestamp]
             keys += promise_keys(record)
         index = int(await self._reserve(keys=keys, args=args)) - 1
         return Promise(candidates[index], member)

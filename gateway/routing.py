@@ -35,6 +35,7 @@ class RoutedRequest:
     model: str
     estimated_blocks: int  # what the request may take on the replica it goes to
     prefix: str  # the start of the prompt, for prefix affinity
+    prefill: bool = False  # only its prompt runs there (prefill/decode disaggregation)
 
 
 Release = Callable[[], Awaitable[None]]
@@ -72,12 +73,14 @@ class KVPolicy:
         if not candidates:
             return None
         if len(candidates) == 1:
-            reserving = asyncio.ensure_future(self._reserve(candidates, request.estimated_blocks))
+            reserving = asyncio.ensure_future(self._reserve(candidates, request))
             self._in_flight.add(reserving)
             reserving.add_done_callback(self._in_flight.discard)
             return Route(candidates[0], functools.partial(self._release_once_made, reserving))
-        promise = await self._reserve(candidates, request.estimated_blocks)
+        promise = await self._reserve(candidates, request)
         if promise is None:  # without Redis, route on the reports alone
+            if request.prefill:
+                return Route(max(candidates, key=lambda r: (r.free_blocks, -r.waiting_prompt_tokens)))
             return Route(max(candidates, key=lambda r: (r.free_blocks, -r.waiting)))
         return Route(promise.replica, functools.partial(self._release, promise))
 
@@ -92,9 +95,9 @@ class KVPolicy:
         except (RedisError, OSError):
             pass  # it goes with the replica's next report, or its TTL
 
-    async def _reserve(self, candidates: list[ReplicaRecord], blocks: int) -> Promise | None:
+    async def _reserve(self, candidates: list[ReplicaRecord], request: RoutedRequest) -> Promise | None:
         try:
-            return await self.reservations.reserve(candidates, blocks)
+            return await self.reservations.reserve(candidates, request.estimated_blocks, request.prefill)
         except (RedisError, OSError) as error:
             logger.debug("reservation failed (%s); routing without one", error)
             return None
@@ -147,6 +150,10 @@ class PrefixPolicy:
         return Route(preferred)
 
 
+def _serves(role: str, phase: str) -> bool:
+    return role == "prefill" if phase == "prefill" else role != "prefill"
+
+
 POLICY_NAMES = ("kv", "round_robin", "least_requests", "prefix")
 
 
@@ -188,14 +195,28 @@ class Router:
         policies = {model: make_policy(name, client) for model, name in model_policies.items()}
         return cls(registry, make_policy(policy, client), policies, metrics)
 
-    async def pick(self, shape: RequestShape, tried: set[str]) -> Route | None:
+    def is_disaggregated(self, model: str) -> bool:
+        """Whether the model's live replicas include prefill and decode ones: its requests
+        then prefill on one and decode on the other."""
+        roles = {record.role for record in self.registry.candidates(model)}
+        return "prefill" in roles and bool(roles & {"decode", "both"})
+
+    async def pick(self, shape: RequestShape, tried: set[str], phase: str = "whole") -> Route | None:
         """A route to a replica of the request's model whose URL is not in `tried`, or None
-        if there is none left."""
-        candidates = self.registry.candidates(shape.model, skip=tried)
+        if there is none left. `phase`: "prefill" (prefill replicas only, for the prompt),
+        "decode" (decode replicas) or "whole" (the whole request: any replica but a prefill
+        one, unless prefill replicas are all there is)."""
+        candidates = [r for r in self.registry.candidates(shape.model, skip=tried) if _serves(r.role, phase)]
+        if not candidates and phase == "whole":
+            candidates = self.registry.candidates(shape.model, skip=tried)
         if not candidates:
             return None
         policy = self.model_policies.get(shape.model, self.default_policy)
-        routed = RoutedRequest(shape.model, shape.blocks(candidates[0].block_size), shape.prefix)
+        block_size = candidates[0].block_size
+        if phase == "prefill":
+            routed = RoutedRequest(shape.model, shape.prompt_blocks(block_size), shape.prefix, prefill=True)
+        else:
+            routed = RoutedRequest(shape.model, shape.blocks(block_size), shape.prefix)
         route = await policy.choose(candidates, routed)
         if route is not None:
             self.metrics.routing_decisions.labels(shape.model, route.replica.replica_id, policy.name).inc()

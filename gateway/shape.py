@@ -29,6 +29,9 @@ class RequestShape:
     def tokens(self) -> int:
         return self.prompt_tokens + self.max_tokens * self.num_sequences
 
+    def prompt_blocks(self, block_size: int) -> int:
+        return math.ceil(self.prompt_tokens / block_size)
+
     def blocks(self, block_size: int) -> int:
         return math.ceil(self.prompt_tokens / block_size) + self.num_sequences * math.ceil(self.max_tokens / block_size)
 

@@ -73,6 +73,8 @@ class _SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's prefill/decode disaggregation handshake (see docs/disaggregation.md).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod

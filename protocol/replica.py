@@ -10,6 +10,7 @@ See docs/redis-protocol.md.
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -29,6 +30,10 @@ class ReplicaRecord(BaseModel):
     waiting: int = Field(ge=0, description="requests queued or preempted")
     max_model_len: int = Field(gt=0)
     restarts: int = Field(0, ge=0, description="times its supervisor restarted this replica after it died")
+    role: Literal["prefill", "decode", "both"] = Field(
+        "both", description="prefill/decode disaggregation: what this replica does (docs/disaggregation.md)"
+    )
+    waiting_prompt_tokens: int = Field(0, ge=0, description="prompt tokens of its queued requests")
     timestamp: float = Field(default_factory=time.time, description="Unix time of this report")
 
     @property

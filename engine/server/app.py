@@ -30,6 +30,7 @@ from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.chat import chat_prompt, create_chat_completion
 from pagefleet.engine.server.completions import create_completion
 from pagefleet.engine.server.errors import OpenAIError, install_error_handlers
+from pagefleet.engine.server.kv_transfer import KVTransfers, add_kv_routes
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.publisher import CapacityPublisher
 from pagefleet.engine.server.settings import ServerSettings
@@ -131,7 +132,8 @@ def create_app(
     (the server's runner then exits with `state.exit_code`).
     """
     state: ServerState
-    state = ServerState(settings, ServerMetrics(settings.model_name, lambda: _stats(state)))
+    metrics = ServerMetrics(settings.model_name, lambda: _stats(state))
+    state = ServerState(settings, metrics, KVTransfers(settings, metrics))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -157,6 +159,7 @@ def create_app(
             await _load(state, engine)
             if state.engine is None:
                 return
+            state.engine.engine.kv_connector = state.transfers.connector
             loop = asyncio.get_running_loop()
             state.engine.add_death_callback(lambda _: loop.call_soon_threadsafe(engine_died.set))
             tasks.append(asyncio.create_task(withdraw_when_dead()))
@@ -171,6 +174,7 @@ def create_app(
                     settings.publish_interval,
                     settings.record_ttl,
                     settings.restarts,
+                    settings.role,
                 )
                 publishing = asyncio.create_task(publisher.run())
                 tasks.append(publishing)
@@ -182,6 +186,7 @@ def create_app(
         await asyncio.gather(*tasks, return_exceptions=True)
         if publisher is not None:
             await publisher.remove()
+        await state.transfers.close()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
 
@@ -191,6 +196,7 @@ def create_app(
     app.add_middleware(ErrorGuard)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     _add_routes(app, state)
+    add_kv_routes(app, state.transfers, lambda: state.ready_engine(None))
     return app
 
 

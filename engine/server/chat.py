@@ -65,7 +65,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             )
         extra["structured_outputs"] = constraint
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
-    stream = await first_and_rest(generate(state.metrics, engine, chat_prompt(engine, body), params))
+    stream = await first_and_rest(generate(state.metrics, engine, chat_prompt(engine, body), params, state.transfers))
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     calling = tools if tools is not None and tools.parses_calls else None
     if body.stream:
@@ -96,6 +96,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             "model": state.settings.model_name,
             "choices": choices,
             "usage": usage([final]),
+            "kv_transfer_params": final.kv_transfer_params,
         }
     )
 

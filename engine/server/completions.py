@@ -91,7 +91,9 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
     state.admit(engine)
     params = _params(body)
     prompts = _prompts(body)
-    streams = await start_all([generate(state.metrics, engine, prompt, params) for prompt in prompts])
+    if body.kv_transfer_params and len(prompts) > 1:
+        raise OpenAIError(400, "kv_transfer_params: a disaggregated request has one prompt", "kv_transfer_params")
+    streams = await start_all([generate(state.metrics, engine, prompt, params, state.transfers) for prompt in prompts])
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -119,6 +121,7 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
             "model": state.settings.model_name,
             "choices": choices,
             "usage": usage(list(finals)),
+            "kv_transfer_params": finals[0].kv_transfer_params,
         }
     )
 

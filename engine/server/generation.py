@@ -14,19 +14,29 @@ from dataclasses import dataclass, field
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.kv_transfer import KVTransfers
 from pagefleet.engine.server.metrics import ServerMetrics
 
 Outputs = AsyncGenerator[RequestOutput, None]
 
 
 async def generate(
-    metrics: ServerMetrics, engine: AsyncEngine, prompt: str | list[int], params: SamplingParams
+    metrics: ServerMetrics,
+    engine: AsyncEngine,
+    prompt: str | list[int],
+    params: SamplingParams,
+    transfers: KVTransfers | None = None,
 ) -> Outputs:
     """The engine's outputs for one prompt, with latency metrics. Closing the generator
-    early (a client gone) aborts the request and frees its blocks."""
+    early (a client gone) aborts the request and frees its blocks. With `transfers`, a
+    decode request's prompt KV is pulled first (kv_transfer.py)."""
     started = last = time.monotonic()
     tokens_seen = 0
-    async with aclosing(engine.generate(prompt, params, f"req-{uuid.uuid4().hex}")) as outputs:
+    remote_kv = None
+    if transfers is not None:
+        prompt, remote_kv = await transfers.prepare(engine, prompt, params)  # type: ignore[assignment]
+    request_id = f"req-{uuid.uuid4().hex}"
+    async with aclosing(engine.generate(prompt, params, request_id, remote_kv)) as outputs:
         async for output in outputs:
             tokens = sum(len(c.token_ids) for c in output.outputs)
             if tokens > tokens_seen:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -83,6 +83,14 @@ class EngineCollector(Collector):
         preemptions.add_metric([self.model_name, "swap"], stats.num_preemptions_swap)
         yield preemptions
         yield counter("cow_copies", "Copy-on-write block copies.", stats.num_cow_copies)
+        yield gauge(
+            "num_waiting_prompt_tokens",
+            "Prompt tokens of queued requests (prefill pressure).",
+            stats.num_waiting_prompt_tokens,
+        )
+        yield gauge("kv_pinned_blocks", "KV blocks of prefilled prompts waiting to be pulled.", stats.num_pinned_blocks)
+        yield gauge("kv_pinned_requests", "Prefilled prompts waiting to be pulled.", stats.num_pinned_requests)
+        yield counter("kv_pin_timeouts", "Prefilled prompts freed because nobody pulled them.", stats.num_pin_timeouts)
         yield counter("prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
 
@@ -102,3 +110,30 @@ class ServerMetrics:
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time from request to its first token.")
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between a request's tokens.")
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Time from request to its last token.")
+        # Prefill/decode disaggregation, by direction: "sent" (prefill side), "received" (decode side).
+        labels = ["model_name", "direction"]
+        self._kv_blocks = Counter(
+            "pagefleet:kv_transfer_blocks", "KV blocks moved between replicas.", labels, registry=self.registry
+        )
+        self._kv_bytes = Counter(
+            "pagefleet:kv_transfer_bytes", "KV bytes moved between replicas.", labels, registry=self.registry
+        )
+        self._kv_seconds = Histogram(
+            "pagefleet:kv_transfer_seconds",
+            "Time one KV transfer took.",
+            labels,
+            registry=self.registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.kv_transfer_failures = Counter(
+            "pagefleet:kv_transfer_failures",
+            "KV pulls that failed or were refused.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
+        self._model_name = model_name
+
+    def kv_transferred(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
+        self._kv_blocks.labels(self._model_name, direction).inc(blocks)
+        self._kv_bytes.labels(self._model_name, direction).inc(nbytes)
+        self._kv_seconds.labels(self._model_name, direction).observe(seconds)

@@ -36,6 +36,8 @@ def sampling_params(
     constraint = structured_outputs(body)
     if constraint is not None:
         fields["structured_outputs"] = constraint
+    if body.kv_transfer_params is not None:
+        fields["extra_args"] = {"kv_transfer_params": body.kv_transfer_params}
     return SamplingParams(
         n=body.n,
         stop=stop,

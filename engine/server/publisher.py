@@ -36,6 +36,7 @@ class CapacityPublisher:
         interval: float,
         ttl: float,
         restarts: int = 0,
+        role: str = "both",
     ) -> None:
         self.client = redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.key = record_key(model_name, replica_id)
@@ -44,6 +45,7 @@ class CapacityPublisher:
         self.read_stats = read_stats
         self.interval, self.ttl = interval, ttl
         self.restarts = restarts
+        self.role = role
         self._last: EngineStats | None = None
         self._last_time = 0.0
         self._redis_down = False
@@ -60,6 +62,8 @@ class CapacityPublisher:
             waiting=stats.num_waiting_requests,
             max_model_len=self.max_model_len,
             restarts=self.restarts,
+            role=self.role,
+            waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
         )
 
     async def run(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -59,6 +59,15 @@ class ServerSettings(BaseSettings):
     exit_grace: float = Field(1.0, description="seconds in-flight requests get to be answered after the engine dies")
     restarts: int = Field(0, ge=0, description="times a supervisor restarted this replica (shown on the dashboard)")
     log_level: str = "INFO"
+    role: Literal["prefill", "decode", "both"] = Field(
+        "both",
+        description="prefill/decode disaggregation: prefill (prompts whose KV decode replicas pull), "
+        "decode (requests whose prompt KV is pulled from a prefill replica) or both",
+    )
+    kv_pin_timeout: float = Field(
+        _default("kv_pin_timeout"), gt=0, description="seconds a prefilled prompt's blocks wait to be pulled"
+    )
+    kv_transfer_timeout: float = Field(30.0, gt=0, description="seconds a KV pull may take")
 
     dtype: str = _default("dtype")
     block_size: int = _default("block_size")
@@ -82,7 +91,10 @@ class ServerSettings(BaseSettings):
         are parsed (naming the flag), not when the model loads."""
         try:
             self._engine_config = EngineConfig(
-                model=self.model, **{name: getattr(self, name) for name in ENGINE_FIELDS}
+                model=self.model,
+                kv_role=self.role,
+                kv_pin_timeout=self.kv_pin_timeout,
+                **{name: getattr(self, name) for name in ENGINE_FIELDS},
             )
         except InvalidParameterError as error:
             flag = "--" + error.param.replace("_", "-")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.server.errors import OpenAIError
+from pagefleet.engine.server.kv_transfer import KVTransfers
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
 
@@ -15,6 +16,7 @@ from pagefleet.engine.server.settings import ServerSettings
 class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
+    transfers: KVTransfers
     engine: AsyncEngine | None = None  # None until the model is loaded and warm
     load_error: BaseException | None = None
     exit_code: int = 0  # what the process exits with once the server stops (non-zero: the engine died)

@@ -1,0 +1,144 @@
+"""The KV connector seam, and its one transport today: a pull over HTTP.
+
+A connector says how a decode replica reaches a prefill replica (`transfer_params`, put in
+the prefill response in vLLM's shape) and fetches a prompt's KV from it (`pull`). The
+engine never sees the network: it pins blocks on the prefill side and loads a `RemoteKV`
+on the decode side. A GPU transport (NIXL, RDMA) would be another `KVConnector`.
+
+The HTTP pull: `POST /kv/pull` on the prefill replica's server (engine/server/kv_transfer.py)
+with the request id, the blocks wanted and the caller's `KVLayout`. The prefill side checks
+the layout before sending any byte (409 with the difference otherwise), streams frames
+(wire.py), and frees the blocks once the last frame is sent.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from pagefleet.engine.kv_transfer import wire
+from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV, RemotePrefill
+
+PULL_PATH = "/kv/pull"
+
+
+class KVConnector(Protocol):
+    def transfer_params(self, request_id: str, block_ids: list[int]) -> dict[str, Any]:
+        """What a decode replica needs to pull these blocks from this replica."""
+        ...
+
+    async def pull(self, remote: RemotePrefill, layout: KVLayout, token_ids: list[int]) -> RemoteKV:
+        """The KV of all but the last of `token_ids` (the prompt) from the prefill replica,
+        which then frees its blocks. The last token is computed here: its logits pick the
+        first token.
+
+        Raises:
+            KVTransferError: unreachable, unknown or expired request, different layout or prompt.
+        """
+        ...
+
+
+def tokens_to_pull(num_prompt_tokens: int) -> int:
+    return num_prompt_tokens - 1
+
+
+class HTTPConnector:
+    """Pulls over HTTP from the prefill replica's server; `url` is this replica's own
+    advertised URL (what decode replicas are told to pull from)."""
+
+    def __init__(self, engine_id: str, url: str, timeout: float = 30.0) -> None:
+        address = urlsplit(url)
+        self.engine_id = engine_id
+        self.host = address.hostname or "127.0.0.1"
+        self.port = address.port or (443 if address.scheme == "https" else 80)
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    def transfer_params(self, request_id: str, block_ids: list[int]) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+        }
+
+    async def pull(self, remote: RemotePrefill, layout: KVLayout, token_ids: list[int]) -> RemoteKV:
+        num_tokens = tokens_to_pull(len(token_ids))
+        num_blocks = math.ceil(num_tokens / layout.block_size)
+        if num_blocks > len(remote.block_ids):
+            raise KVTransferError(
+                f"the prefill replica {remote.engine_id} holds {len(remote.block_ids)} blocks; "
+                f"a prompt of {len(token_ids)} tokens needs {num_blocks}"
+            )
+        body = {
+            "request_id": remote.request_id,
+            "block_ids": remote.block_ids[:num_blocks],
+            "layout": layout.as_dict(),
+        }
+        url = f"http://{remote.host}:{remote.port}{PULL_PATH}"
+        try:
+            async with self._client().post(url, json=body) as response:
+                if response.status != 200:
+                    raise KVTransferError(
+                        f"the prefill replica {remote.engine_id} refused the pull: {await _reason(response)}"
+                    )
+                reader = wire.FrameReader()
+                frames: list[tuple[dict[str, Any], bytes]] = []
+                async for chunk in response.content.iter_any():
+                    frames += reader.feed(chunk)
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            raise KVTransferError(
+                f"cannot pull from the prefill replica {remote.engine_id} at {url}: {error!r}"
+            ) from None
+        except ValueError as error:
+            raise KVTransferError(f"the prefill replica {remote.engine_id} sent a broken stream: {error}") from None
+        return _assemble(frames, layout, token_ids[:num_tokens], num_blocks, f"the prefill replica {remote.engine_id}")
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+async def _reason(response: aiohttp.ClientResponse) -> str:
+    try:
+        return str((await response.json())["error"]["message"])
+    except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
+        return f"HTTP {response.status}"
+
+
+def _assemble(
+    frames: list[tuple[dict[str, Any], bytes]], layout: KVLayout, token_ids: list[int], num_blocks: int, source: str
+) -> RemoteKV:
+    """Check the frames against what was asked and stack them per layer."""
+    if not frames or frames[0][0].get("kind") != "hello" or frames[-1][0].get("kind") != "end":
+        raise KVTransferError(f"the KV stream from {source} was cut short")
+    hello = frames[0][0]
+    difference = layout.mismatch(KVLayout.from_dict(hello.get("layout", {})), "this decode replica", source)
+    if difference:
+        raise KVTransferError(f"{source} has a different KV layout: {difference}")
+    if hello.get("token_ids", [])[: len(token_ids)] != token_ids:
+        raise KVTransferError(f"{source} computed a different prompt")
+    keys: list[Any] = [None] * layout.num_layers
+    values: list[Any] = [None] * layout.num_layers
+    expected_shape = [num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim]
+    for header, payload in frames[1:-1]:
+        tensor = wire.tensor_from(header, payload)
+        if list(tensor.shape) != expected_shape or wire.DTYPE_NAMES[tensor.dtype] != layout.dtype:
+            raise KVTransferError(f"{source} sent a tensor of shape {list(tensor.shape)}")
+        target = keys if header["kind"] == "key" else values
+        target[int(header["layer"])] = tensor
+    if any(t is None for t in keys + values):
+        raise KVTransferError(f"the KV stream from {source} missed layers")
+    return RemoteKV(len(token_ids), keys, values)

@@ -1,0 +1,144 @@
+"""This replica's side of prefill/decode disaggregation (engine/kv_transfer).
+
+- A decode request (`kv_transfer_params.do_remote_prefill`) pulls its prompt's KV from the
+  prefill replica named in them before it is queued (`KVTransfers.prepare`); a pull that
+  fails is a 502 `kv_transfer_error`, so a router can fall back to computing the prompt.
+- `POST /kv/pull` serves the prompts this replica pinned as a prefill replica: it checks
+  the caller's KV layout first (409 naming the difference), streams the blocks as frames,
+  and frees them once the last frame is out. A pull cut short leaves them pinned for
+  another try until the pin timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.inputs import PromptType
+from pagefleet.engine.kv_transfer import wire
+from pagefleet.engine.kv_transfer.connector import PULL_PATH, HTTPConnector
+from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV, RemotePrefill
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.errors import OpenAIError
+from pagefleet.engine.server.metrics import ServerMetrics
+from pagefleet.engine.server.settings import ServerSettings
+from pagefleet.protocol.http import error_json
+
+logger = logging.getLogger(__name__)
+
+
+class PullRequest(BaseModel):
+    request_id: str
+    block_ids: list[int]
+    layout: dict[str, Any]
+
+
+class KVTransfers:
+    def __init__(self, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.role = settings.role
+        self.model_name = settings.model_name
+        self.metrics = metrics
+        self.connector = HTTPConnector(settings.replica, settings.url, settings.kv_transfer_timeout)
+
+    async def prepare(
+        self, engine: AsyncEngine, prompt: PromptType, params: SamplingParams
+    ) -> tuple[PromptType, RemoteKV | None]:
+        """For a decode request: its prompt as token ids and the KV pulled for it; other
+        requests pass unchanged.
+
+        Raises:
+            InvalidParameterError: bad `kv_transfer_params`, or a prefill replica asked to decode.
+            OpenAIError: 502 when the pull fails.
+        """
+        transfer = (params.extra_args or {}).get("kv_transfer_params")
+        if not isinstance(transfer, dict) or not transfer.get("do_remote_prefill"):
+            return prompt, None
+        if self.role == "prefill":
+            raise InvalidParameterError(
+                "kv_transfer_params",
+                "this replica prefills (--role prefill): send do_remote_prefill to a decode replica",
+            )
+        remote = RemotePrefill.parse(transfer)
+        token_ids = engine.engine.prompt_token_ids(prompt, params)
+        started = time.monotonic()
+        try:
+            pulled = await self.connector.pull(remote, self.layout(engine), token_ids)
+        except KVTransferError as error:
+            self.metrics.kv_transfer_failures.inc()
+            logger.warning("KV pull failed: %s", error)
+            raise OpenAIError(502, f"KV transfer failed: {error}", "kv_transfer_params") from None
+        self.metrics.kv_transferred("received", pulled.num_blocks, _nbytes(pulled), time.monotonic() - started)
+        return token_ids, pulled
+
+    def layout(self, engine: AsyncEngine) -> KVLayout:
+        """The engine's KV layout under the served model name (which both roles share; their
+        model paths may differ)."""
+        return dataclasses.replace(engine.engine.kv_layout(), model=self.model_name)
+
+    async def close(self) -> None:
+        await self.connector.close()
+
+
+def _nbytes(remote: RemoteKV) -> int:
+    return sum(t.numel() * t.element_size() for t in remote.keys + remote.values)
+
+
+def add_kv_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> None:
+    """`POST /kv/pull`; `engine_of()` is the loaded engine (or raises the 503)."""
+
+    @app.post(PULL_PATH)
+    async def pull(body: PullRequest) -> Response:
+        engine: AsyncEngine = engine_of()
+        ours = transfers.layout(engine)
+        try:
+            difference = ours.mismatch(KVLayout.from_dict(body.layout), "this prefill replica", "the decode replica")
+        except KVTransferError as error:
+            return error_json(400, str(error))
+        if difference:
+            transfers.metrics.kv_transfer_failures.inc()
+            return error_json(409, f"the KV layouts differ, nothing was sent: {difference}")
+        try:
+            token_ids, blocks = await engine.read_pinned(body.request_id, body.block_ids)
+        except KVTransferError as error:
+            return error_json(404, str(error))
+        return StreamingResponse(
+            _send(engine, transfers.metrics, body, ours, token_ids, blocks), media_type="application/octet-stream"
+        )
+
+
+async def _send(
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    body: PullRequest,
+    layout: KVLayout,
+    token_ids: list[int],
+    blocks: list[Any],
+) -> AsyncIterator[bytes]:
+    started, sent = time.monotonic(), 0
+    done = False
+    try:
+        hello = {"kind": "hello", "layout": layout.as_dict(), "token_ids": token_ids, "num_blocks": len(body.block_ids)}
+        yield wire.frame(hello)
+        for layer, (keys, values) in enumerate(blocks):
+            for kind, tensor in (("key", keys), ("value", values)):
+                data = wire.tensor_frame(kind, layer, tensor)
+                sent += len(data)
+                yield data
+        yield wire.frame({"kind": "end"})
+        done = True
+    finally:
+        if done:
+            engine.release_pinned(body.request_id)
+            metrics.kv_transferred("sent", len(body.block_ids), sent, time.monotonic() - started)
+        else:
+            engine.checkin_pinned(body.request_id)
+            logger.warning("the pull of request %s was cut short; its blocks stay pinned", body.request_id)

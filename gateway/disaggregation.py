@@ -1,0 +1,47 @@
+"""The two requests of a disaggregated one (vLLM's `kv_transfer_params` flow, as its P/D
+proxies send them): the prompt alone to a prefill replica, then the whole request, with
+what the prefill replica answered, to a decode replica that pulls the prompt's KV.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# What a prefill needs none of: the answer is one token, read by nobody but the gateway.
+_NOT_FOR_PREFILL = (
+    "stream",
+    "stream_options",
+    "best_of",
+    "use_beam_search",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "structured_outputs",
+    "response_format",
+    "min_tokens",
+)
+
+
+def prefill_body(payload: dict[str, Any]) -> bytes:
+    """The prefill replica's request: the same prompt (chat template and tools included, so
+    the tokens agree), one token, one sample, no stream, its blocks kept for the pull."""
+    body = {key: value for key, value in payload.items() if key not in _NOT_FOR_PREFILL}
+    body.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    return json.dumps(body).encode()
+
+
+def decode_body(payload: dict[str, Any], transfer: dict[str, Any]) -> bytes:
+    """The decode replica's request: the client's own, with where to pull the prompt's KV."""
+    return json.dumps({**payload, "kv_transfer_params": transfer}).encode()
+
+
+def transfer_params(answer: bytes) -> dict[str, Any] | None:
+    """The `kv_transfer_params` of a prefill replica's JSON answer (None if it has none)."""
+    try:
+        params = json.loads(answer).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return None
+    return params if isinstance(params, dict) and params.get("do_remote_prefill") else None
