@@ -49,11 +49,19 @@ class ScaleHistory:
         return [r for t, r in self.recommendations if now_s - t <= window_s]
 
 
-def recommend(current: int, kv: KVSummary, policy: Autoscaling) -> tuple[int, str]:
-    """The replica count the current pressure asks for, within the bounds, and why."""
+def recommend(current: int, kv: KVSummary, policy: Autoscaling, prefill: bool = False) -> tuple[int, str]:
+    """The replica count the current pressure asks for, within the bounds, and why. A
+    prefill pool's pressure is its queued prompt tokens per replica against
+    `targetWaitingPromptTokens` (its KV blocks are held only until a decode replica pulls them)."""
     target = policy.target_kv_utilization
     ratio = kv.mean_utilization / target
-    if kv.waiting_requests > 0:
+    if prefill:
+        per_replica = kv.waiting_prompt_tokens / max(1, kv.reporting_replicas)
+        ratio = per_replica / policy.target_waiting_prompt_tokens
+        wanted = current if abs(ratio - 1) <= TOLERANCE else max(1, math.ceil(kv.reporting_replicas * ratio))
+        target_tokens = policy.target_waiting_prompt_tokens
+        why = f"{per_replica:.0f} queued prompt tokens per replica against a target of {target_tokens}"
+    elif kv.waiting_requests > 0:
         wanted = max(math.ceil(kv.reporting_replicas * ratio), current + 1)
         why = f"{kv.waiting_requests} requests wait for KV room"
     elif abs(ratio - 1) <= TOLERANCE:
@@ -67,15 +75,17 @@ def recommend(current: int, kv: KVSummary, policy: Autoscaling) -> tuple[int, st
     return bounded, why
 
 
-def decide(current: int, kv: KVSummary, policy: Autoscaling, history: ScaleHistory, now_s: float) -> Decision:
-    """The next replica count for a resource with `current` replicas."""
+def decide(
+    current: int, kv: KVSummary, policy: Autoscaling, history: ScaleHistory, now_s: float, prefill: bool = False
+) -> Decision:
+    """The next replica count for a resource (or pool) with `current` replicas."""
     if not policy.min_replicas <= current <= policy.max_replicas:
         bounded = min(max(current, policy.min_replicas), policy.max_replicas)
         reason = "ScaledUp" if bounded > current else "ScaledDown"
         return Decision(bounded, reason, f"{current} replicas is outside {policy.min_replicas}..{policy.max_replicas}")
     if kv.reporting_replicas == 0:
         return Decision(current, "NoReports", "no replica reports its KV cache yet")
-    wanted, why = recommend(current, kv, policy)
+    wanted, why = recommend(current, kv, policy, prefill)
     up_window = policy.scale_up_stabilization_window_seconds
     down_window = policy.scale_down_stabilization_window_seconds
     history.remember(now_s, wanted, keep_s=max(up_window, down_window))

@@ -51,7 +51,7 @@ PERMISSIONS: dict[tuple[str, str], frozenset[str]] = {
     ("pagefleet.io", "inferencedeployments"): frozenset({"list", "watch", "patch"}),  # kopf
     ("pagefleet.io", "inferencedeployments/status"): frozenset({"patch"}),  # kopf, writing our status
     ("pagefleet.io", "inferencedeployments/scale"): frozenset({"patch"}),  # the autoscaler
-    ("apps", "deployments"): frozenset({"get", "create", "patch"}),
+    ("apps", "deployments"): frozenset({"get", "create", "patch", "delete"}),  # delete: a pool layout given up
     ("", "services"): frozenset({"get", "create", "patch"}),
     ("policy", "poddisruptionbudgets"): frozenset({"get", "create", "patch"}),
     ("", "events"): frozenset({"create"}),  # kopf.event, kopf.info, kopf.warn
@@ -150,6 +150,16 @@ class KubeApi:
 
     async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("POST", "create", kind, kind.path(namespace), None, body)  # type: ignore[no-any-return]
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        """Delete the object (its dependents in the background); a missing one is fine."""
+        try:
+            await self._call(
+                "DELETE", "delete", kind, kind.path(namespace, name), None, {"propagationPolicy": "Background"}
+            )
+        except ApiError as error:
+            if error.status != 404:
+                raise
 
     async def patch(
         self, kind: Kind, namespace: str, name: str, body: dict[str, Any], sub: str | None = None

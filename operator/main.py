@@ -23,6 +23,7 @@ from pagefleet.operator.manifests import GROUP, PLURAL, VERSION, Owner
 from pagefleet.operator.reconcile import Outcome, Runtime, reconcile
 from pagefleet.operator.replicas import remove_records
 from pagefleet.operator.settings import OperatorSettings
+from pagefleet.operator.spec import InferenceDeploymentSpec
 from pagefleet.operator.status import now_text
 
 FINALIZER = "pagefleet.io/finalizer"
@@ -87,22 +88,37 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.timer(*RESOURCE, interval=settings.reconcile_interval_s, registry=registry)
     async def periodic(*, body: kopf.Body, patch: kopf.Patch, logger: Any, **kwargs: Any) -> None:
         outcome = await run_reconcile(body, patch, kwargs.get("retry", 0), logger)
-        if outcome.spec is not None and outcome.spec.autoscaling.enabled:
-            await autoscale(body, patch, outcome, logger)
+        spec = outcome.spec
+        if spec is None:
+            return
+        if spec.autoscaling.enabled:
+            await autoscale(body, patch, spec, outcome.kv, None, logger)
+        for role, kv in outcome.pools.items():  # a disaggregated model: each pool on its own pressure
+            if spec.pool(role).autoscaling.enabled:
+                await autoscale(body, patch, spec.pool(role), kv, role, logger)
 
-    async def autoscale(body: kopf.Body, patch: kopf.Patch, outcome: Outcome, logger: Any) -> None:
-        assert outcome.spec is not None, "only a valid spec is autoscaled"
+    async def autoscale(
+        body: kopf.Body, patch: kopf.Patch, spec: InferenceDeploymentSpec, kv: Any, role: str | None, logger: Any
+    ) -> None:
+        """Scale the model (`role` None, through the scale subresource) or one of its pools
+        (the decode pool on KV pressure, the prefill pool on queued prompt tokens)."""
         owner = Owner.of(body)
         now = time.monotonic()
-        history = runtime.histories.setdefault(f"{owner.namespace}/{owner.name}", ScaleHistory(started_s=now))
-        current = outcome.spec.replicas
-        decision = decide(current, outcome.kv, outcome.spec.autoscaling, history, now)
+        key = f"{owner.namespace}/{owner.name}" + (f"/{role}" if role else "")
+        history = runtime.histories.setdefault(key, ScaleHistory(started_s=now))
+        current = spec.replicas
+        decision = decide(current, kv, spec.autoscaling, history, now, prefill=role == "prefill")
         if decision.changes(current):
-            scale = {"spec": {"replicas": decision.replicas}}
-            await runtime.kube.patch(INFERENCE_DEPLOYMENTS, owner.namespace, owner.name, scale, sub="scale")
+            if role is None:
+                scale = {"spec": {"replicas": decision.replicas}}
+                await runtime.kube.patch(INFERENCE_DEPLOYMENTS, owner.namespace, owner.name, scale, sub="scale")
+            else:
+                pool = {"spec": {"disaggregation": {role: {"replicas": decision.replicas}}}}
+                await runtime.kube.patch(INFERENCE_DEPLOYMENTS, owner.namespace, owner.name, pool)
             patch.status["lastScaleTime"] = now_text()
         if decision.changes(current) or decision.reason != history.last_reason:
-            message = f"{current} -> {decision.replicas} replicas: {decision.message}"
+            pool_name = f"{role} pool: " if role else ""
+            message = f"{pool_name}{current} -> {decision.replicas} replicas: {decision.message}"
             if decision.reason not in ("Steady", "NoReports"):
                 kopf.event(body, type="Normal", reason=decision.reason, message=message)
             logger.info("autoscaler: %s (%s)", message, decision.reason)
@@ -110,7 +126,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
 
     @kopf.on.delete(*RESOURCE, registry=registry)
     async def deleted(*, spec: kopf.Spec, name: str, namespace: str | None, retry: int, logger: Any, **_: Any) -> None:
-        runtime.histories.pop(f"{namespace}/{name}", None)
+        for key in [k for k in runtime.histories if k == f"{namespace}/{name}" or k.startswith(f"{namespace}/{name}/")]:
+            runtime.histories.pop(key)
         model = spec.get("servedModelName") or name
         try:
             removed = await remove_records(runtime.redis, model)

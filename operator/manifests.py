@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagefleet.operator.settings import OperatorSettings
-from pagefleet.operator.spec import MODELS_MOUNT, InferenceDeploymentSpec
+from pagefleet.operator.spec import MODELS_MOUNT, ROLES, InferenceDeploymentSpec
 
 GROUP, VERSION, KIND, PLURAL = "pagefleet.io", "v1alpha1", "InferenceDeployment", "inferencedeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 NAME_LABEL = "pagefleet.io/inference-deployment"
 MODEL_LABEL = "pagefleet.io/model"
+ROLE_LABEL = "pagefleet.io/role"  # prefill or decode, on a disaggregated model's pools
 MANAGED_BY = {"app.kubernetes.io/managed-by": "pagefleet-operator"}
 _CACHE_MOUNT = "/var/cache/pagefleet"
 _STARTUP_SECONDS = 900  # converting a GGUF model or loading a large one takes minutes
@@ -57,13 +58,24 @@ def label_value(text: str) -> str:
     return cleaned.strip("._-") or "model"
 
 
-def selector_labels(owner: Owner) -> dict[str, str]:
-    return {NAME_LABEL: owner.name, "app.kubernetes.io/component": "engine"}
+def selector_labels(owner: Owner, role: str | None = None) -> dict[str, str]:
+    """Every engine pod of the resource; with `role`, those of one pool."""
+    return {NAME_LABEL: owner.name, "app.kubernetes.io/component": "engine"} | ({ROLE_LABEL: role} if role else {})
 
 
-def labels(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, str]:
+def deployment_name(owner: Owner, role: str | None = None) -> str:
+    return f"{owner.name}-{role}" if role else owner.name
+
+
+def deployment_names(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str | None, str]:
+    """The engine Deployments the spec wants, by role (None: a colocated model's one)."""
+    roles: tuple[str | None, ...] = ROLES if spec.disaggregation is not None else (None,)
+    return {role: deployment_name(owner, role) for role in roles}
+
+
+def labels(owner: Owner, spec: InferenceDeploymentSpec, role: str | None = None) -> dict[str, str]:
     return {
-        **selector_labels(owner),
+        **selector_labels(owner, role),
         MODEL_LABEL: label_value(served_model_name(owner, spec)),
         "app.kubernetes.io/name": "pagefleet-engine",
         "app.kubernetes.io/instance": owner.name,
@@ -77,16 +89,16 @@ def selector_text(owner: Owner) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(owner).items()))
 
 
-def _metadata(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+def _metadata(owner: Owner, spec: InferenceDeploymentSpec, role: str | None = None) -> dict[str, Any]:
     return {
-        "name": owner.name,
+        "name": deployment_name(owner, role),
         "namespace": owner.namespace,
-        "labels": labels(owner, spec),
+        "labels": labels(owner, spec, role),
         "ownerReferences": [owner.reference()],
     }
 
 
-def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int) -> list[str]:
+def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int, role: str | None = None) -> list[str]:
     engine = spec.engine
     args = [
         "serve",
@@ -108,6 +120,8 @@ def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int) -> list[
         args += ["--max-model-len", str(engine.max_model_len)]
     if spec.resources.gpus:
         args += ["--device", "cuda"]
+    if role is not None:
+        args += ["--role", role]
     return args + list(engine.extra_args)
 
 
@@ -178,14 +192,18 @@ def _volumes(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[
     return volumes, mounts
 
 
-def deployment(owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
+def deployment(
+    owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings, role: str | None = None
+) -> dict[str, Any]:
+    """The engine pods of a model, or with `role` of one pool of a disaggregated one (`spec`
+    is then the pool's, see `InferenceDeploymentSpec.pool`)."""
     port = settings.engine_port
     volumes, mounts = _volumes(spec)
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image or settings.engine_image,
         "imagePullPolicy": spec.image_pull_policy,
-        "args": engine_args(owner, spec, port),
+        "args": engine_args(owner, spec, port, role),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "env": _environment(owner, spec, settings),
         "resources": _resources(spec),
@@ -220,12 +238,12 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSe
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, spec),
+        "metadata": _metadata(owner, spec, role),
         "spec": {
             "replicas": spec.replicas,
-            "selector": {"matchLabels": selector_labels(owner)},
+            "selector": {"matchLabels": selector_labels(owner, role)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": labels(owner, spec)}, "spec": pod_spec},
+            "template": {"metadata": {"labels": labels(owner, spec, role)}, "spec": pod_spec},
         },
     }
 
@@ -254,4 +272,9 @@ def pod_disruption_budget(owner: Owner, spec: InferenceDeploymentSpec) -> dict[s
 
 
 def desired_objects(owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
-    return [deployment(owner, spec, settings), service(owner, spec, settings), pod_disruption_budget(owner, spec)]
+    """The Deployment (one per pool when disaggregated), then the Service and the PDB that
+    cover every engine pod of the resource."""
+    deployments = [
+        deployment(owner, spec.pool(role) if role else spec, settings, role) for role in deployment_names(owner, spec)
+    ]
+    return [*deployments, service(owner, spec, settings), pod_disruption_budget(owner, spec)]

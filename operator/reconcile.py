@@ -17,10 +17,10 @@ from redis.exceptions import RedisError
 
 from pagefleet.operator import manifests, status
 from pagefleet.operator.autoscale import ScaleHistory
-from pagefleet.operator.kube import KINDS_BY_API_KIND, KubeApi
+from pagefleet.operator.kube import DEPLOYMENTS, KINDS_BY_API_KIND, KubeApi
 from pagefleet.operator.replicas import KVSummary, read_records
 from pagefleet.operator.settings import OperatorSettings
-from pagefleet.operator.spec import InferenceDeploymentSpec, InvalidSpec, parse_spec
+from pagefleet.operator.spec import ROLES, InferenceDeploymentSpec, InvalidSpec, parse_spec
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class Outcome:
     status_patch: dict[str, Any]
     kv: KVSummary
     invalid: InvalidSpec | None = None
+    pools: dict[str, KVSummary] = field(default_factory=dict)  # a disaggregated model's, by role
 
 
 def is_subset(wanted: Any, actual: Any) -> bool:
@@ -107,46 +108,76 @@ async def reconcile(runtime: Runtime, body: Any) -> Outcome:
         return Outcome(None, [], status.changed_fields(current_status, wanted), KVSummary.of([]), invalid)
 
     applied: list[str] = []
-    deployment: dict[str, Any] = {}
+    deployments: dict[str, dict[str, Any]] = {}  # by name
     for desired in manifests.desired_objects(owner, spec, runtime.settings):
         held, action = await apply(runtime.kube, desired)
+        name = desired["metadata"]["name"]
         if action is not None:
-            applied.append(f"{action} {desired['kind']} {owner.namespace}/{owner.name}")
+            applied.append(f"{action} {desired['kind']} {owner.namespace}/{name}")
         if desired["kind"] == "Deployment":
-            deployment = held
+            deployments[name] = held
+    applied += await _delete_other_layouts(runtime.kube, owner, spec)
     name = manifests.served_model_name(owner, spec)
     try:
-        kv = KVSummary.of(await read_records(runtime.redis, name))
+        records = await read_records(runtime.redis, name)
     except (RedisError, OSError) as error:  # the objects are still applied; KV figures unknown
         logger.warning("cannot read the replicas of %s from Redis: %s", name, error)
-        kv = KVSummary.of([])
-    wanted = _wanted_status(owner, spec, deployment, kv, current_status.get("conditions", []), generation)
-    return Outcome(spec, applied, status.changed_fields(current_status, wanted), kv)
+        records = []
+    roles = manifests.deployment_names(owner, spec)
+    pools = {role: KVSummary.of_role(records, role) for role in roles if role is not None}
+    kv = pools.get("decode", KVSummary.of(records))  # a disaggregated model's KV lives on its decode pool
+    by_role: dict[str | None, dict[str, Any]] = {role: deployments.get(name, {}) for role, name in roles.items()}
+    wanted = _wanted_status(owner, spec, by_role, kv, pools, current_status.get("conditions", []), generation)
+    return Outcome(spec, applied, status.changed_fields(current_status, wanted), kv, pools=pools)
+
+
+async def _delete_other_layouts(kube: KubeApi, owner: manifests.Owner, spec: InferenceDeploymentSpec) -> list[str]:
+    """Delete the engine Deployments of the layout the spec left (colocated <-> pools)."""
+    wanted = set(manifests.deployment_names(owner, spec).values())
+    deleted = []
+    for role in (None, *ROLES):
+        name = manifests.deployment_name(owner, role)
+        if name in wanted:
+            continue
+        current = await kube.get(DEPLOYMENTS, owner.namespace, name)
+        owners = (current or {}).get("metadata", {}).get("ownerReferences", [])
+        if any(ref.get("uid") == owner.uid for ref in owners):
+            await kube.delete(DEPLOYMENTS, owner.namespace, name)
+            deleted.append(f"deleted Deployment {owner.namespace}/{name}")
+    return deleted
 
 
 def _wanted_status(
     owner: manifests.Owner,
     spec: InferenceDeploymentSpec,
-    deployment: dict[str, Any],
+    deployments: dict[str | None, dict[str, Any]],
     kv: KVSummary,
+    pools: dict[str, KVSummary],
     conditions: list[dict[str, Any]],
     generation: int | None,
 ) -> dict[str, Any]:
-    state = deployment.get("status", {}) or {}
-    ready = state.get("readyReplicas", 0) or 0
+    """The status of the resource; a disaggregated one's counts are both pools' together,
+    with each pool's own under `pools`."""
+    desired = {role: spec.pool(role).replicas if role else spec.replicas for role in deployments}
+    deployment = status.combined_deployment(list(deployments.values()))
+    state = deployment["status"]
+    ready = state["readyReplicas"]
+    target = spec.pool("decode").autoscaling if pools else spec.autoscaling
     wanted = {
         "servedModelName": manifests.served_model_name(owner, spec),
-        "replicas": state.get("replicas", 0) or 0,
+        "replicas": state["replicas"],
         "readyReplicas": ready,
-        "readyText": f"{ready}/{spec.replicas}",
+        "readyText": f"{ready}/{sum(desired.values())}",
         "selector": manifests.selector_text(owner),
         "kv": status.kv_status(kv),
         "conditions": status.merge_conditions(
             conditions,
-            status.conditions_for(spec.replicas, deployment, kv, spec.autoscaling.target_kv_utilization),
+            status.conditions_for(sum(desired.values()), deployment, kv, target.target_kv_utilization),
             generation,
         ),
     }
+    if pools:
+        wanted["pools"] = {role: status.pool_status(desired[role], deployments[role], pools[role]) for role in pools}
     if generation is not None:
         wanted["observedGeneration"] = generation
     return wanted

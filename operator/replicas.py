@@ -19,6 +19,7 @@ class KVSummary:
     total_blocks: int
     mean_utilization: float  # the mean of each replica's used fraction of blocks
     waiting_requests: int
+    waiting_prompt_tokens: int = 0
 
     @classmethod
     def of(cls, records: list[ReplicaRecord]) -> KVSummary:
@@ -30,7 +31,13 @@ class KVSummary:
             total_blocks=sum(r.total_blocks for r in records),
             mean_utilization=sum(r.kv_usage for r in records) / len(records),
             waiting_requests=sum(r.waiting for r in records),
+            waiting_prompt_tokens=sum(r.waiting_prompt_tokens for r in records),
         )
+
+    @classmethod
+    def of_role(cls, records: list[ReplicaRecord], role: str | None) -> KVSummary:
+        """The summary of one pool's replicas (None: all of them)."""
+        return cls.of([r for r in records if role is None or r.role == role])
 
 
 async def read_records(client: redis.Redis, model: str) -> list[ReplicaRecord]:

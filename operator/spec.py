@@ -98,6 +98,8 @@ class Autoscaling(_Spec):
     target_kv_utilization: float = Field(0.7, gt=0, le=1, alias="targetKVUtilization")
     scale_up_stabilization_window_seconds: int = Field(0, ge=0, le=3600)
     scale_down_stabilization_window_seconds: int = Field(300, ge=0, le=3600)
+    # A prefill pool scales on this instead: queued prompt tokens per replica it aims at.
+    target_waiting_prompt_tokens: int = Field(4096, ge=1, le=10_000_000)
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
@@ -120,6 +122,25 @@ class EnvVar(_Spec):
     value_from: dict[str, Any] | None = None
 
 
+ROLES = ("prefill", "decode")
+
+
+class Pool(_Spec):
+    """One side of a disaggregated model; resources and engine default to the spec's own."""
+
+    replicas: int = Field(1, ge=0, le=1000)
+    resources: Resources | None = None
+    engine: EngineSettings | None = None
+    autoscaling: Autoscaling = Field(default_factory=lambda: Autoscaling.model_validate({}))
+
+
+class Disaggregation(_Spec):
+    """Prompts on the prefill pool, tokens on the decode pool, KV blocks pulled between them."""
+
+    prefill: Pool = Field(default_factory=lambda: Pool.model_validate({}))
+    decode: Pool = Field(default_factory=lambda: Pool.model_validate({}))
+
+
 class InferenceDeploymentSpec(_Spec):
     model: ModelSource
     served_model_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -132,12 +153,36 @@ class InferenceDeploymentSpec(_Spec):
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
     env: list[EnvVar] = []
+    disaggregation: Disaggregation | None = None
 
     @model_validator(mode="after")
     def _devices(self) -> InferenceDeploymentSpec:
         if self.engine.tensor_parallel_size > 1 and self.resources.gpus < self.engine.tensor_parallel_size:
             raise ValueError("engine.tensorParallelSize needs at least as many resources.gpus")
+        if self.disaggregation is not None:
+            if self.autoscaling.enabled:
+                raise ValueError("autoscaling: with disaggregation, autoscale each pool (disaggregation.*.autoscaling)")
+            prefill, decode = (self.pool(role).engine for role in ROLES)
+            if (prefill.block_size, prefill.dtype) != (decode.block_size, decode.dtype):
+                raise ValueError(
+                    "disaggregation: the prefill and decode pools need the same engine.blockSize and engine.dtype "
+                    "(their KV blocks move between them)"
+                )
         return self
+
+    def pool(self, role: str) -> InferenceDeploymentSpec:
+        """The spec of one pool of a disaggregated model, as if it were a model of its own."""
+        assert self.disaggregation is not None, "only a disaggregated model has pools"
+        pool: Pool = getattr(self.disaggregation, role)
+        return self.model_copy(
+            update={
+                "replicas": pool.replicas,
+                "resources": pool.resources or self.resources,
+                "engine": pool.engine or self.engine,
+                "autoscaling": pool.autoscaling,
+                "disaggregation": None,
+            }
+        )
 
 
 class InvalidSpec(ValueError):

@@ -105,6 +105,37 @@ def changed_fields(current: dict[str, Any], wanted: dict[str, Any]) -> dict[str,
     return {key: value for key, value in wanted.items() if current.get(key) != value}
 
 
+def combined_deployment(deployments: list[dict[str, Any]]) -> dict[str, Any]:
+    """One Deployment's worth of status for several (a disaggregated model's pools): counts
+    added, conditions of each, rolled out only when each is."""
+    counts = ("replicas", "readyReplicas", "updatedReplicas")
+    states = [d.get("status", {}) or {} for d in deployments]
+    rolled_out = all(
+        (s.get("observedGeneration", 0) or 0) >= (d.get("metadata", {}).get("generation", 0) or 0)
+        for d, s in zip(deployments, states, strict=True)
+    )
+    return {
+        "metadata": {"generation": 0 if rolled_out else 1},
+        "status": {
+            **{name: sum(s.get(name, 0) or 0 for s in states) for name in counts},
+            "observedGeneration": 0,
+            "conditions": [c for s in states for c in s.get("conditions", []) or []],
+        },
+    }
+
+
+def pool_status(desired: int, deployment: dict[str, Any], kv: KVSummary) -> dict[str, Any]:
+    state = deployment.get("status", {}) or {}
+    ready = state.get("readyReplicas", 0) or 0
+    return {
+        "replicas": state.get("replicas", 0) or 0,
+        "readyReplicas": ready,
+        "readyText": f"{ready}/{desired}",
+        "kv": kv_status(kv),
+        "waitingPromptTokens": kv.waiting_prompt_tokens,
+    }
+
+
 def kv_status(kv: KVSummary) -> dict[str, Any]:
     return {
         "freeBlocks": kv.free_blocks,

@@ -83,6 +83,9 @@ def test_the_crd_passes_the_official_schema_and_every_example_passes_the_crd() -
         ({"model": {"builtin": "smollm2-135m-instruct", "path": "/w"}}, "spec.model"),
         ({"model": {}}, "spec.model"),
         ({"model": {"builtin": "smollm2-135m-instruct", "volume": {"claimName": "c"}}}, "spec.model"),
+        ({"disaggregation": {"decode": {"engine": {"blockSize": 32}}}}, "spec"),
+        ({"disaggregation": {"prefill": {"engine": {"dtype": "bfloat16"}}}}, "spec"),
+        ({"disaggregation": {}, "autoscaling": {"enabled": True}}, "spec"),
     ],
 )
 def test_cel_rules_hold_in_pydantic_where_the_json_schema_alone_lets_them_pass(
@@ -151,3 +154,31 @@ def test_engine_arguments_follow_the_spec() -> None:
     assert limits["nvidia.com/gpu"] == 1
     two_gib = parse_spec({"model": {"builtin": "smollm2-135m-instruct"}, "engine": {"kvCacheMemory": "2Gi"}})
     assert two_gib.engine.kv_cache_bytes_or_fraction == 2 * 2**30
+
+
+def test_a_disaggregated_spec_builds_one_deployment_per_pool_with_its_role() -> None:
+    spec = parse_spec(
+        {
+            "model": {"builtin": "smollm2-135m-instruct"},
+            "engine": {"blockSize": 32},
+            "disaggregation": {"prefill": {"replicas": 2}, "decode": {"replicas": 3, "resources": {"cpu": "4"}}},
+        }
+    )
+    objects = manifests.desired_objects(OWNER, spec, OperatorSettings())
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    assert set(deployments) == {"smollm2-prefill", "smollm2-decode"}
+    for role, replicas in (("prefill", 2), ("decode", 3)):
+        pod_set = deployments[f"smollm2-{role}"]
+        assert pod_set["spec"]["replicas"] == replicas
+        assert pod_set["spec"]["selector"]["matchLabels"][manifests.ROLE_LABEL] == role
+        args = pod_set["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--role") + 1] == role
+        assert args[args.index("--block-size") + 1] == "32"  # the spec's engine, shared by both pools
+        kubernetes_validate.validate(pod_set, K8S_VERSION, strict=True)
+    assert (
+        deployments["smollm2-decode"]["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"]
+        == "4"
+    )
+    # The Service and the PDB cover both pools.
+    service = next(o for o in objects if o["kind"] == "Service")
+    assert manifests.ROLE_LABEL not in service["spec"]["selector"]

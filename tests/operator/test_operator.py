@@ -282,3 +282,70 @@ def test_low_pressure_scales_down_only_after_the_window_and_never_below_min(
     assert len(scaled) == 1 and scaled[0].startswith("4 -> 2 replicas")  # to minReplicas, not below
     wait_for_reconciles(cluster, "idle", 2, operator)
     assert replicas_after_report() == 2
+
+
+def publish_role(
+    client: redis.Redis, model: str, replica_id: str, role: str, free: int, prompt_tokens: int = 0
+) -> None:
+    record = ReplicaRecord(
+        replica_id=replica_id, model=model, url=f"http://{replica_id}:8000", free_blocks=free, total_blocks=100,
+        block_size=16, running=1, waiting=0, max_model_len=2048, role=role, waiting_prompt_tokens=prompt_tokens,
+    )  # fmt: skip
+    client.set(record_key(model, replica_id), record.model_dump_json(), px=60_000)
+
+
+def test_a_disaggregated_model_becomes_two_pools_and_back(
+    operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
+) -> None:
+    publish_role(redis_client, "pd", "pd-p", "prefill", free=90, prompt_tokens=300)
+    publish_role(redis_client, "pd", "pd-d", "decode", free=40)
+    pools = {"prefill": {"replicas": 1}, "decode": {"replicas": 2, "resources": {"cpu": "3", "memory": "4Gi"}}}
+    client.create(resource("pd", resources={"cpu": "1"}, disaggregation=pools))
+    prefill = eventually(lambda: client.deployment("pd-prefill"))
+    decode = eventually(lambda: client.deployment("pd-decode"))
+    for pod_set, role, replicas in ((prefill, "prefill", 1), (decode, "decode", 2)):
+        assert pod_set["spec"]["replicas"] == replicas
+        assert pod_set["spec"]["selector"]["matchLabels"]["pagefleet.io/role"] == role
+        assert pod_set["spec"]["template"]["metadata"]["labels"]["pagefleet.io/role"] == role
+        args = pod_set["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--role") + 1] == role
+    resources = decode["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["cpu"] == "3"
+    assert prefill["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "1"
+    status = eventually(lambda: client.get("pd")["status"].get("pools"))
+    assert status["prefill"]["waitingPromptTokens"] == 300
+    assert status["decode"]["kv"]["freeBlocks"] == 40
+    assert status["prefill"]["readyText"] == "0/1" and status["decode"]["readyText"] == "0/2"
+    assert client.get("pd")["status"]["readyText"] == "0/3"
+    # Back to one colocated Deployment: the pools go.
+    client.patch("pd", {"spec": {"disaggregation": None}})
+    eventually(lambda: client.deployment("pd"))
+
+    def pools_gone() -> bool:
+        for name in ("pd-prefill", "pd-decode"):
+            try:
+                client.deployment(name)
+                return False
+            except Exception as error:  # the official client's 404
+                if getattr(error, "status", None) != 404:
+                    raise
+        return True
+
+    eventually(pools_gone)
+
+
+def test_the_prefill_pool_scales_on_queued_prompt_tokens(
+    operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
+) -> None:
+    publish_role(redis_client, "pdq", "pdq-p", "prefill", free=90, prompt_tokens=9000)
+    publish_role(redis_client, "pdq", "pdq-d", "decode", free=90)
+    autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetWaitingPromptTokens": 3000}
+    pools = {"prefill": {"replicas": 1, "autoscaling": autoscaling}, "decode": {"replicas": 1}}
+    client.create(resource("pdq", disaggregation=pools))
+    wanted = 3  # 9000 queued prompt tokens on one replica against 3000 per replica
+    eventually(
+        lambda: client.get("pdq")["spec"]["disaggregation"]["prefill"]["replicas"] == wanted,
+        timeout=3 * operator.reconcile_interval_s + 2,
+    )
+    eventually(lambda: client.deployment("pdq-prefill")["spec"]["replicas"] == wanted)
+    assert client.get("pdq")["spec"]["disaggregation"]["decode"]["replicas"] == 1
