@@ -88,6 +88,14 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         }
     },
     "a first model": {"models": [FIRST_MODEL]},
+    "a disaggregated model": {
+        "models": [
+            {
+                "name": "smollm2-pd",
+                "spec": yaml.safe_load((ROOT / "examples" / "smollm2-disaggregated.yaml").read_text())["spec"],
+            }
+        ]
+    },
     "api keys from an existing secret": {"gateway": {"apiKeys": {"enabled": True, "existingSecret": "keys"}}},
     "api keys created by the chart": {
         "gateway": {
