@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, Field
@@ -35,7 +36,14 @@ class ModelSpec(BaseModel):
     name: str = Field(description="the served model name clients send")
     model: str = Field(description="built-in name, HF directory or .gguf file")
     replicas: int = Field(1, ge=1)
+    role: Literal["prefill", "decode", "both"] = Field(
+        "both",
+        description="prefill/decode disaggregation: a model listed with prefill and decode entries is served split",
+    )
     flags: list[str] = Field(default_factory=list, description="extra `pagefleet serve` flags")
+
+    def replica_id(self, index: int) -> str:
+        return f"{self.name}-{index}" if self.role == "both" else f"{self.name}-{self.role}-{index}"
 
 
 class FleetSpec(BaseModel):
@@ -144,10 +152,10 @@ class Fleet:
         )
 
     def start_engine(self, model: ModelSpec, index: int, port: int) -> str:
-        replica = f"{model.name}-{index}"
+        replica = model.replica_id(index)
         command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", model.model]
         command += ["--served-model-name", model.name, "--replica-id", replica, "--host", self.spec.host]
-        command += ["--port", str(port), "--redis-url", self.redis_url, *model.flags]
+        command += ["--port", str(port), "--redis-url", self.redis_url, "--role", model.role, *model.flags]
         self.spawn(replica, command)
         return f"http://{self.spec.host}:{port}"
 
@@ -234,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         for model in spec.models:
             for index in range(model.replicas):
                 url = fleet.start_engine(model, index, port)
-                engines.append((f"{model.name}-{index}", url))
+                engines.append((model.replica_id(index), url))
                 port += 1
                 if len(engines) == 1:  # the first converts and caches shared weights for the rest
                     _say(f"loading {model.name} (the first start converts its weights once, ~30 s)")

@@ -131,3 +131,41 @@ def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Pat
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_up_serves_a_model_declared_with_prefill_and_decode_roles_disaggregated(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    gateway_port = free_port()
+    fleet = tmp_path / "fleet.yaml"
+    engine = '["--dtype", "float32", "--num-kv-blocks", "128"]'
+    fleet.write_text(
+        f"redis_port: {free_port()}\ngateway_port: {gateway_port}\nfirst_engine_port: {free_port()}\n"
+        f"log_dir: {tmp_path / 'logs'}\nmodels:\n"
+        f"  - {{name: tiny-pd, model: {tiny_llama}, role: prefill, flags: {engine}}}\n"
+        f"  - {{name: tiny-pd, model: {tiny_llama}, role: decode, flags: {engine}}}\n"
+    )
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet.cli.main", "up", "--fleet", str(fleet), "--timeout", "240"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = _Lines(up)
+        lines.wait_for("fleet ready", timeout=240)
+        gateway = f"http://127.0.0.1:{gateway_port}"
+        body = {"model": "tiny-pd", "prompt": "the prompt's KV moves between replicas", "max_tokens": 4}
+        deadline = time.monotonic() + 10  # until the gateway has seen both roles
+        while (answer := httpx.post(f"{gateway}/v1/completions", json=body)).headers.get(
+            "x-pagefleet-prefill-replica"
+        ) is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        assert answer.headers["x-pagefleet-prefill-replica"] == "tiny-pd-prefill-0"
+        assert answer.headers["x-pagefleet-replica"] == "tiny-pd-decode-0"
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
