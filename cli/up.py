@@ -37,7 +37,7 @@ class ModelSpec(BaseModel):
     model: str = Field(description="built-in name, HF directory or .gguf file")
     replicas: int = Field(1, ge=1)
     role: Literal["prefill", "decode", "both"] = Field(
-        "both",
+        default="both",
         description="prefill/decode disaggregation: a model listed with prefill and decode entries is served split",
     )
     flags: list[str] = Field(default_factory=list, description="extra `pagefleet serve` flags")
