@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.kv_transfer.params import ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class EngineConfig:
                 "trust_remote_code",
                 "remote code is never run: only the built-in architectures are supported (leave it False)",
             )
-        if self.kv_role not in ("prefill", "decode", "both"):
+        if self.kv_role not in ROLES:
             fail("kv_role", f"must be prefill, decode or both; got {self.kv_role!r}")
         if self.kv_pin_timeout <= 0:
             fail("kv_pin_timeout", f"must be > 0 seconds, got {self.kv_pin_timeout}")

@@ -114,7 +114,7 @@ class Proxy:
         shape: RequestShape,
         request_id: bytes,
         phase: str,
-        extra: list[tuple[bytes, bytes]] = [],  # noqa: B006 (read only)
+        extra: tuple[tuple[bytes, bytes], ...] = (),
     ) -> Relay | None:
         """The first answer of a `phase` replica that is not a failure of its own, or None.
         A decode replica's 502 (its KV pull failed) is such a failure too."""
@@ -141,7 +141,7 @@ class Proxy:
             self.metrics.upstream_latency.labels(model, replica.replica_id).observe(time.monotonic() - started)
             self.metrics.requests.labels(model, replica.replica_id, str(upstream.status)).inc()
             headers_out = [(b"x-request-id", request_id), (b"x-pagefleet-replica", replica.replica_id.encode())]
-            return Relay(upstream, request_id.decode("latin-1"), headers_out + extra)
+            return Relay(upstream, request_id.decode("latin-1"), [*headers_out, *extra])
         return None
 
     async def _forward_disaggregated(
@@ -158,7 +158,7 @@ class Proxy:
         if transfer is None:  # its own error (the request's): the whole request says it again
             return None
         prefill_replica = dict(prefill.headers).get(b"x-pagefleet-replica", b"")
-        extra = [(b"x-pagefleet-prefill-replica", prefill_replica)]
+        extra = ((b"x-pagefleet-prefill-replica", prefill_replica),)
         return await self._forward(path, decode_body(payload, transfer), headers, shape, request_id, "decode", extra)
 
     async def _failed(self, route: Route, reason: str) -> None:

@@ -14,7 +14,6 @@ from pagefleet.engine.kv_transfer.params import (
     KVTransferError,
     RemoteKV,
     RemotePrefill,
-    wants_remote_decode,
 )
 
-__all__ = ["ROLES", "KVLayout", "KVTransferError", "RemoteKV", "RemotePrefill", "wants_remote_decode"]
+__all__ = ["ROLES", "KVLayout", "KVTransferError", "RemoteKV", "RemotePrefill"]

@@ -23,10 +23,6 @@ class KVTransferError(RuntimeError):
     """A transfer that cannot happen (unreachable replica, blocks gone, layouts that differ)."""
 
 
-def wants_remote_decode(params: dict[str, Any] | None) -> bool:
-    return bool(params and params.get("do_remote_decode"))
-
-
 @dataclass(slots=True, frozen=True)
 class RemotePrefill:
     """Where a decode replica pulls a prompt's KV from (a prefill replica's answer)."""

@@ -78,15 +78,14 @@ def _replica_record(gateway: str, replica_id: str) -> dict | None:
     return None
 
 
-def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
+def _start_up(tmp_path: Path, models: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """`pagefleet up` with a fleet.yaml of `models` (YAML flow mappings) on free ports;
+    the process and the gateway's URL."""
     gateway_port = free_port()
     fleet = tmp_path / "fleet.yaml"
-    engine = '["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "8"]'
     fleet.write_text(
         f"redis_port: {free_port()}\ngateway_port: {gateway_port}\nfirst_engine_port: {free_port()}\n"
-        f"log_dir: {tmp_path / 'logs'}\nmodels:\n"
-        f"  - {{name: tiny, model: {tiny_llama}, replicas: 1, flags: {engine}}}\n"
-        f"  - {{name: tiny-bf16, model: {tiny_llama}, replicas: 1, flags: {engine.replace('float32', 'bfloat16')}}}\n"
+        f"log_dir: {tmp_path / 'logs'}\nmodels:\n" + "".join(f"  - {model}\n" for model in models)
     )
     up = subprocess.Popen(
         [sys.executable, "-m", "pagefleet.cli.main", "up", "--fleet", str(fleet), "--timeout", "240"],
@@ -94,10 +93,21 @@ def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Pat
         stderr=subprocess.STDOUT,
         text=True,
     )
+    return up, f"http://127.0.0.1:{gateway_port}"
+
+
+def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
+    engine = '["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "8"]'
+    up, gateway = _start_up(
+        tmp_path,
+        [
+            f"{{name: tiny, model: {tiny_llama}, replicas: 1, flags: {engine}}}",
+            f"{{name: tiny-bf16, model: {tiny_llama}, replicas: 1, flags: {engine.replace('float32', 'bfloat16')}}}",
+        ],
+    )
     try:
         lines = _Lines(up)
         lines.wait_for("fleet ready", timeout=240)
-        gateway = f"http://127.0.0.1:{gateway_port}"
         models = {m["id"] for m in httpx.get(f"{gateway}/v1/models").json()["data"]}
         assert models == {"tiny", "tiny-bf16"}
         for model in models:
@@ -136,25 +146,17 @@ def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Pat
 def test_up_serves_a_model_declared_with_prefill_and_decode_roles_disaggregated(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
-    gateway_port = free_port()
-    fleet = tmp_path / "fleet.yaml"
     engine = '["--dtype", "float32", "--num-kv-blocks", "128"]'
-    fleet.write_text(
-        f"redis_port: {free_port()}\ngateway_port: {gateway_port}\nfirst_engine_port: {free_port()}\n"
-        f"log_dir: {tmp_path / 'logs'}\nmodels:\n"
-        f"  - {{name: tiny-pd, model: {tiny_llama}, role: prefill, flags: {engine}}}\n"
-        f"  - {{name: tiny-pd, model: {tiny_llama}, role: decode, flags: {engine}}}\n"
-    )
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pagefleet.cli.main", "up", "--fleet", str(fleet), "--timeout", "240"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    up, gateway = _start_up(
+        tmp_path,
+        [
+            f"{{name: tiny-pd, model: {tiny_llama}, role: prefill, flags: {engine}}}",
+            f"{{name: tiny-pd, model: {tiny_llama}, role: decode, flags: {engine}}}",
+        ],
     )
     try:
         lines = _Lines(up)
         lines.wait_for("fleet ready", timeout=240)
-        gateway = f"http://127.0.0.1:{gateway_port}"
         body = {"model": "tiny-pd", "prompt": "the prompt's KV moves between replicas", "max_tokens": 4}
         deadline = time.monotonic() + 10  # until the gateway has seen both roles
         while (answer := httpx.post(f"{gateway}/v1/completions", json=body)).headers.get(
