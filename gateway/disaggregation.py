@@ -6,7 +6,19 @@ what the prefill replica answered, to a decode replica that pulls the prompt's K
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
+
+PREFILL_REPLICA_HEADER = "x-pagefleet-prefill-replica"  # on answers: which replica ran the prompt
+
+
+@dataclass(slots=True, frozen=True)
+class Prefilled:
+    """A prompt computed on a prefill replica: where its KV waits, and which replica holds it."""
+
+    transfer: dict[str, Any]  # the prefill replica's kv_transfer_params
+    replica_id: str
+
 
 # What a prefill needs none of: the answer is one token, read by nobody but the gateway.
 _NOT_FOR_PREFILL = (

@@ -19,8 +19,10 @@ in the first message's `protocol_config`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -35,9 +37,11 @@ from grpc import aio
 
 from pagefleet.gateway import errors
 from pagefleet.gateway.core import RoutingCore
+from pagefleet.gateway.disaggregation import PREFILL_REPLICA_HEADER, decode_body
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.metrics import GatewayMetrics
-from pagefleet.gateway.routing import Route
+from pagefleet.gateway.proxy import Proxy, forwarded_headers
+from pagefleet.gateway.routing import Route, serves
 from pagefleet.gateway.shape import RequestShape
 from pagefleet.protocol.replica import ReplicaRecord
 
@@ -100,11 +104,19 @@ class Exchange:
     endpoints: list[ReplicaRecord] = field(default_factory=list)  # chosen first, then fallbacks
     picked_at: float = 0.0
     picked: bool = False
+    prefill_replica: str | None = None  # a disaggregated request's prompt ran there
 
 
 class EndpointPicker(ExternalProcessorServicer):
-    def __init__(self, core: RoutingCore, metrics: GatewayMetrics, fallbacks: int) -> None:
+    """`prefiller` runs a disaggregated model's prompts on its prefill replicas (the
+    gateway's own `Proxy.prefill`); Envoy then sends the request, with what the prefill
+    replica answered, to the decode replica the picker names."""
+
+    def __init__(
+        self, core: RoutingCore, metrics: GatewayMetrics, fallbacks: int, prefiller: Proxy | None = None
+    ) -> None:
         self.core, self.metrics, self.fallbacks = core, metrics, fallbacks
+        self.prefiller = prefiller
         self._releasing: set[asyncio.Task[None]] = set()
 
     async def Process(  # noqa: N802 (the gRPC method's name)
@@ -151,7 +163,10 @@ class EndpointPicker(ExternalProcessorServicer):
             if served is None:
                 return [ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())]
             # As through the gateway: the client sees which replica answered.
-            common = ext_proc.CommonResponse(header_mutation=_set_headers({REPLICA_HEADER: served.replica_id}))
+            said = {REPLICA_HEADER: served.replica_id}
+            if exchange.prefill_replica is not None:
+                said[PREFILL_REPLICA_HEADER] = exchange.prefill_replica
+            common = ext_proc.CommonResponse(header_mutation=_set_headers(said))
             return [ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse(response=common))]
         if kind == "response_body":
             if not exchange.duplex_response:
@@ -166,6 +181,7 @@ class EndpointPicker(ExternalProcessorServicer):
         """Admit and route the request; the answers that send it to its replica, or refuse it."""
         exchange.picked = True
         body = b"".join(exchange.body)
+        sent_body = body
         try:
             if not body:
                 self.core.admission.authorize(exchange.headers.get("authorization", ""))
@@ -176,13 +192,20 @@ class EndpointPicker(ExternalProcessorServicer):
                     exchange.headers.get("authorization", ""), body, chat=path == CHAT_PATH
                 )
                 exchange.shape = shape
-                exchange.route = await self._route(shape, self._subset(message))
-                exchange.endpoints = [exchange.route.replica, *self._fallbacks(shape, exchange.route.replica)]
+                phase = "whole"
+                if self.prefiller is not None and self.core.router.is_disaggregated(shape.model):
+                    sent_body, phase = await self._prefill(exchange, path, body, shape)
+                exchange.route = await self._route(shape, self._subset(message), phase)
+                fallbacks = self._fallbacks(shape, exchange.route.replica, phase)
+                exchange.endpoints = [exchange.route.replica, *fallbacks]
         except Refusal as refusal:  # admission and routing have counted it already
             return [refusal_response(refusal)]
         exchange.picked_at = time.monotonic()
         destination = ",".join(endpoint(record.url) for record in exchange.endpoints)
-        mutation = _set_headers({DESTINATION: destination})
+        headers = {DESTINATION: destination}
+        if sent_body is not body:  # the decode request: the body grew by the KV's whereabouts
+            headers["content-length"] = str(len(sent_body))
+        mutation = _set_headers(headers)
         common = ext_proc.CommonResponse(header_mutation=mutation, clear_route_cache=True)  # routes may match on it
         lb = Struct()
         lb.update({LB_NAMESPACE: {DESTINATION: destination}})
@@ -193,30 +216,53 @@ class EndpointPicker(ExternalProcessorServicer):
                 )
             ]
         if not exchange.duplex_request:
+            if sent_body is not body:
+                common.body_mutation.CopyFrom(ext_proc.BodyMutation(body=sent_body))
             return [
                 ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=common), dynamic_metadata=lb)
             ]
-        echo = ext_proc.StreamedBodyResponse(body=body, end_of_stream=True)
+        echo = ext_proc.StreamedBodyResponse(body=sent_body, end_of_stream=True)
         whole_body = ext_proc.CommonResponse(body_mutation=ext_proc.BodyMutation(streamed_response=echo))
         return [
             ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse(response=common), dynamic_metadata=lb),
             ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=whole_body)),
         ]
 
-    async def _route(self, shape: RequestShape, subset: set[str] | None) -> Route:
+    async def _prefill(self, exchange: Exchange, path: str, body: bytes, shape: RequestShape) -> tuple[bytes, str]:
+        """Run the prompt on a prefill replica: the decode request's body and "decode", or
+        the body as it came and "whole" when no prefill replica could (one replica then
+        runs it all)."""
+        assert self.prefiller is not None
+        request_id = exchange.headers.get("x-request-id") or uuid.uuid4().hex
+        pairs = [(k.encode(), v.encode("latin-1")) for k, v in exchange.headers.items() if not k.startswith(":")]
+        headers = forwarded_headers(pairs, request_id.encode())
+        payload = json.loads(body)
+        prefilled = await self.prefiller.prefill(path, payload, headers, shape, request_id.encode())
+        self.metrics.disaggregated.labels(shape.model, "paired" if prefilled else "fallback").inc()
+        if prefilled is None:
+            return body, "whole"
+        exchange.prefill_replica = prefilled.replica_id
+        return decode_body(payload, prefilled.transfer), "decode"
+
+    async def _route(self, shape: RequestShape, subset: set[str] | None, phase: str = "whole") -> Route:
         outside = set()
         if subset is not None:
             outside = {r.url for r in self.core.registry.candidates(shape.model) if endpoint(r.url) not in subset}
-        route = await self.core.router.pick(shape, outside)
+        route = await self.core.router.pick(shape, outside, phase)
+        if route is None and phase == "decode":  # the prompt's KV waits in vain: its pin times out
+            route = await self.core.router.pick(shape, outside)
         if route is None:
             raise self.metrics.refused(errors.no_replica(shape.model))
         return route
 
-    def _fallbacks(self, shape: RequestShape, chosen: ReplicaRecord) -> list[ReplicaRecord]:
-        """The next best replicas of the model by free blocks, for a proxy that retries."""
+    def _fallbacks(self, shape: RequestShape, chosen: ReplicaRecord, phase: str) -> list[ReplicaRecord]:
+        """The next best replicas of the model by free blocks that take this phase, for a
+        proxy that retries."""
         if not self.fallbacks:
             return []
-        others = [r for r in self.core.registry.candidates(shape.model) if r.url != chosen.url]
+        others = [
+            r for r in self.core.registry.candidates(shape.model) if r.url != chosen.url and serves(r.role, phase)
+        ]
         return sorted(others, key=lambda r: (-r.free_blocks, r.waiting))[: self.fallbacks]
 
     def _any_replica(self, subset: set[str] | None) -> list[ReplicaRecord]:

@@ -21,7 +21,9 @@ from prometheus_client import start_http_server
 from pagefleet.gateway.core import RoutingCore
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.picker import EndpointPicker
+from pagefleet.gateway.proxy import OutlierDetector, Proxy
 from pagefleet.gateway.settings import PickerSettings
+from pagefleet.gateway.upstream import UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,11 @@ async def serve(settings: PickerSettings, started: asyncio.Event | None = None) 
     core = RoutingCore(settings, metrics)
     await core.start()
     server = aio.server()
-    add_ExternalProcessorServicer_to_server(EndpointPicker(core, metrics, settings.fallbacks), server)
+    # Disaggregated models' prompts go to their prefill replicas from here (gateway/proxy.py).
+    outliers = OutlierDetector(core.registry, threshold=3, exclude_for=10.0)
+    pool = UpstreamPool(2.0, settings.prefill_timeout_s)
+    prefiller = Proxy(core.router, pool, outliers, metrics, settings.prefill_attempts)
+    add_ExternalProcessorServicer_to_server(EndpointPicker(core, metrics, settings.fallbacks, prefiller), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(f"{settings.host}:{settings.port}")
@@ -57,6 +63,7 @@ async def serve(settings: PickerSettings, started: asyncio.Event | None = None) 
         reporting.cancel()
         await health.enter_graceful_shutdown()
         await server.stop(grace=5)
+        pool.close()
         await core.close()
 
 

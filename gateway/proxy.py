@@ -18,11 +18,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 from starlette.types import Send
 
 from pagefleet.gateway import errors
-from pagefleet.gateway.disaggregation import decode_body, prefill_body, transfer_params
+from pagefleet.gateway.disaggregation import (
+    PREFILL_REPLICA_HEADER,
+    Prefilled,
+    decode_body,
+    prefill_body,
+    transfer_params,
+)
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import Route, Router
@@ -144,11 +151,12 @@ class Proxy:
             return Relay(upstream, request_id.decode("latin-1"), [*headers_out, *extra])
         return None
 
-    async def _forward_disaggregated(
-        self, path: str, body: bytes, headers: bytes, shape: RequestShape, request_id: bytes
-    ) -> Relay | None:
-        """Prefill, then decode; None when either finds no replica that does its part."""
-        payload = json.loads(body)
+    async def prefill(
+        self, path: str, payload: dict[str, Any], headers: bytes, shape: RequestShape, request_id: bytes
+    ) -> Prefilled | None:
+        """Run a disaggregated request's prompt on a prefill replica (failing over like any
+        request); None when none did. The picker calls this too, then lets Envoy send the
+        decode request."""
         prefill = await self._forward(path, prefill_body(payload), headers, shape, request_id, "prefill")
         if prefill is None:
             return None
@@ -157,9 +165,19 @@ class Proxy:
         transfer = transfer_params(answer) if prefill.upstream.status == 200 else None
         if transfer is None:  # its own error (the request's): the whole request says it again
             return None
-        prefill_replica = dict(prefill.headers).get(b"x-pagefleet-replica", b"")
-        extra = ((b"x-pagefleet-prefill-replica", prefill_replica),)
-        return await self._forward(path, decode_body(payload, transfer), headers, shape, request_id, "decode", extra)
+        return Prefilled(transfer, dict(prefill.headers).get(b"x-pagefleet-replica", b"").decode())
+
+    async def _forward_disaggregated(
+        self, path: str, body: bytes, headers: bytes, shape: RequestShape, request_id: bytes
+    ) -> Relay | None:
+        """Prefill, then decode; None when either finds no replica that does its part."""
+        payload = json.loads(body)
+        prefilled = await self.prefill(path, payload, headers, shape, request_id)
+        if prefilled is None:
+            return None
+        extra = ((PREFILL_REPLICA_HEADER.encode(), prefilled.replica_id.encode()),)
+        decode = decode_body(payload, prefilled.transfer)
+        return await self._forward(path, decode, headers, shape, request_id, "decode", extra)
 
     async def _failed(self, route: Route, reason: str) -> None:
         await route.release()

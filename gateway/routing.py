@@ -150,7 +150,8 @@ class PrefixPolicy:
         return Route(preferred)
 
 
-def _serves(role: str, phase: str) -> bool:
+def serves(role: str, phase: str) -> bool:
+    """Whether a replica of `role` takes requests of `phase` (prefill, decode or whole)."""
     return role == "prefill" if phase == "prefill" else role != "prefill"
 
 
@@ -206,7 +207,7 @@ class Router:
         if there is none left. `phase`: "prefill" (prefill replicas only, for the prompt),
         "decode" (decode replicas) or "whole" (the whole request: any replica but a prefill
         one, unless prefill replicas are all there is)."""
-        candidates = [r for r in self.registry.candidates(shape.model, skip=tried) if _serves(r.role, phase)]
+        candidates = [r for r in self.registry.candidates(shape.model, skip=tried) if serves(r.role, phase)]
         if not candidates and phase == "whole":
             candidates = self.registry.candidates(shape.model, skip=tried)
         if not candidates:

@@ -87,3 +87,7 @@ class PickerSettings(RoutingSettings):
         description="other replicas listed after the chosen one, for a proxy that retries down the list "
         "(Envoy's override_host policy); keep 0 for an ORIGINAL_DST cluster, which takes one address",
     )
+    prefill_attempts: int = Field(
+        3, ge=1, description="prefill replicas a disaggregated model's prompt may try before one replica runs it all"
+    )
+    prefill_timeout_s: float = seconds(300.0, "a prompt may take on its prefill replica")

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.envoy import render_config, start_envoy, start_picker
 from tests.processes import (
     EngineServer,
     GatewayProcess,
@@ -224,6 +225,35 @@ def _reachable(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code < 500
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.parametrize("body_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def test_envoy_with_the_picker_pairs_prefill_and_decode(pd: PDFleet, tmp_path: Path, body_mode: str) -> None:
+    """The picker runs the prompt on the prefill replica itself, then has Envoy send the
+    request, its body grown by the `kv_transfer_params`, to the decode replica."""
+    picker = start_picker(pd.redis.url, tmp_path / "picker.log")
+    picker_port = int(picker.address.split(":")[1])
+    fallback = int(pd.decode.url.rsplit(":", 1)[1])
+    envoy = start_envoy(render_config(picker_port, fallback, free_port(), free_port(), body_mode=body_mode), tmp_path)
+    try:
+        body = {"model": "tiny", "prompt": _prompt(40), "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        sent_before = _transferred(pd.prefill, "sent")
+        answer = _complete(envoy.url, body)
+        assert _texts(answer) == _texts(_complete(pd.colocated.url, body))
+        assert answer.headers["x-pagefleet-prefill-replica"] == "prefill-0"
+        assert answer.headers["x-pagefleet-replica"] == "decode-0"
+        assert _transferred(pd.prefill, "sent") - sent_before == 3
+        streamed = ""
+        with httpx.stream("POST", f"{envoy.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += json.loads(line[6:])["choices"][0]["text"]
+        assert [streamed] == _texts(answer)
+    finally:
+        stop_process(envoy.process)
+        stop_process(picker.process)
+    _all_idle(pd)
 
 
 def test_a_prefill_replica_killed_mid_request_leaves_complete_answers_or_clean_errors(pd: PDFleet) -> None:
