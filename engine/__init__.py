@@ -6,6 +6,7 @@ from pagefleet.engine.errors import EngineError, InvalidParameterError, PromptTo
 from pagefleet.engine.inputs import TextPrompt, TokensPrompt
 from pagefleet.engine.llm import LLM
 from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.stats import EngineStats
@@ -23,6 +24,7 @@ __all__ = [
     "InvalidParameterError",
     "LLMEngine",
     "Logprob",
+    "LoRARequest",
     "PromptTooLongError",
     "RequestOutput",
     "SamplingParams",

@@ -30,6 +30,7 @@ from pagefleet.engine.errors import EngineDeadError, RequestFailedError
 from pagefleet.engine.inputs import PromptType
 from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.stats import EngineStats
@@ -77,6 +78,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         remote_kv: RemoteKV | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that changed it; the last is final.
         `remote_kv`: the prompt's KV pulled from a prefill replica (see kv_transfer).
@@ -93,7 +95,7 @@ class AsyncEngine:
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            added: Future[Any] = self._adder.submit(self._add, request_id, prompt, params, remote_kv)
+            added: Future[Any] = self._adder.submit(self._add, request_id, prompt, params, remote_kv, lora_request)
         except RuntimeError as error:  # shut down
             self._queues.pop(request_id, None)
             raise EngineDeadError("the engine is shut down") from error
@@ -140,11 +142,20 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self._adder.shutdown(wait=False, cancel_futures=True)
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, remote_kv: RemoteKV | None) -> Any:
-        """Compile the request's structured-output constraint first, outside the lock (a
-        large schema must not stall the steps), then add it."""
+    def _add(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        remote_kv: RemoteKV | None,
+        lora_request: LoRARequest | None,
+    ) -> Any:
+        """Compile the request's structured-output constraint and read its adapter first,
+        outside the lock (a large schema or a new adapter must not stall the steps), then
+        add it."""
         self.engine.compile_grammar(params)
-        return self._locked(self.engine.add_request, request_id, prompt, params, remote_kv)
+        self.engine.add_lora(lora_request)
+        return self._locked(self.engine.add_request, request_id, prompt, params, remote_kv, lora_request)
 
     async def read_pinned(
         self, request_id: str, block_ids: list[int]

@@ -58,6 +58,9 @@ class EngineConfig:
             "decode" (requests whose prompt KV is pulled from a prefill replica).
         kv_pin_timeout: seconds a prefill replica keeps a finished prompt's blocks for a
             decode replica to pull before it frees them.
+        enable_lora: serve LoRA adapters (`LoRARequest`) over the base model, mixed in one
+            batch; `max_loras` adapters sit in device slots at once, of rank at most
+            `max_lora_rank`.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -82,6 +85,9 @@ class EngineConfig:
     trust_remote_code: bool = False
     kv_role: str = "both"
     kv_pin_timeout: float = 60.0
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         def fail(param: str, message: str) -> None:
@@ -119,6 +125,13 @@ class EngineConfig:
             )
         if self.kv_role not in ROLES:
             fail("kv_role", f"must be prefill, decode or both; got {self.kv_role!r}")
+        if self.max_loras < 1:
+            fail("max_loras", f"must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank not in (8, 16, 32, 64, 128, 256, 320, 512):
+            fail(
+                "max_lora_rank",
+                f"must be one of 8, 16, 32, 64, 128, 256, 320, 512 (as vLLM's); got {self.max_lora_rank}",
+            )
         if self.kv_pin_timeout <= 0:
             fail("kv_pin_timeout", f"must be > 0 seconds, got {self.kv_pin_timeout}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):

@@ -20,6 +20,7 @@ from pagefleet.engine.kv_cache_manager import KVCacheManager
 from pagefleet.engine.layers.attention import CacheSpec
 from pagefleet.engine.layers.backends import select_backend
 from pagefleet.engine.loader import resolve_model_dir
+from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pagefleet.engine.models import ModelConfig, load_model
 from pagefleet.engine.models.loading import CausalLM
@@ -38,6 +39,7 @@ class EngineParts:
     kv_cache: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner
+    lora: LoRAManager | None  # with enable_lora
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -89,6 +91,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         device,
         model_config.sliding_window,
     )
+    lora = None
+    if config.enable_lora:
+        lora = LoRAManager(model.lora_targets(), config.max_loras, config.max_lora_rank, dtype, device)
+        logger.info(
+            "LoRA: %d slots of rank <= %d, %.1f MiB each",
+            config.max_loras,
+            config.max_lora_rank,
+            lora.bytes_per_slot / 2**20,
+        )
     backend = select_backend(config.attention_backend, spec)
     logger.info("attention backend: %s", backend.name)
     runner = ModelRunner(
@@ -101,10 +112,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         dtype,
         device,
         config.seed,
+        lora,
     )
-    return EngineParts(
-        model_dir, tokenizer, model, model_config, max_model_len, kv_cache, Scheduler(config, kv_cache), runner
-    )
+    scheduler = Scheduler(config, kv_cache, lora)
+    return EngineParts(model_dir, tokenizer, model, model_config, max_model_len, kv_cache, scheduler, runner, lora)
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:

@@ -274,7 +274,7 @@ class KVCacheManager:
     def _extend_hashes(self, seq: Sequence, record: SequenceBlocks, num_blocks: int) -> None:
         while len(record.block_hashes) < num_blocks:
             index = len(record.block_hashes)
-            parent = record.block_hashes[-1] if record.block_hashes else 0
+            parent = record.block_hashes[-1] if record.block_hashes else seq.cache_salt
             record.block_hashes.append(hash((parent, self._block_tokens(seq, index))))
 
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:

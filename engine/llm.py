@@ -12,6 +12,7 @@ from pagefleet.engine.chat_template import Message, apply_chat_template
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.inputs import PromptType, is_single_prompt
 from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.stats import EngineStats
@@ -36,9 +37,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids). Invalid input raises ValueError
-        before anything runs."""
+        """Generate for every prompt (text or token ids), with `lora_request`'s adapter (one
+        for all prompts, or one per prompt; needs enable_lora=True). Invalid input raises
+        ValueError before anything runs."""
         single = is_single_prompt(prompts)
         prompt_list: list[PromptType] = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
         if sampling_params is None:
@@ -50,11 +53,14 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompt_list)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompt_list)} prompts")
         request_ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list, strict=True):
+            for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, lora_request=lora)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:
@@ -83,6 +89,13 @@ class LLM:
             ignore_eos=ignore_eos,
         )
         return self.generate(prompts, params, use_tqdm)
+
+    def list_loras(self) -> list[str]:
+        """The adapters loaded (read from disk), by name."""
+        return self.engine.list_loras()
+
+    def remove_lora(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

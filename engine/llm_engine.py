@@ -23,6 +23,7 @@ from pagefleet.engine.inputs import PromptType, parse_prompt
 from pagefleet.engine.kv_transfer.connector import KVConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.kv_transfer.pins import PinnedPrompt, PinnedPrompts
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.model_runner import RequestResults, SampleRequest
 from pagefleet.engine.output_processor import OutputProcessor
 from pagefleet.engine.outputs import RequestOutput
@@ -46,6 +47,12 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
             if ids and ids not in variants:
                 variants.append(ids)
     return variants
+
+
+def lora_cache_salt(lora_request: LoRARequest) -> int:
+    """The first link of an adapter's prefix-cache hash chains: two adapters (or an adapter
+    and the base model) never share KV blocks."""
+    return hash(("lora", lora_request.lora_name))
 
 
 def worst_case_blocks(num_prompt_tokens: int, max_tokens: int, num_sequences: int, block_size: int) -> int:
@@ -81,6 +88,7 @@ class LLMEngine:
         self.kv_cache = self.parts.kv_cache
         self.scheduler = self.parts.scheduler
         self.runner = self.parts.runner
+        self.lora = self.parts.lora
         self.outputs = OutputProcessor(
             Detokenizer(self.tokenizer), self.parts.model_config.eos_token_ids, self.max_model_len
         )
@@ -97,12 +105,18 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, remote_kv: RemoteKV | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        remote_kv: RemoteKV | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue a request; `prompt` in any shape of `inputs.PromptType`.
         `remote_kv`: its prompt's KV pulled from a prefill replica (a decode replica's
         request); `params.extra_args["kv_transfer_params"]` with `do_remote_decode` makes it
         a prefill replica's request, whose prompt blocks stay pinned for a pull.
+        `lora_request`: the adapter to run with (the engine needs enable_lora=True).
 
         Raises:
             InvalidParameterError: (ValueError) naming the field, e.g. an empty prompt or a
@@ -119,6 +133,7 @@ class LLMEngine:
         token_ids = self.prompt_token_ids(prompt, params)
         self._validate_prompt(token_ids)
         self._check_kv_role(params, remote_kv, token_ids)
+        self.add_lora(lora_request)
         self._prepare_token_constraints(params)
         grammar = self.compile_grammar(params)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
@@ -131,6 +146,10 @@ class LLMEngine:
             max_tokens,
             shares_prompt=self.config.enable_block_sharing,
         )
+        if lora_request is not None:
+            request.lora_request = lora_request
+            for seq in request.sequences:
+                seq.cache_salt = lora_cache_salt(lora_request)
         if remote_kv is not None and request.prompt_logprobs is None:
             request.remote_kv = remote_kv  # prompt logprobs need the prompt computed here
         if params.use_beam_search:
@@ -143,6 +162,25 @@ class LLMEngine:
         self.scheduler.add(request)
         self._num_prompt_tokens += len(token_ids)
         return request
+
+    def add_lora(self, lora_request: LoRARequest | None) -> None:
+        """Read the adapter from disk if it is new (callers may do it ahead, off the lock).
+
+        Raises:
+            InvalidParameterError: LoRA is off, or the adapter cannot be served.
+        """
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise InvalidParameterError("lora_request", "LoRA is off: start the engine with enable_lora=True")
+        self.lora.add(lora_request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter (running requests finish with it); False if it was not loaded."""
+        return self.lora.remove(name) if self.lora is not None else False
+
+    def list_loras(self) -> list[str]:
+        return self.lora.loaded() if self.lora is not None else []
 
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The compiled structured-output constraint of `params` (None without one); cached,
@@ -404,7 +442,7 @@ class LLMEngine:
         for continuation in continuations:
             parent = beams[continuation.parent]
             if any(child is parent for child in children):
-                child = Sequence(0, list(parent.token_ids), parent.num_prompt_tokens)
+                child = Sequence(0, list(parent.token_ids), parent.num_prompt_tokens, cache_salt=parent.cache_salt)
                 child.grammar = parent.grammar.fork() if parent.grammar is not None else None
                 self.kv_cache.fork(parent, child)
             else:

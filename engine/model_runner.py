@@ -20,6 +20,7 @@ from pagefleet.engine.layers.attention import (
     StepLayout,
     allocate_kv_cache,
 )
+from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.loading import CausalLM
 from pagefleet.engine.request import Sequence
@@ -73,8 +74,10 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model, self.model_config, self.backend = model, model_config, backend
+        self.lora = lora
         self.block_size, self.device = block_size, device
         shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
 
@@ -125,6 +128,8 @@ class ModelRunner:
         is that request's `error`.
         """
         input_ids, positions, metadata, last_rows = self._build_batch(chunks)
+        if self.lora is not None:
+            self.lora.set_batch([slot for c in chunks for slot in [c.request.lora_slot_index] * c.num_new_tokens])
         hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
         results: dict[str, RequestResults] = {}
 

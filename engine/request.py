@@ -28,6 +28,7 @@ import torch
 
 from pagefleet.engine.beam_search import BeamSearchState
 from pagefleet.engine.kv_transfer.params import RemoteKV
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import PositionLogprobs
 from pagefleet.engine.sampling_params import SamplingParams
 
@@ -60,6 +61,7 @@ class Sequence:
     text: str = ""
     generator: torch.Generator | None = None
     grammar: Any = None  # its structured-output matcher (xgrammar), if the request has a constraint
+    cache_salt: int = 0  # starts its prefix-cache hash chain: an adapter's KV is its own
     # Incremental detokenizer cursors into token_ids (see detokenizer.py).
     prefix_offset: int = 0
     read_offset: int = 0
@@ -106,6 +108,8 @@ class Request:
     # into the first blocks when the request is admitted (then dropped).
     remote_kv: RemoteKV | None = None
     kv_transfer_params: dict[str, Any] | None = None  # for the caller: how to pull this prompt's KV
+    lora_request: LoRARequest | None = None  # the adapter it runs with
+    lora_slot: int | None = None  # its adapter's slot while the scheduler holds one for it
 
     def __post_init__(self) -> None:
         num_prompt = len(self.prompt_token_ids)
@@ -171,6 +175,11 @@ class Request:
         if self.beam is not None:
             return self.beam.done
         return all(seq.is_finished for seq in self.sequences)
+
+    @property
+    def lora_slot_index(self) -> int:
+        """Its adapter's slot for the forward pass (-1: the base model)."""
+        return -1 if self.lora_slot is None else self.lora_slot
 
     @property
     def wants_remote_decode(self) -> bool:

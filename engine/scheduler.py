@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.kv_cache_manager import KVCacheManager, PendingCopies
+from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.request import Request, RequestStatus, Sequence
 
 logger = logging.getLogger(__name__)
@@ -68,9 +69,10 @@ class Scheduler:
     - Invariant: at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences a step.
     """
 
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, lora: LoRAManager | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.lora = lora
         self.waiting: list[Request] = []  # sorted by arrival_index
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
@@ -92,6 +94,7 @@ class Scheduler:
             self.kv_cache.release_host_blocks(request)
         else:
             self.kv_cache.free_request(request)
+        self._release_adapter(request)
         request.status = RequestStatus.FINISHED
 
     def schedule(self) -> SchedulePlan:
@@ -126,15 +129,19 @@ class Scheduler:
             request = self.waiting[0]
             if self.num_running_seqs + request.num_seq_slots > self.config.max_num_seqs:
                 break
+            if not self._hold_adapter(request):
+                break  # every adapter slot is held by running requests of other adapters
             starts_afresh = request.status == RequestStatus.WAITING and not self.kv_cache.block_table(
                 request.sequences[0]
             )
             remote = request.remote_kv if starts_afresh else None
             if request.status == RequestStatus.SWAPPED:
                 if not self._try_swap_in(request):
+                    self._release_adapter(request)
                     break
             elif remote is not None:
                 if not self.kv_cache.take_remote_prefix(request.sequences[0], remote):
+                    self._release_adapter(request)
                     break
             elif starts_afresh:
                 self._take_prefix_hits(request)
@@ -142,6 +149,7 @@ class Scheduler:
             if scheduled is None:
                 if starts_afresh:
                     self.kv_cache.free(request.sequences[0])  # give back prefix hits or remote blocks
+                self._release_adapter(request)
                 break  # strict FCFS: a later request may not overtake the head of the queue
             if remote is not None:
                 self.kv_cache.queue_load(request.sequences[0], remote)
@@ -150,6 +158,18 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= scheduled
+
+    def _hold_adapter(self, request: Request) -> bool:
+        """Its adapter in a slot (loaded now if it must be); False if no slot is free."""
+        if request.lora_request is None or request.lora_slot is not None or self.lora is None:
+            return True
+        request.lora_slot = self.lora.acquire(request.lora_request.lora_name)
+        return request.lora_slot is not None
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.lora_slot is not None and self.lora is not None:
+            self.lora.release(request.lora_slot)
+            request.lora_slot = None
 
     def _take_prefix_hits(self, request: Request) -> None:
         if request.prompt_logprobs is not None:
@@ -219,6 +239,7 @@ class Scheduler:
             request.reset_fork()
             request.status = RequestStatus.WAITING
             self.stats.num_preemptions_recompute += 1
+        self._release_adapter(request)
         logger.info("preempted request %s by %s", request.request_id, "swap" if swap else "recompute")
         plan.preempted.append(request)
         self.add(request)

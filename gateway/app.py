@@ -53,7 +53,13 @@ def fleet_routes(registry: ReplicaRegistry, metrics: GatewayMetrics) -> APIRoute
     @routes.get("/v1/models")
     async def models() -> dict[str, Any]:
         data = [
-            {"id": name, "object": "model", "owned_by": "pagefleet", "replicas": len(registry.by_model[name])}
+            {
+                "id": name,
+                "object": "model",
+                "owned_by": "pagefleet",
+                "replicas": len(registry.candidates(name)),
+                **({"parent": parent} if (parent := registry.parent(name)) else {}),
+            }
             for name in registry.models()
         ]
         return {"object": "list", "data": data}

@@ -66,7 +66,7 @@ setInterval(refresh, 1000);
 def dashboard_data(registry: ReplicaRegistry, requests_by_model: dict[str, float]) -> dict[str, Any]:
     models = []
     for name in registry.models():
-        replicas = sorted(registry.by_model[name], key=lambda r: r.replica_id)
+        replicas = sorted(registry.candidates(name), key=lambda r: r.replica_id)
         models.append(
             {
                 "name": name,

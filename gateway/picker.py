@@ -193,6 +193,8 @@ class EndpointPicker(ExternalProcessorServicer):
                 )
                 exchange.shape = shape
                 phase = "whole"
+                if self.prefiller is not None:
+                    await self.prefiller.ensure_adapter(shape, self._forwarded(exchange))
                 if self.prefiller is not None and self.core.router.is_disaggregated(shape.model):
                     sent_body, phase = await self._prefill(exchange, path, body, shape)
                 exchange.route = await self._route(shape, self._subset(message), phase)
@@ -234,15 +236,21 @@ class EndpointPicker(ExternalProcessorServicer):
         runs it all)."""
         assert self.prefiller is not None
         request_id = exchange.headers.get("x-request-id") or uuid.uuid4().hex
-        pairs = [(k.encode(), v.encode("latin-1")) for k, v in exchange.headers.items() if not k.startswith(":")]
-        headers = forwarded_headers(pairs, request_id.encode())
         payload = json.loads(body)
+        headers = self._forwarded(exchange, request_id)
         prefilled = await self.prefiller.prefill(path, payload, headers, shape, request_id.encode())
         self.metrics.disaggregated.labels(shape.model, "paired" if prefilled else "fallback").inc()
         if prefilled is None:
             return body, "whole"
         exchange.prefill_replica = prefilled.replica_id
         return decode_body(payload, prefilled.transfer), "decode"
+
+    @staticmethod
+    def _forwarded(exchange: Exchange, request_id: str = "") -> bytes:
+        """The client's headers as header lines for a call the picker makes itself."""
+        request_id = request_id or exchange.headers.get("x-request-id") or uuid.uuid4().hex
+        pairs = [(k.encode(), v.encode("latin-1")) for k, v in exchange.headers.items() if not k.startswith(":")]
+        return forwarded_headers(pairs, request_id.encode())
 
     async def _route(self, shape: RequestShape, subset: set[str] | None, phase: str = "whole") -> Route:
         outside = set()

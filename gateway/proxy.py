@@ -15,6 +15,7 @@ upstream connection, which aborts the request on the replica (`until_disconnecte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -102,7 +103,11 @@ class Proxy:
         A model with prefill and decode replicas is served disaggregated: the prompt on a
         prefill replica, then the request on a decode replica that pulls the prompt's KV.
         If that fails before the first byte (no prefill replica left, a failed pull), one
-        replica runs the whole request."""
+        replica runs the whole request.
+
+        A LoRA adapter that no live replica serves but the catalog knows is loaded first on
+        the best replica of its base model."""
+        await self.ensure_adapter(shape, headers)
         if self.router.is_disaggregated(shape.model):
             relay = await self._forward_disaggregated(path, body, headers, shape, request_id)
             self.metrics.disaggregated.labels(shape.model, "paired" if relay else "fallback").inc()
@@ -178,6 +183,33 @@ class Proxy:
         extra = ((PREFILL_REPLICA_HEADER.encode(), prefilled.replica_id.encode()),)
         decode = decode_body(payload, prefilled.transfer)
         return await self._forward(path, decode, headers, shape, request_id, "decode", extra)
+
+    async def ensure_adapter(self, shape: RequestShape, headers: bytes) -> None:
+        """If `shape.model` is a LoRA adapter that the catalog knows but no live replica
+        serves, load it on the replica of its base model that the policy picks; a failure
+        is logged (the request then finds no replica). The picker calls this too."""
+        unserved = self.router.registry.unserved_adapter(shape.model)
+        if unserved is None:
+            return
+        base, adapter_path = unserved
+        route = await self.router.pick(dataclasses.replace(shape, model=base), set())
+        if route is None:
+            return
+        await route.release()  # the request itself reserves when it is routed
+        replica = route.replica
+        body = json.dumps({"lora_name": shape.model, "lora_path": adapter_path}).encode()
+        try:
+            answer = await self.pool.post(replica.url, "/v1/load_lora_adapter", body, headers)
+            text = await answer.read()
+            answer.release()
+        except (UpstreamError, TimeoutError) as exc:
+            logger.warning("could not load adapter %s on %s: %r", shape.model, replica.replica_id, exc)
+            return
+        if answer.status == 200 or b"already been loaded" in text:
+            logger.info("loaded adapter %s on %s (no replica served it)", shape.model, replica.replica_id)
+            self.router.registry.note_adapter(replica.url, shape.model)
+        else:
+            logger.warning("replica %s refused adapter %s: %s", replica.replica_id, shape.model, text[:300])
 
     async def _failed(self, route: Route, reason: str) -> None:
         await route.release()

@@ -5,6 +5,11 @@ Records older than their TTL are dropped at each refresh. If Redis becomes unrea
 last good view is kept for `grace` seconds, then the registry reports itself unavailable.
 A model whose replicas all went away stays known for `forget_after` seconds (its requests
 get 503 "retry shortly", not 404 "no such model", while it restarts), then is forgotten.
+
+LoRA adapters are models too: a request names one in `model`, and its candidates are the
+replicas whose records list it. The catalog (`pagefleet:lora:<base model>`: adapter ->
+path, written by the replicas that loaded one) says where an adapter no replica serves now
+can be loaded from.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import redis.asyncio as redis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from pagefleet.protocol.replica import ReplicaRecord, model_pattern
+from pagefleet.protocol.replica import CATALOG_PREFIX, ReplicaRecord, model_pattern
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,8 @@ class ReplicaRegistry:
         self.client = client
         self.refresh_interval, self.ttl, self.grace, self.forget_after = refresh_interval, ttl, grace, forget_after
         self.by_model: dict[str, list[ReplicaRecord]] = {}
+        self.by_adapter: dict[str, list[ReplicaRecord]] = {}
+        self.catalog: dict[str, tuple[str, str]] = {}  # adapter -> (base model, its path)
         self._last_seen: dict[str, float] = {}  # model -> monotonic time it last had a replica
         self.last_refresh: float | None = None  # monotonic time of the last good refresh
         self._excluded: dict[str, float] = {}  # replica url -> monotonic time it may be used again
@@ -49,12 +56,28 @@ class ReplicaRegistry:
                 continue
             if record.is_fresh(now, self.ttl):
                 by_model.setdefault(record.model, []).append(record)
-        self.by_model = by_model
+        by_adapter: dict[str, list[ReplicaRecord]] = {}
+        for records in by_model.values():
+            for record in records:
+                for adapter in record.adapters:
+                    by_adapter.setdefault(adapter, []).append(record)
+        self.by_model, self.by_adapter = by_model, by_adapter
+        self.catalog = await self._read_catalog()
         self.last_refresh = time.monotonic()
         self._last_seen.update(dict.fromkeys(by_model, self.last_refresh))
         forgotten = [m for m, seen in self._last_seen.items() if self.last_refresh - seen > self.forget_after]
         for model in forgotten:
             del self._last_seen[model]
+
+    async def _read_catalog(self) -> dict[str, tuple[str, str]]:
+        keys = [key async for key in self.client.scan_iter(match=f"{CATALOG_PREFIX}*", count=1000)]
+        catalog = {}
+        for key in keys:
+            base = (key.decode() if isinstance(key, bytes) else key).removeprefix(CATALOG_PREFIX)
+            entries: dict[bytes, bytes] = await self.client.hgetall(key)  # type: ignore[assignment]
+            for name, path in entries.items():
+                catalog[name.decode()] = (base, path.decode())
+        return catalog
 
     async def run(self) -> None:
         """Refresh until cancelled; Redis errors are logged once per outage."""
@@ -75,17 +98,43 @@ class ReplicaRegistry:
         return self.last_refresh is not None and time.monotonic() - self.last_refresh <= self.grace
 
     def models(self) -> list[str]:
-        return sorted(model for model, records in self.by_model.items() if records)
+        """The base models and the adapters served now."""
+        return sorted(model for model, records in (self.by_model | self.by_adapter).items() if records)
+
+    def parent(self, model: str) -> str | None:
+        """The base model of an adapter (None for a base model)."""
+        if model in self.by_model:
+            return None
+        records = self.by_adapter.get(model)
+        if records:
+            return records[0].model
+        known = self.catalog.get(model)
+        return known[0] if known else None
+
+    def unserved_adapter(self, model: str) -> tuple[str, str] | None:
+        """(base model, path) of an adapter in the catalog that no live replica serves."""
+        if self.by_adapter.get(model) or model in self.by_model:
+            return None
+        return self.catalog.get(model)
+
+    def note_adapter(self, url: str, adapter: str) -> None:
+        """A replica just loaded `adapter` (its next report will say so too)."""
+        for records in self.by_model.values():
+            for record in records:
+                if record.url == url and adapter not in record.adapters:
+                    record.adapters.append(adapter)
+                    self.by_adapter.setdefault(adapter, []).append(record)
 
     def is_known(self, model: str) -> bool:
-        """Served now, or lately enough that it is likely coming back."""
-        return model in self._last_seen
+        """Served now, or lately enough that it is likely coming back; or an adapter served
+        now or in the catalog."""
+        return model in self._last_seen or bool(self.by_adapter.get(model)) or model in self.catalog
 
     def candidates(self, model: str, skip: set[str] = frozenset()) -> list[ReplicaRecord]:  # type: ignore[assignment]
         now = time.monotonic()
         return [
             record
-            for record in self.by_model.get(model, [])
+            for record in self.by_model.get(model) or self.by_adapter.get(model, [])
             if record.url not in skip and self._excluded.get(record.url, 0.0) <= now
         ]
 

@@ -23,6 +23,7 @@ _INDEX_POINTERS = {
     "cu_seqlens_ptr": "*i32",
     "slot_mapping_ptr": "*i64",
     "block_mapping_ptr": "*i64",
+    "slots_ptr": "*i64",
 }
 _DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
@@ -30,6 +31,7 @@ _DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
     """(name, @triton.jit function, constexpr values) for every kernel."""
     from pagefleet.kernels.copy_blocks import _copy_blocks_kernel
+    from pagefleet.kernels.lora import _lora_expand_kernel, _lora_shrink_kernel
     from pagefleet.kernels.paged_attention_decode import DEFAULT_TILE_N, _paged_attention_decode_kernel
     from pagefleet.kernels.paged_attention_prefill import DEFAULT_BLOCK_M, _paged_attention_prefill_kernel
     from pagefleet.kernels.reshape_and_cache import _reshape_and_cache_kernel
@@ -43,6 +45,8 @@ def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
             {"BLOCK_M": DEFAULT_BLOCK_M, "BLOCK_D": 128, "TILE_N": DEFAULT_TILE_N},
         ),
         ("copy_blocks", _copy_blocks_kernel, {"BLOCK_S": 16, "BLOCK_D": 128}),
+        ("lora_shrink", _lora_shrink_kernel, {"BLOCK_R": 64, "BLOCK_K": 128}),
+        ("lora_expand", _lora_expand_kernel, {"BLOCK_R": 64, "BLOCK_O": 128}),
     ]
 
 

@@ -34,6 +34,7 @@ class ReplicaRecord(BaseModel):
         "both", description="prefill/decode disaggregation: what this replica does (docs/disaggregation.md)"
     )
     waiting_prompt_tokens: int = Field(0, ge=0, description="prompt tokens of its queued requests")
+    adapters: list[str] = Field(default_factory=list, description="LoRA adapters it serves now, by name")
     timestamp: float = Field(default_factory=time.time, description="Unix time of this report")
 
     @property
@@ -46,6 +47,14 @@ class ReplicaRecord(BaseModel):
 
 def record_key(model: str, replica_id: str) -> str:
     return f"{KEY_PREFIX}{model}:{replica_id}"
+
+
+CATALOG_PREFIX = "pagefleet:lora:"
+
+
+def catalog_key(model: str) -> str:
+    """The hash of the LoRA adapters known for a base model: adapter name -> its path."""
+    return f"{CATALOG_PREFIX}{model}"
 
 
 def model_pattern(model: str = "*") -> str:

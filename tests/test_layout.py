@@ -99,3 +99,17 @@ def test_the_engine_core_never_imports_its_server() -> None:
         if not path.startswith("engine/server/")
     }
     assert {path: names for path, names in core.items() if names} == {}
+
+
+def test_every_subpackage_is_listed_for_a_wheel() -> None:
+    """An editable install finds folders by itself; a wheel (the images) ships only the
+    packages pyproject.toml lists."""
+    import tomllib
+
+    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(settings["packages"])
+    for package, folder in settings["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder)
+            name = ".".join([package, *relative.parts])
+            assert name in listed, f"{name} is missing from [tool.setuptools] packages"

@@ -8,9 +8,14 @@ a torch without oneDNN) it is plain `F.linear`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagefleet.engine.lora.layer import LoRALayer
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -21,13 +26,15 @@ def frozen_parameter(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T + bias. `weight` may be shared (tied embeddings)."""
+    """y = x @ weight.T + bias. `weight` may be shared (tied embeddings). With `lora` set
+    (multi-LoRA serving), each token row also gets its own adapter's delta."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = frozen_parameter(out_features, in_features)
         self.bias = frozen_parameter(out_features) if bias else None
         self._packed: torch.Tensor | None = None
+        self.lora: LoRALayer | None = None
 
     def pack(self) -> None:
         """Prepack the weight for oneDNN (after weights are loaded and cast)."""
@@ -37,8 +44,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
+from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import WeightLoader
 
@@ -81,6 +82,16 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        """PEFT's GPT-2 modules: the fused c_attn, c_proj, and the MLP's c_fc and c_proj."""
+        targets = {}
+        for i, block in enumerate(self.h):
+            assert isinstance(block, GPT2Block)
+            modules = {"attn.c_attn": block.qkv, "attn.c_proj": block.o, "mlp.c_fc": block.fc, "mlp.c_proj": block.proj}
+            for name, linear in modules.items():
+                targets[f"transformer.h.{i}.{name}"] = LoRATarget(linear, 0, 1, 0, linear.weight.shape[0])
+        return targets
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

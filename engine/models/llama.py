@@ -18,6 +18,7 @@ from pagefleet.engine.layers.fused import rotary, silu_and_mul
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.layers.rotary import RotaryEmbedding
+from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import WeightLoader
 
@@ -123,6 +124,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> float32 logits [n, vocab]."""
         return self.lm_head(hidden).float()
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        """The checkpoint's q/k/v/o and gate/up/down projections, in our fused ones."""
+        targets = {}
+        hidden, intermediate = self.config.hidden_size, self.config.intermediate_size
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            attn, mlp, hf = layer.self_attn, layer.mlp, f"model.layers.{i}."
+            q, kv = attn.q_size, attn.kv_size
+            for segment, (name, start, end) in enumerate((("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv))):
+                targets[hf + f"self_attn.{name}_proj"] = LoRATarget(attn.qkv_proj, segment, 3, start, end)
+            targets[hf + "self_attn.o_proj"] = LoRATarget(attn.o_proj, 0, 1, 0, hidden)
+            targets[hf + "mlp.gate_proj"] = LoRATarget(mlp.gate_up_proj, 0, 2, 0, intermediate)
+            targets[hf + "mlp.up_proj"] = LoRATarget(mlp.gate_up_proj, 1, 2, intermediate, 2 * intermediate)
+            targets[hf + "mlp.down_proj"] = LoRATarget(mlp.down_proj, 0, 1, 0, hidden)
+        return targets
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

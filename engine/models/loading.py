@@ -16,6 +16,7 @@ from torch import nn
 from pagefleet.engine.errors import ModelNotFoundError
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.linear import pack_linears
+from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def lora_targets(self) -> dict[str, LoRATarget]: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 

@@ -31,6 +31,7 @@ from pagefleet.engine.server.chat import chat_prompt, create_chat_completion
 from pagefleet.engine.server.completions import create_completion
 from pagefleet.engine.server.errors import OpenAIError, install_error_handlers
 from pagefleet.engine.server.kv_transfer import KVTransfers, add_kv_routes
+from pagefleet.engine.server.lora import Adapters, add_lora_routes, parse_lora_modules
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.publisher import CapacityPublisher
 from pagefleet.engine.server.settings import ServerSettings
@@ -107,9 +108,12 @@ async def _no_receive() -> Message:
 
 
 async def _load(state: ServerState, engine: AsyncEngine | None) -> None:
-    """Load the model (in a thread), warm it up with one token, then mark ready."""
+    """Load the model (in a thread) and the adapters of --lora-modules, warm it up with one
+    token, then mark ready."""
     try:
         loaded: AsyncEngine = engine or await asyncio.to_thread(AsyncEngine, state.settings.engine_config())
+        for name, path in parse_lora_modules(state.settings.lora_modules):
+            await state.adapters.load(loaded, name, path)
         async for _ in loaded.generate("Hello", SamplingParams(max_tokens=1, temperature=0.0)):
             pass
         state.engine = loaded
@@ -133,7 +137,7 @@ def create_app(
     """
     state: ServerState
     metrics = ServerMetrics(settings.model_name, lambda: _stats(state))
-    state = ServerState(settings, metrics, KVTransfers(settings, metrics))
+    state = ServerState(settings, metrics, KVTransfers(settings, metrics), Adapters(settings.model_name))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -175,6 +179,7 @@ def create_app(
                     settings.record_ttl,
                     settings.restarts,
                     settings.role,
+                    state.adapters.paths,
                 )
                 publishing = asyncio.create_task(publisher.run())
                 tasks.append(publishing)
@@ -197,6 +202,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     _add_routes(app, state)
     add_kv_routes(app, state.transfers, lambda: state.ready_engine(None))
+    add_lora_routes(app, state.adapters, lambda: state.ready_engine(None))
     return app
 
 
@@ -229,7 +235,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 "max_model_len": state.engine.max_model_len if state.engine else None,
             }
         ]
-        return {"object": "list", "data": data}
+        max_model_len = state.engine.max_model_len if state.engine else None
+        return {"object": "list", "data": data + state.adapters.model_cards(state.created, max_model_len)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:

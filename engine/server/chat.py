@@ -65,7 +65,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             )
         extra["structured_outputs"] = constraint
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
-    stream = await first_and_rest(generate(state.metrics, engine, chat_prompt(engine, body), params, state.transfers))
+    lora = state.adapters.request_for(body.model)
+    stream = await first_and_rest(
+        generate(state.metrics, engine, chat_prompt(engine, body), params, state.transfers, lora)
+    )
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     calling = tools if tools is not None and tools.parses_calls else None
     if body.stream:
@@ -93,7 +96,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             "id": response_id,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": state.settings.model_name,
+            "model": state.served_name(body.model),
             "choices": choices,
             "usage": usage([final]),
             "kv_transfer_params": final.kv_transfer_params,
@@ -124,7 +127,7 @@ async def _stream_answers(
 ) -> AsyncIterator[str]:
     """A tool-calling answer as a stream: whether the text is a call is known only at its
     end, so each choice is sent whole then (role, content or calls, finish reason)."""
-    chunk = ChunkWriter(response_id, "chat.completion.chunk", state.settings.model_name, include_usage)
+    chunk = ChunkWriter(response_id, "chat.completion.chunk", state.served_name(body.model), include_usage)
     final = await last_output(stream)
     for completion in final.outputs:
         i = completion.index
@@ -156,7 +159,7 @@ async def _stream(
     """Per choice: the role first, then content deltas, then the finish reason; then usage
     (if asked) and [DONE]. With `function` (a named tool choice) the text is that call's
     arguments: the first delta opens the call, the others carry its arguments."""
-    chunk = ChunkWriter(response_id, "chat.completion.chunk", state.settings.model_name, include_usage)
+    chunk = ChunkWriter(response_id, "chat.completion.chunk", state.served_name(body.model), include_usage)
     first: list[dict[str, Any]] = []
     for i in range(body.n):
         opening: dict[str, Any] = {"role": "assistant", "content": ""}

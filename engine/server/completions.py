@@ -93,7 +93,10 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
     prompts = _prompts(body)
     if body.kv_transfer_params and len(prompts) > 1:
         raise OpenAIError(400, "kv_transfer_params: a disaggregated request has one prompt", "kv_transfer_params")
-    streams = await start_all([generate(state.metrics, engine, prompt, params, state.transfers) for prompt in prompts])
+    lora = state.adapters.request_for(body.model)
+    streams = await start_all(
+        [generate(state.metrics, engine, prompt, params, state.transfers, lora) for prompt in prompts]
+    )
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -118,7 +121,7 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
             "id": response_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": state.settings.model_name,
+            "model": state.served_name(body.model),
             "choices": choices,
             "usage": usage(list(finals)),
             "kv_transfer_params": finals[0].kv_transfer_params,
@@ -142,7 +145,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     tracker = DeltaTracker()
     finals: dict[int, RequestOutput] = {}
-    chunk = ChunkWriter(response_id, "text_completion", state.settings.model_name, include_usage)
+    chunk = ChunkWriter(response_id, "text_completion", state.served_name(body.model), include_usage)
     async for prompt_index, output in merge(streams):
         choices = []
         for completion in output.outputs:

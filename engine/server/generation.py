@@ -12,6 +12,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.kv_transfer import KVTransfers
@@ -26,6 +27,7 @@ async def generate(
     prompt: str | list[int],
     params: SamplingParams,
     transfers: KVTransfers | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> Outputs:
     """The engine's outputs for one prompt, with latency metrics. Closing the generator
     early (a client gone) aborts the request and frees its blocks. With `transfers`, a
@@ -36,7 +38,7 @@ async def generate(
     if transfers is not None:
         prompt, remote_kv = await transfers.prepare(engine, prompt, params)  # type: ignore[assignment]
     request_id = f"req-{uuid.uuid4().hex}"
-    async with aclosing(engine.generate(prompt, params, request_id, remote_kv)) as outputs:
+    async with aclosing(engine.generate(prompt, params, request_id, remote_kv, lora_request)) as outputs:
         async for output in outputs:
             tokens = sum(len(c.token_ids) for c in output.outputs)
             if tokens > tokens_seen:

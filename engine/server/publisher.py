@@ -11,12 +11,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from pagefleet.engine.stats import EngineStats
-from pagefleet.protocol.replica import ReplicaRecord, record_key
+from pagefleet.protocol.replica import ReplicaRecord, catalog_key, record_key
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class CapacityPublisher:
         ttl: float,
         restarts: int = 0,
         role: str = "both",
+        adapters: Callable[[], dict[str, str]] = dict,
     ) -> None:
         self.client = redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.key = record_key(model_name, replica_id)
@@ -46,6 +48,8 @@ class CapacityPublisher:
         self.interval, self.ttl = interval, ttl
         self.restarts = restarts
         self.role = role
+        self.adapters = adapters
+        self._catalogued: dict[str, str] = {}
         self._last: EngineStats | None = None
         self._last_time = 0.0
         self._redis_down = False
@@ -64,6 +68,7 @@ class CapacityPublisher:
             restarts=self.restarts,
             role=self.role,
             waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
+            adapters=sorted(self.adapters()),
         )
 
     async def run(self) -> None:
@@ -87,6 +92,7 @@ class CapacityPublisher:
         self._last, self._last_time = stats, time.monotonic()
         try:
             await self.client.set(self.key, self.record(stats).model_dump_json(), px=int(self.ttl * 1000))
+            await self._catalogue()
         except (RedisError, OSError) as error:
             if not self._redis_down:
                 logger.warning("cannot publish to Redis (%s); serving on, will retry", error)
@@ -95,6 +101,15 @@ class CapacityPublisher:
         if self._redis_down:
             logger.info("Redis is reachable again; publishing")
         self._redis_down = False
+
+    async def _catalogue(self) -> None:
+        """Record new adapters' sources in the fleet's catalog (protocol/replica.py), so a
+        gateway can load them on another replica of this model."""
+        adapters = self.adapters()
+        new = {name: path for name, path in adapters.items() if self._catalogued.get(name) != path}
+        if new:
+            await self.client.hset(catalog_key(self.model_name), mapping=dict[Any, Any](new))
+            self._catalogued.update(new)
 
     async def remove(self) -> None:
         """Delete the record (graceful shutdown); best effort."""

@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.server.lora import parse_lora_modules
 from pagefleet.protocol.replica import PUBLISH_INTERVAL_S, RECORD_TTL_S
 
 
@@ -32,6 +33,9 @@ ENGINE_FIELDS = (
     "seed",
     "device",
     "attention_backend",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
 )
 
 
@@ -40,7 +44,10 @@ class ServerSettings(BaseSettings):
     as PAGEFLEET_ENGINE_<NAME> (e.g. PAGEFLEET_ENGINE_REDIS_URL)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="PAGEFLEET_ENGINE_", cli_kebab_case=True, cli_prog_name="pagefleet serve"
+        env_prefix="PAGEFLEET_ENGINE_",
+        cli_kebab_case=True,
+        cli_prog_name="pagefleet serve",
+        cli_implicit_flags=True,  # vLLM's --enable-lora, --no-enable-prefix-caching
     )
 
     model: str = Field(_default("model"), description="built-in name, HF directory or .gguf file")
@@ -68,6 +75,10 @@ class ServerSettings(BaseSettings):
         _default("kv_pin_timeout"), gt=0, description="seconds a prefilled prompt's blocks wait to be pulled"
     )
     kv_transfer_timeout: float = Field(30.0, gt=0, description="seconds a KV pull may take")
+    enable_lora: bool = Field(False, description="serve LoRA adapters over the base model (multi-LoRA)")
+    lora_modules: list[str] = Field(default_factory=list, description="adapters to serve from the start: name=path ...")
+    max_loras: int = Field(_default("max_loras"), description="adapters in device slots at once")
+    max_lora_rank: int = Field(_default("max_lora_rank"), description="the largest adapter rank served")
 
     dtype: str = _default("dtype")
     block_size: int = _default("block_size")
@@ -99,6 +110,9 @@ class ServerSettings(BaseSettings):
         except InvalidParameterError as error:
             flag = "--" + error.param.replace("_", "-")
             raise ValueError(f"{flag}: {str(error).removeprefix(error.param + ': ')}") from error
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules: needs --enable-lora")
+        parse_lora_modules(self.lora_modules)
         return self
 
     @property

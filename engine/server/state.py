@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.kv_transfer import KVTransfers
+from pagefleet.engine.server.lora import Adapters
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
 
@@ -17,20 +18,25 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
     transfers: KVTransfers
+    adapters: Adapters
     engine: AsyncEngine | None = None  # None until the model is loaded and warm
     load_error: BaseException | None = None
     exit_code: int = 0  # what the process exits with once the server stops (non-zero: the engine died)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ready_engine(self, model: str | None) -> AsyncEngine:
-        """The engine, once `model` is known to be ours; the right error otherwise."""
-        if model is not None and model != self.settings.model_name:
-            raise OpenAIError(
-                404, f"The model `{model}` does not exist; this server serves `{self.settings.model_name}`.", "model"
-            )
+        """The engine, once `model` (the base model or one of its adapters) is known to be
+        ours; the right error otherwise."""
+        if model is not None and model != self.settings.model_name and model not in self.adapters.by_name:
+            served = ", ".join(f"`{name}`" for name in [self.settings.model_name, *sorted(self.adapters.by_name)])
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves {served}.", "model")
         if self.engine is None:
             raise OpenAIError(503, "The model is still loading; retry shortly.", headers={"Retry-After": "5"})
         return self.engine
+
+    def served_name(self, model: str | None) -> str:
+        """The name an answer carries: the adapter's when one was asked for."""
+        return model if model is not None and model in self.adapters.by_name else self.settings.model_name
 
     def admit(self, engine: AsyncEngine) -> None:
         """Refuse a new request (503) while too many already wait."""

@@ -10,7 +10,14 @@ import pytest
 
 pytestmark = pytest.mark.triton
 
-KERNELS = ["reshape_and_cache", "paged_attention_decode", "paged_attention_prefill", "copy_blocks"]
+KERNELS = [
+    "reshape_and_cache",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "copy_blocks",
+    "lora_shrink",
+    "lora_expand",
+]
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80() -> None:

@@ -14,6 +14,7 @@ import torch
 
 from pagefleet.kernels.checks import KernelArgumentError
 from pagefleet.kernels.copy_blocks import copy_blocks, copy_blocks_torch
+from pagefleet.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
 from pagefleet.kernels.paged_attention_decode import paged_attention_decode, paged_attention_decode_torch
 from pagefleet.kernels.paged_attention_prefill import paged_attention_prefill, paged_attention_prefill_torch
 from pagefleet.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_torch
@@ -192,3 +193,30 @@ def test_launchers_reject_bad_tensors_clearly() -> None:
         reshape_and_cache(torch.randn(1, 2, 64), torch.randn(1, 2, 64), key_cache, value_cache, torch.zeros(1))
     with pytest.raises(KernelArgumentError, match="value_cache"):
         copy_blocks(key_cache, value_cache[:4], torch.tensor([[0, 1]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("in_features", "rank", "out_features"), [(64, 8, 96), (200, 48, 40)])
+def test_lora_shrink_and_expand_match_their_references(
+    dtype: torch.dtype, in_features: int, rank: int, out_features: int
+) -> None:
+    """A batch mixing three adapter slots and base-model rows (-1), in no order."""
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(11, in_features, generator=generator).to(dtype)
+    a = torch.randn(3, rank, in_features, generator=generator).to(dtype)
+    b = torch.randn(3, out_features, rank, generator=generator).to(dtype)
+    slots = torch.tensor([2, -1, 0, 2, 1, -1, 0, 0, 2, 1, -1])
+    shrunk, expected = lora_shrink(x, a, slots), lora_shrink_torch(x, a, slots)
+    torch.testing.assert_close(shrunk, expected, **TOLERANCE[dtype])
+    assert torch.all(shrunk[slots < 0] == 0)
+    y = torch.randn(11, out_features, generator=generator).to(dtype)
+    y_reference = y.clone()
+    lora_expand(expected, b, slots, y)
+    lora_expand_torch(expected, b, slots, y_reference)
+    # Sums of a rank's worth of products of O(10) terms: the order of additions shows at 1e-5.
+    scaled = {torch.float32: dict(atol=1e-3, rtol=1e-4), torch.bfloat16: dict(atol=0.5, rtol=2e-2)}
+    torch.testing.assert_close(y, y_reference, **scaled[dtype])
+    base = torch.randn(11, out_features, generator=generator).to(dtype)  # rows of no adapter stay as they were
+    untouched = base.clone()
+    lora_expand(expected, b, torch.full_like(slots, -1), untouched)
+    assert torch.equal(untouched, base)

@@ -1,0 +1,161 @@
+"""Multi-LoRA serving against PEFT: tiny random models of each family, two random adapters
+of different ranks (and different target modules), mixed in one batch with base-model
+requests; greedy output token for token as transformers + PEFT give it, and as the base
+model with the adapter merged into its weights gives it."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagefleet.engine import LLM, InvalidParameterError, LoRARequest, SamplingParams
+from tests.engine.helpers import assert_no_block_leaked, random_prompts
+
+FAMILIES = ["llama", "qwen2", "gpt2"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+# (rank, alpha, target modules) of the two adapters of each family.
+ADAPTERS = {
+    "gpt2": [(8, 16, ["c_attn", "c_proj", "c_fc"]), (4, 4, ["c_attn"])],
+    "default": [
+        (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        (4, 8, ["q_proj", "v_proj", "down_proj"]),
+    ],
+}
+
+
+def _base(model_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@cache
+def _adapter_dirs(model_dir: Path, arch: str) -> list[Path]:
+    """Two random PEFT adapters saved next to the model (B random too: PEFT would start it at 0)."""
+    from peft import LoraConfig, get_peft_model
+
+    dirs = []
+    for index, (rank, alpha, modules) in enumerate(ADAPTERS.get(arch, ADAPTERS["default"])):
+        torch.manual_seed(100 + index)
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=modules,
+            init_lora_weights=False,
+            fan_in_fan_out=arch == "gpt2",
+        )
+        peft_model = get_peft_model(_base(model_dir), config)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, 0.2)
+        target = model_dir.parent / f"{model_dir.name}-lora-{index}"
+        peft_model.save_pretrained(target)
+        dirs.append(target)
+    return dirs
+
+
+def _peft_greedy(model_dir: Path, adapter: Path | None, prompt: list[int], tokens: int) -> list[int]:
+    from peft import PeftModel
+
+    model = _base(model_dir)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_mixed_batch_equals_transformers_with_peft(tiny_models: dict[str, Path], arch: str) -> None:
+    model_dir = tiny_models[arch]
+    first, second = _adapter_dirs(model_dir, arch)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    adapters = [LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second)), None]
+    prompts = random_prompts([5, 17, 9, 30, 12, 3], vocab=300, seed=1)
+    loras = [adapters[i % 3] for i in range(len(prompts))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras)
+    for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
+        adapter = Path(lora.lora_path) if lora is not None else None
+        expected = _peft_greedy(model_dir, adapter, prompt, GREEDY.max_tokens or 0)
+        assert output.outputs[0].token_ids == expected, (arch, lora)
+    base = [o.outputs[0].token_ids for o, lora in zip(outputs, loras, strict=True) if lora is None]
+    adapted = [o.outputs[0].token_ids for o, lora in zip(outputs, loras, strict=True) if lora is not None]
+    assert base and adapted and set(map(tuple, adapted)) - set(map(tuple, base)), "the adapters changed nothing"
+    assert sorted(llm.list_loras()) == ["first", "second"]
+    assert_no_block_leaked(llm)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_an_adapter_equals_its_weights_merged_into_the_model(
+    tiny_models: dict[str, Path], arch: str, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+
+    model_dir = tiny_models[arch]
+    first, _ = _adapter_dirs(model_dir, arch)
+    merged = PeftModel.from_pretrained(_base(model_dir), first).merge_and_unload()
+    merged.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).exists():
+            (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 21], vocab=300, seed=2)]
+    served = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
+    with_adapter = served.generate(prompts, GREEDY, lora_request=LoRARequest("first", 1, str(first)))
+    folded = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64).generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in with_adapter] == [o.outputs[0].token_ids for o in folded]
+
+
+def test_one_slot_two_adapters_alternating_evict_and_reload_without_changing_outputs(
+    tiny_models: dict[str, Path],
+) -> None:
+    model_dir = tiny_models["llama"]
+    first, second = _adapter_dirs(model_dir, "llama")
+    adapters = [LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second))]
+    prompts = random_prompts([6, 11, 19, 4], vocab=300, seed=3)
+    roomy = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    loras = [adapters[i % 2] for i in range(len(prompts))]
+    expected = roomy.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras)
+    one_slot = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=1, max_lora_rank=8)
+    for _ in range(2):  # all in one batch, and again: the slot changes hands every time
+        got = one_slot.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    manager = one_slot.engine.lora
+    assert manager is not None and manager.num_loads >= 4, "one slot, two adapters: each load evicts the other"
+    assert_no_block_leaked(one_slot)
+
+
+def test_prefix_cache_never_shares_blocks_between_adapters(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["llama"]
+    first, second = _adapter_dirs(model_dir, "llama")
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompt = [{"prompt_token_ids": random_prompts([40], vocab=300, seed=4)[0]}]
+    one = SamplingParams(max_tokens=1, temperature=0)
+    a, b = LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second))
+    assert llm.generate(prompt, one, lora_request=a)[0].num_cached_tokens == 0
+    assert llm.generate(prompt, one, lora_request=a)[0].num_cached_tokens == 32  # its own blocks: hits
+    assert llm.generate(prompt, one, lora_request=b)[0].num_cached_tokens == 0  # another adapter: none
+    assert llm.generate(prompt, one)[0].num_cached_tokens == 0  # nor the base model
+    assert_no_block_leaked(llm)
+
+
+def test_bad_adapters_are_refused_clearly(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    model_dir = tiny_models["llama"]
+    first, _ = _adapter_dirs(model_dir, "llama")
+    prompt = [{"prompt_token_ids": [1, 2, 3]}]
+    with pytest.raises(InvalidParameterError, match="enable_lora"):
+        LLM(str(model_dir), dtype="float32", num_kv_blocks=16).generate(
+            prompt, lora_request=LoRARequest("x", 1, str(first))
+        )
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=16, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(InvalidParameterError, match="adapter_config.json"):
+        llm.generate(prompt, lora_request=LoRARequest("missing", 1, str(tmp_path)))
+    small = LLM(str(model_dir), dtype="float32", num_kv_blocks=16, enable_lora=True, max_lora_rank=8)
+    small.generate(prompt, lora_request=LoRARequest("first", 1, str(first)))
+    with pytest.raises(InvalidParameterError, match="already loaded"):
+        small.generate(prompt, lora_request=LoRARequest("first", 1, str(tmp_path)))
+    assert_no_block_leaked(llm)
+    assert_no_block_leaked(small)
