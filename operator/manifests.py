@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagefleet.operator.settings import OperatorSettings
-from pagefleet.operator.spec import MODELS_MOUNT, ROLES, InferenceDeploymentSpec
+from pagefleet.operator.spec import ADAPTERS_MOUNT, MODELS_MOUNT, ROLES, InferenceDeploymentSpec, LoRAAdapter
 
 GROUP, VERSION, KIND, PLURAL = "pagefleet.io", "v1alpha1", "InferenceDeployment", "inferencedeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -122,7 +122,20 @@ def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int, role: st
         args += ["--device", "cuda"]
     if role is not None:
         args += ["--role", role]
+    if spec.lora_adapters:
+        args += ["--enable-lora", "--max-loras", str(engine.max_loras), "--max-lora-rank", str(engine.max_lora_rank)]
+        for adapter in spec.lora_adapters:
+            args += ["--lora-modules", f"{adapter.name}={adapter_path(adapter)}"]
     return args + list(engine.extra_args)
+
+
+def adapter_path(adapter: LoRAAdapter) -> str:
+    """Where an adapter's directory is inside the engine container."""
+    source = adapter.source
+    if source.pvc is not None:
+        return f"{ADAPTERS_MOUNT}/{adapter.name}"
+    assert source.path is not None, "the spec has one source per adapter"
+    return source.path if source.path.startswith("/") else f"{MODELS_MOUNT}/{source.path}"
 
 
 def _resources(spec: InferenceDeploymentSpec) -> dict[str, Any]:
@@ -186,6 +199,14 @@ def _volumes(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True}})
         mount = {"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}
         mounts.append(mount | ({"subPath": source.sub_path} if source.sub_path else {}))
+    for index, adapter in enumerate(spec.lora_adapters):
+        claim = adapter.source.pvc
+        if claim is None:
+            continue
+        volume = f"adapter-{index}"
+        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim.claim_name, "readOnly": True}})
+        mount = {"name": volume, "mountPath": adapter_path(adapter), "readOnly": True}
+        mounts.append(mount | ({"subPath": claim.path} if claim.path else {}))
     if spec.resources.gpus:  # the engine's shared memory for CUDA IPC
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})

@@ -125,9 +125,12 @@ async def reconcile(runtime: Runtime, body: Any) -> Outcome:
         records = []
     roles = manifests.deployment_names(owner, spec)
     pools = {role: KVSummary.of_role(records, role) for role in roles if role is not None}
+    served = status.adapters_served(records, [role or "engine" for role in roles])
     kv = pools.get("decode", KVSummary.of(records))  # a disaggregated model's KV lives on its decode pool
     by_role: dict[str | None, dict[str, Any]] = {role: deployments.get(name, {}) for role, name in roles.items()}
     wanted = _wanted_status(owner, spec, by_role, kv, pools, current_status.get("conditions", []), generation)
+    if spec.lora_adapters or current_status.get("adapters"):
+        wanted["adapters"] = served
     return Outcome(spec, applied, status.changed_fields(current_status, wanted), kv, pools=pools)
 
 

@@ -76,6 +76,8 @@ class EngineSettings(_Spec):
     max_num_seqs: int = Field(64, ge=1, le=4096)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tensor_parallel_size: int = Field(1, ge=1, le=1)
+    max_loras: int = Field(4, ge=1, le=256)
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = 16
     extra_args: list[str] = []
 
     @property
@@ -123,6 +125,31 @@ class EnvVar(_Spec):
 
 
 ROLES = ("prefill", "decode")
+ADAPTERS_MOUNT = "/adapters"
+
+
+class AdapterClaim(_Spec):
+    claim_name: str = Field(min_length=1)
+    path: str | None = None  # inside the claim (its subPath)
+
+
+class AdapterSource(_Spec):
+    """A PEFT adapter directory: `path` on the model volume (relative) or in the image
+    (absolute), or a PersistentVolumeClaim of its own."""
+
+    path: str | None = Field(None, min_length=1)
+    pvc: AdapterClaim | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AdapterSource:
+        if (self.path is None) == (self.pvc is None):
+            raise ValueError("set exactly one of source.path and source.pvc")
+        return self
+
+
+class LoRAAdapter(_Spec):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+    source: AdapterSource
 
 
 class Pool(_Spec):
@@ -154,11 +181,19 @@ class InferenceDeploymentSpec(_Spec):
     tolerations: list[Toleration] = []
     env: list[EnvVar] = []
     disaggregation: Disaggregation | None = None
+    lora_adapters: list[LoRAAdapter] = []
 
     @model_validator(mode="after")
     def _devices(self) -> InferenceDeploymentSpec:
         if self.engine.tensor_parallel_size > 1 and self.resources.gpus < self.engine.tensor_parallel_size:
             raise ValueError("engine.tensorParallelSize needs at least as many resources.gpus")
+        names = [adapter.name for adapter in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ValueError("loraAdapters: adapter names must be unique")
+        if any(a.source.path and not a.source.path.startswith("/") for a in self.lora_adapters) and (
+            self.model.volume is None
+        ):
+            raise ValueError("loraAdapters: a relative source.path lies on model.volume, which is not set")
         if self.disaggregation is not None:
             if self.autoscaling.enabled:
                 raise ValueError("autoscaling: with disaggregation, autoscale each pool (disaggregation.*.autoscaling)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagefleet.operator.replicas import KVSummary
+from pagefleet.protocol.replica import ReplicaRecord
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "KVCachePressure")
 
@@ -134,6 +135,17 @@ def pool_status(desired: int, deployment: dict[str, Any], kv: KVSummary) -> dict
         "kv": kv_status(kv),
         "waitingPromptTokens": kv.waiting_prompt_tokens,
     }
+
+
+def adapters_served(records: list[ReplicaRecord], pools: list[str]) -> dict[str, list[str]]:
+    """Per pool ("engine" for a colocated model, else "prefill"/"decode"), the LoRA adapters
+    its live replicas serve."""
+    served: dict[str, set[str]] = {pool: set() for pool in pools}
+    for record in records:
+        pool = "engine" if "engine" in served else record.role
+        if pool in served:
+            served[pool].update(record.adapters)
+    return {pool: sorted(names) for pool, names in served.items()}
 
 
 def kv_status(kv: KVSummary) -> dict[str, Any]:

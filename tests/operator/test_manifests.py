@@ -86,6 +86,16 @@ def test_the_crd_passes_the_official_schema_and_every_example_passes_the_crd() -
         ({"disaggregation": {"decode": {"engine": {"blockSize": 32}}}}, "spec"),
         ({"disaggregation": {"prefill": {"engine": {"dtype": "bfloat16"}}}}, "spec"),
         ({"disaggregation": {}, "autoscaling": {"enabled": True}}, "spec"),
+        ({"loraAdapters": [{"name": "a", "source": {"path": "/a"}}, {"name": "a", "source": {"path": "/b"}}]}, "spec"),
+        (
+            {"model": {"builtin": "smollm2-135m-instruct"}, "loraAdapters": [{"name": "a", "source": {"path": "a"}}]},
+            "spec",
+        ),
+        (
+            {"loraAdapters": [{"name": "a", "source": {"path": "/a", "pvc": {"claimName": "c"}}}]},
+            "spec.loraAdapters.0.source",
+        ),
+        ({"loraAdapters": [{"name": "a", "source": {}}]}, "spec.loraAdapters.0.source"),
     ],
 )
 def test_cel_rules_hold_in_pydantic_where_the_json_schema_alone_lets_them_pass(
@@ -182,3 +192,32 @@ def test_a_disaggregated_spec_builds_one_deployment_per_pool_with_its_role() -> 
     # The Service and the PDB cover both pools.
     service = next(o for o in objects if o["kind"] == "Service")
     assert manifests.ROLE_LABEL not in service["spec"]["selector"]
+
+
+def test_lora_adapters_become_engine_flags_and_read_only_volumes() -> None:
+    spec = parse_spec(
+        {
+            "model": {"path": "base", "volume": {"claimName": "weights"}},
+            "engine": {"maxLoras": 3, "maxLoraRank": 32},
+            "loraAdapters": [
+                {"name": "sql", "source": {"path": "adapters/sql"}},
+                {"name": "chat", "source": {"path": "/opt/adapters/chat"}},
+                {"name": "support", "source": {"pvc": {"claimName": "tunes", "path": "support-v2"}}},
+            ],
+        }
+    )
+    (pod_set,) = [o for o in manifests.desired_objects(OWNER, spec, OperatorSettings()) if o["kind"] == "Deployment"]
+    kubernetes_validate.validate(pod_set, K8S_VERSION, strict=True)
+    pod = pod_set["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--max-loras") + 1] == "3" and args[args.index("--max-lora-rank") + 1] == "32"
+    assert "--enable-lora" in args
+    modules = [args[i + 1] for i, arg in enumerate(args) if arg == "--lora-modules"]
+    assert modules == ["sql=/models/adapters/sql", "chat=/opt/adapters/chat", "support=/adapters/support"]
+    claim = next(v for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == "tunes")
+    assert claim["persistentVolumeClaim"]["readOnly"] is True
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == claim["name"])
+    assert mount == {"name": claim["name"], "mountPath": "/adapters/support", "readOnly": True, "subPath": "support-v2"}
+    plain = parse_spec({"model": {"builtin": "smollm2-135m-instruct"}})
+    (plain_set,) = [o for o in manifests.desired_objects(OWNER, plain, OperatorSettings()) if o["kind"] == "Deployment"]
+    assert "--enable-lora" not in plain_set["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -349,3 +349,23 @@ def test_the_prefill_pool_scales_on_queued_prompt_tokens(
     )
     eventually(lambda: client.deployment("pdq-prefill")["spec"]["replicas"] == wanted)
     assert client.get("pdq")["spec"]["disaggregation"]["decode"]["replicas"] == 1
+
+
+def test_the_status_lists_the_adapters_each_pool_serves(
+    operator: OperatorSettings, client: Client, redis_client: redis.Redis
+) -> None:
+    for replica_id, adapters in (("tuned-0", ["sql"]), ("tuned-1", ["sql", "support"])):
+        record = ReplicaRecord(
+            replica_id=replica_id, model="tuned", url=f"http://{replica_id}:8000", free_blocks=50,
+            total_blocks=100, block_size=16, running=0, waiting=0, max_model_len=2048, adapters=adapters,
+        )  # fmt: skip
+        redis_client.set(record_key("tuned", replica_id), record.model_dump_json(), px=60_000)
+    adapters = [{"name": name, "source": {"path": f"/opt/adapters/{name}"}} for name in ("sql", "support")]
+    client.create(resource("tuned", loraAdapters=adapters))
+    args = eventually(lambda: client.deployment("tuned"))["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--lora-modules"] == [
+        "sql=/opt/adapters/sql",
+        "support=/opt/adapters/support",
+    ]
+    status = eventually(lambda: client.get("tuned")["status"].get("adapters"))
+    assert status == {"engine": ["sql", "support"]}
