@@ -355,8 +355,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._fail_unschedulable()
-        # The attention batch puts single-token chunks (decodes) first.
-        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
+        # The attention batch puts single-token chunks (decodes) first; within each kind,
+        # chunks of one LoRA adapter are neighbours, so its rows form one run.
+        chunks = sorted(plan.chunks, key=lambda c: (c.num_new_tokens != 1, c.request.lora_slot_index))
         samples = self._plan_samples(chunks)
         prompt_chunks = [i for i, c in enumerate(chunks) if c.request.wants_prompt_logprobs]
         self.runner.run_copies(plan.copies)

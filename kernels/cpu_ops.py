@@ -11,6 +11,8 @@ building and loading them.
   (`has_prefill()`).
 - `rms_norm`, `silu_and_mul`, `rotary` (csrc/cpu_fused.cpp; wrappers and references in
   pagefleet/engine/layers/fused.py): one pass where plain torch makes several.
+- `lora_add` (csrc/cpu_lora.cpp; wrapper and reference in pagefleet/engine/lora/layer.py):
+  every adapter's update to one projection of a multi-LoRA step in one call.
 
 Building: `torch.utils.cpp_extension` (g++ and ninja) compiles it once per torch version,
 instruction set and source into `$PAGEFLEET_CACHE_DIR/ops` (else `~/.cache/pagefleet/ops`),
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_fused.cpp", "cpu_paged.h", "cpu_vec.h")
+    for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_fused.cpp", "cpu_lora.cpp", "cpu_paged.h", "cpu_vec.h")
 ]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],

@@ -7,7 +7,8 @@ A row whose slot is -1 (the base model) gets zeros from shrink and is left alone
 One program per (token, output tile), like punica's BGMV; the adapter's rank is small
 (8-64 per projection), so a token's whole rank is one tile. `lora_shrink_torch` and
 `lora_expand_torch` are the references: they group the rows by slot and do two matmuls
-per adapter in the batch, which is also the CPU path.
+per adapter in the batch. The CPU path (engine/lora/layer.py) does the same sums on runs
+of consecutive rows, in place.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def _lora_expand_kernel(
     stride_xat,
     stride_bs,
     stride_bo,
+    stride_br,
     stride_yt,
     BLOCK_R: tl.constexpr,
     BLOCK_O: tl.constexpr,
@@ -73,7 +75,8 @@ def _lora_expand_kernel(
         ranks = tl.arange(0, BLOCK_R)
         xa = tl.load(xa_ptr + token * stride_xat + ranks, mask=ranks < rank, other=0.0).to(tl.float32)
         b_mask = (outs[:, None] < out_features) & (ranks[None, :] < rank)
-        b = tl.load(b_ptr + slot * stride_bs + outs[:, None] * stride_bo + ranks[None, :], mask=b_mask, other=0.0)
+        b_offsets = slot * stride_bs + outs[:, None] * stride_bo + ranks[None, :] * stride_br
+        b = tl.load(b_ptr + b_offsets, mask=b_mask, other=0.0)
         delta = tl.sum(b.to(tl.float32) * xa[None, :], axis=1)
         y = tl.load(y_ptr + token * stride_yt + outs, mask=outs < out_features, other=0.0)
         tl.store(y_ptr + token * stride_yt + outs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < out_features)
@@ -81,7 +84,7 @@ def _lora_expand_kernel(
 
 def _check(x: torch.Tensor, stack: torch.Tensor, slots: torch.Tensor, stack_name: str) -> None:
     check_tensor("x", x, 2, FLOAT_DTYPES)
-    check_tensor(stack_name, stack, 3, FLOAT_DTYPES, x.device)
+    check_tensor(stack_name, stack, 3, FLOAT_DTYPES, x.device, unit_last_stride=stack_name == "a")
     check_tensor("slots", slots, 1, INDEX_DTYPES, x.device)
     if slots.shape[0] != x.shape[0]:
         raise KernelArgumentError(f"slots: one per token row, got {slots.shape[0]} for {x.shape[0]} rows")
@@ -114,7 +117,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
 
 
 def lora_expand(xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor) -> None:
-    """y[t] += xa[t] @ b[slots[t]].T in place; xa: [tokens, rank], b: [slots, out, rank]."""
+    """y[t] += xa[t] @ b[slots[t]].T in place; xa: [tokens, rank], b: [slots, out, rank] (any
+    strides: the engine keeps B as [slots, rank, out] and passes its transpose)."""
     _check(xa, b, slots, "b")
     check_tensor("y", y, 2, FLOAT_DTYPES, xa.device)
     if b.shape[2] != xa.shape[1] or y.shape != (xa.shape[0], b.shape[1]):
@@ -132,33 +136,26 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch
         xa.stride(0),
         b.stride(0),
         b.stride(1),
+        b.stride(2),
         y.stride(0),
         BLOCK_R=triton.next_power_of_2(b.shape[2]),
         BLOCK_O=block_o,
     )
 
 
-def slot_groups(slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+def _slot_rows(slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """(slot, its token rows) for every slot >= 0 in `slots`."""
     present = torch.unique(slots[slots >= 0]).tolist()
     return [(int(slot), torch.nonzero(slots == slot).flatten()) for slot in present]
 
 
-def lora_shrink_torch(
-    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: list[tuple[int, torch.Tensor]] | None = None
-) -> torch.Tensor:
+def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
-    for slot, rows in groups if groups is not None else slot_groups(slots):
+    for slot, rows in _slot_rows(slots):
         out[rows] = (x[rows] @ a[slot].T).float()
     return out
 
 
-def lora_expand_torch(
-    xa: torch.Tensor,
-    b: torch.Tensor,
-    slots: torch.Tensor,
-    y: torch.Tensor,
-    groups: list[tuple[int, torch.Tensor]] | None = None,
-) -> None:
-    for slot, rows in groups if groups is not None else slot_groups(slots):
+def lora_expand_torch(xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor) -> None:
+    for slot, rows in _slot_rows(slots):
         y.index_add_(0, rows, (xa[rows].to(b.dtype) @ b[slot].T).to(y.dtype))

@@ -2,34 +2,46 @@
 
 A projection may fuse several of the checkpoint's (q, k and v; gate and up): each is a
 *segment* of its output rows. A slot holds, per segment, A ([rank, in]) in its own band of
-`a` ([slots, segments x max_rank, in]) and B ([rows, rank], scaled by alpha / r) in its
-rows and band of `b` ([slots, out, segments x max_rank]); B being block-diagonal, one
-shrink and one expand apply every segment's adapter at once.
+`a` ([slots, segments x max_rank, in]) and B's transpose ([rank, rows], scaled by alpha / r)
+in its band and rows of `b` ([slots, segments x max_rank, out]); the bands are packed at
+the adapter's own rank (segment i at [i x rank, (i + 1) x rank)) and the rest is zero.
+B being block-diagonal, the Triton kernels apply every segment's adapter in one shrink and
+one expand; the CPU paths skip the zeros instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from pagefleet.kernels.lora import lora_expand_torch, lora_shrink_torch, slot_groups
+from pagefleet.kernels import cpu_ops
 
 
 @dataclass(slots=True)
 class LoRABatch:
-    """Which slot each token row of this step uses (-1: the base model)."""
+    """Which slot each token row of this step uses (-1: the base model): per row for the
+    Triton kernels, and as runs of consecutive rows of one slot for the CPU paths (the
+    engine orders a step's chunks by slot, so a slot's rows are one or two runs)."""
 
     slots: torch.Tensor
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, rows), for the torch path
+    runs: list[tuple[int, int, int]]  # (slot, first row, end row)
+    run_table: torch.Tensor  # the runs as an int64 [R, 3] tensor, for the compiled operator
 
     @classmethod
     def of(cls, token_slots: list[int], device: torch.device) -> LoRABatch | None:
         """None when no row uses an adapter (nothing to add)."""
         if all(slot < 0 for slot in token_slots):
             return None
+        runs: list[tuple[int, int, int]] = []
+        start = 0
+        for row in range(1, len(token_slots) + 1):
+            if row == len(token_slots) or token_slots[row] != token_slots[start]:
+                if token_slots[start] >= 0:
+                    runs.append((token_slots[start], start, row))
+                start = row
         slots = torch.tensor(token_slots, dtype=torch.long, device=device)
-        return cls(slots, slot_groups(slots) if device.type != "cuda" else [])
+        return cls(slots, runs, torch.tensor(runs, dtype=torch.long).reshape(-1, 3))
 
 
 @dataclass(slots=True)
@@ -53,9 +65,11 @@ class LoRALayer:
     ) -> None:
         self.context = context
         self.segments, self.max_rank = segments, max_rank
+        self.segment_table = torch.tensor(segments, dtype=torch.long).reshape(-1, 2)
         width = len(segments) * max_rank
         self.a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out_features, width, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
+        self.ranks = torch.zeros(max_loras, dtype=torch.long)  # each slot's adapter's rank (0: none here)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -65,15 +79,17 @@ class LoRALayer:
         """Fill `slot` with an adapter's (A, scaled B) per segment; other segments stay zero."""
         self.clear(slot)
         for segment, (lora_a, lora_b) in pieces.items():
-            band = segment * self.max_rank
-            rows = self.segments[segment]
             rank = lora_a.shape[0]
+            band = segment * rank
+            rows = self.segments[segment]
             self.a[slot, band : band + rank] = lora_a.to(self.a.device, self.a.dtype)
-            self.b[slot, rows[0] : rows[1], band : band + rank] = lora_b.to(self.b.device, self.b.dtype)
+            self.b[slot, band : band + rank, rows[0] : rows[1]] = lora_b.T.to(self.b.device, self.b.dtype)
+            self.ranks[slot] = rank
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.ranks[slot] = 0
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each row's adapter delta (y as the base projection returned it)."""
@@ -83,8 +99,27 @@ class LoRALayer:
         if x.device.type == "cuda":
             from pagefleet.kernels.lora import lora_expand, lora_shrink
 
-            lora_expand(lora_shrink(x, self.a, batch.slots), self.b, batch.slots, y)
-            return y
-        shrunk = lora_shrink_torch(x, self.a, batch.slots, batch.groups)
-        lora_expand_torch(shrunk, self.b, batch.slots, y, batch.groups)
+            lora_expand(lora_shrink(x, self.a, batch.slots), self.b.transpose(1, 2), batch.slots, y)
+        elif _compiled(x, y):
+            torch.ops.pagefleet.lora_add(x, y, self.a, self.b, batch.run_table, self.ranks, self.segment_table)
+        else:
+            self.add_delta_torch(x, y, batch.runs)
         return y
+
+    def add_delta_torch(self, x: torch.Tensor, y: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+        """The compiled operator's reference, and the path without it: per run, one shrink,
+        then one expand per segment onto that segment's rows only."""
+        for slot, start, end in runs:
+            rank = int(self.ranks[slot])
+            if rank == 0:
+                continue
+            shrunk = x[start:end] @ self.a[slot, : len(self.segments) * rank].T
+            for segment, (row_start, row_end) in enumerate(self.segments):
+                band = slice(segment * rank, (segment + 1) * rank)
+                y[start:end, row_start:row_end].addmm_(shrunk[:, band], self.b[slot, band, row_start:row_end])
+
+
+def _compiled(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return (
+        x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 and y.stride(-1) == 1 and cpu_ops.is_loaded()
+    )

@@ -137,26 +137,12 @@ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens,
   });
 }
 
-template <typename F>
-void dispatch(const at::Tensor& x, F&& body) {
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      body(float{});
-      break;
-    case at::kBFloat16:
-      body(c10::BFloat16{});
-      break;
-    default:
-      TORCH_CHECK(false, "float32 or bfloat16 only, got ", x.scalar_type());
-  }
-}
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.stride(-1) == 1 && weight.is_contiguous(), "CPU, last dim contiguous");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1), "weight: [H], x's dtype");
   const at::Tensor rows = x.reshape({-1, x.size(-1)});
   at::Tensor out = at::empty(x.sizes(), x.options());
-  dispatch(x, [&](auto tag) {
+  dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
     rms_norm_rows<T>(rows.data_ptr<T>(), nullptr, nullptr, weight.data_ptr<T>(), out.data_ptr<T>(), rows.size(0),
                      rows.size(1), rows.stride(0), 0, static_cast<float>(eps));
@@ -172,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1),
               "weight: [H], x's dtype");
   at::Tensor sum = at::empty(x.sizes(), x.options()), out = at::empty(x.sizes(), x.options());
-  dispatch(x, [&](auto tag) {
+  dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
     rms_norm_rows<T>(x.data_ptr<T>(), delta.data_ptr<T>(), sum.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(),
                      x.size(0), x.size(1), x.stride(0), delta.stride(0), static_cast<float>(eps));
@@ -184,7 +170,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x: [T, 2I]");
   const int64_t size = x.size(1) / 2;
   at::Tensor out = at::empty({x.size(0), size}, x.options());
-  dispatch(x, [&](auto tag) {
+  dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
     silu_and_mul_rows<T>(x.data_ptr<T>(), out.data_ptr<T>(), x.size(0), size, x.stride(0));
   });
@@ -198,7 +184,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
                   sin.scalar_type() == x.scalar_type(),
               "cos, sin: [T, D] contiguous, x's dtype");
   at::Tensor out = at::empty(x.sizes(), x.options());
-  dispatch(x, [&](auto tag) {
+  dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
     rotary_rows<T>(x.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1),
                    x.size(2), x.stride(0), x.stride(1));

@@ -1,6 +1,8 @@
-// Helpers shared by the CPU operators: float32 <-> bfloat16 and 16-lane AVX-512 pieces.
+// Helpers shared by the CPU operators: float32 <-> bfloat16, dispatch on the two, and
+// 16-lane AVX-512 pieces.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -21,6 +23,21 @@ inline float widen(c10::BFloat16 value) {
 }
 inline void narrow(float value, float* out) { *out = value; }
 inline void narrow(float value, c10::BFloat16* out) { *out = c10::BFloat16(value); }
+
+// Calls body(T{}) with T the element type of x: float or c10::BFloat16.
+template <typename F>
+void dispatch_float(const at::Tensor& x, F&& body) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      body(float{});
+      break;
+    case at::kBFloat16:
+      body(c10::BFloat16{});
+      break;
+    default:
+      TORCH_CHECK(false, "float32 or bfloat16 only, got ", x.scalar_type());
+  }
+}
 
 #if defined(__AVX512F__)
 // exp for 16 floats (Cephes' expf: range reduction by ln 2, a degree-5 polynomial), within

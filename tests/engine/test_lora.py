@@ -159,3 +159,42 @@ def test_bad_adapters_are_refused_clearly(tiny_models: dict[str, Path], tmp_path
         small.generate(prompt, lora_request=LoRARequest("first", 1, str(tmp_path)))
     assert_no_block_leaked(llm)
     assert_no_block_leaked(small)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_cpu_operator_matches_its_torch_reference(dtype: torch.dtype) -> None:
+    """Runs of several slots (one of them twice, one with no adapter on this projection),
+    three segments of a fused projection (whole 64-column tiles and a tail), ranks below
+    the slots' maximum, runs longer than one 16-row item and of odd lengths."""
+    from pagefleet.engine.lora.layer import LoRABatch, LoRAContext, LoRALayer
+    from pagefleet.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("no compiled CPU operators on this machine")
+    torch.manual_seed(0)
+    segments = [(0, 136), (136, 152), (152, 280)]
+    layer = LoRALayer(
+        LoRAContext(), 48, 280, segments, max_loras=3, max_rank=16, dtype=dtype, device=torch.device("cpu")
+    )
+    for slot, rank in ((0, 6), (1, 16)):
+        pieces = {s: (torch.randn(rank, 48), torch.randn(end - start, rank)) for s, (start, end) in enumerate(segments)}
+        del pieces[1]  # this adapter leaves the middle segment alone
+        layer.load(slot, pieces)
+    token_slots = [0] * 5 + [-1] * 3 + [1] * 37 + [2] * 4 + [0] * 2
+    batch = LoRABatch.of(token_slots, torch.device("cpu"))
+    assert batch is not None and [run[0] for run in batch.runs] == [0, 1, 2, 0]
+    layer.context.batch = batch
+    x = torch.randn(len(token_slots), 48, dtype=dtype)
+    y = torch.randn(len(token_slots), 280, dtype=dtype)
+    # The reference in float32 on the same (rounded) weights: the operator sums in float32.
+    reference = y.float().clone()
+    float_layer = LoRALayer(LoRAContext(), 48, 280, segments, 3, 16, torch.float32, torch.device("cpu"))
+    float_layer.a.copy_(layer.a.float())
+    float_layer.b.copy_(layer.b.float())
+    float_layer.ranks.copy_(layer.ranks)
+    float_layer.add_delta_torch(x.float(), reference, batch.runs)
+    result = layer.apply(x, y.clone())
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(result.float(), reference, rtol=tolerance, atol=tolerance)
+    untouched = [row for row, slot in enumerate(token_slots) if slot in (-1, 2)]
+    assert torch.equal(result[untouched], y[untouched])
