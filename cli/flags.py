@@ -15,8 +15,11 @@ S = TypeVar("S", bound=BaseSettings)
 def parse_flags(settings_class: type[S], flags: list[str], prog: str) -> S | None:
     """The settings from `flags` (and the environment); None after printing each problem
     as `prog: --flag: message` (exit code 2 is the caller's). Names the settings class
-    lists in `renamed` (old -> new) are read under their old names too."""
+    lists in `renamed` (old -> new) are read under their old names too, and the list flags
+    it names in `multi_value_flags` take several values after one flag, as argparse's
+    nargs="+" (vLLM's `--lora-modules a=/x b=/y`)."""
     renamed: dict[str, str] = getattr(settings_class, "renamed", {})
+    flags = _one_value_each(flags, getattr(settings_class, "multi_value_flags", ()))
     flags = [_new_flag(flag, renamed) for flag in flags]
     prefix = str(settings_class.model_config.get("env_prefix", ""))
     for old, new in renamed.items():
@@ -37,3 +40,19 @@ def _new_flag(flag: str, renamed: dict[str, str]) -> str:
     name, equals, value = flag.partition("=")
     new = renamed.get(name.removeprefix("--").replace("-", "_")) if name.startswith("--") else None
     return f"--{new.replace('_', '-')}{equals}{value}" if new else flag
+
+
+def _one_value_each(flags: list[str], multi_value: tuple[str, ...]) -> list[str]:
+    """`--name a b` as `--name a --name b` for the flags of `multi_value`."""
+    names = {f"--{name.replace('_', '-')}" for name in multi_value}
+    rewritten: list[str] = []
+    current = None
+    for flag in flags:
+        if flag in names:
+            current = flag
+        elif flag.startswith("-"):
+            current = None
+        elif current is not None and rewritten[-1] != current:
+            rewritten.append(current)  # a second value after the same flag
+        rewritten.append(flag)
+    return rewritten

@@ -94,8 +94,13 @@ class LLM:
         """The adapters loaded (read from disk), by name."""
         return self.engine.list_loras()
 
-    def remove_lora(self, name: str) -> bool:
-        return self.engine.remove_lora(name)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter ahead of its first request (else `generate` reads it)."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora: str | int) -> bool:
+        """Forget an adapter, by name or by `lora_int_id`."""
+        return self.engine.remove_lora(lora)
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -117,11 +122,12 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, formatted by the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(conversation) for conversation in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)

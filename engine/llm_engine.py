@@ -163,21 +163,24 @@ class LLMEngine:
         self._num_prompt_tokens += len(token_ids)
         return request
 
-    def add_lora(self, lora_request: LoRARequest | None) -> None:
-        """Read the adapter from disk if it is new (callers may do it ahead, off the lock).
+    def add_lora(self, lora_request: LoRARequest | None) -> bool:
+        """Read the adapter from disk if it is new (callers may do it ahead, off the lock);
+        True, as vLLM's, once it can serve requests.
 
         Raises:
             InvalidParameterError: LoRA is off, or the adapter cannot be served.
         """
         if lora_request is None:
-            return
+            return False
         if self.lora is None:
             raise InvalidParameterError("lora_request", "LoRA is off: start the engine with enable_lora=True")
         self.lora.add(lora_request)
+        return True
 
-    def remove_lora(self, name: str) -> bool:
-        """Forget an adapter (running requests finish with it); False if it was not loaded."""
-        return self.lora.remove(name) if self.lora is not None else False
+    def remove_lora(self, lora: str | int) -> bool:
+        """Forget an adapter, by name or by `lora_int_id` (running requests finish with it);
+        False if it was not loaded."""
+        return self.lora.remove(lora) if self.lora is not None else False
 
     def list_loras(self) -> list[str]:
         return self.lora.loaded() if self.lora is not None else []

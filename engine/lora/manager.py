@@ -78,9 +78,15 @@ class LoRAManager:
         with self._lock:
             return self.adapters.setdefault(request.lora_name, adapter)
 
-    def remove(self, name: str) -> bool:
-        """Forget an adapter; its slot is cleared once no running request holds it."""
+    def remove(self, lora: str | int) -> bool:
+        """Forget an adapter (by name or `lora_int_id`); its slot is cleared once no running
+        request holds it."""
         with self._lock:
+            name = (
+                lora
+                if isinstance(lora, str)
+                else next((a.name for a in self.adapters.values() if a.request.lora_int_id == lora), "")
+            )
             removed = self.adapters.pop(name, None) is not None
         for slot, held in enumerate(self.slots):
             if held == name and self._holders[slot] == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from typing import Any
 
 from fastapi import FastAPI
@@ -32,12 +33,20 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-def parse_lora_modules(modules: list[str]) -> list[tuple[str, str]]:
-    """`name=path` pairs of --lora-modules (vLLM's syntax)."""
+def parse_lora_modules(modules: list[str | dict[str, Any]]) -> list[tuple[str, str]]:
+    """(name, path) of each --lora-modules entry, in either of vLLM's forms: `name=path`, or
+    JSON `{"name": ..., "path": ..., "base_model_name": ...}` (the base is this replica's)."""
     pairs = []
     for module in modules:
-        name, sep, path = module.partition("=")
-        if not sep or not name or not path:
+        if isinstance(module, dict) or module.lstrip().startswith("{"):
+            try:
+                fields = module if isinstance(module, dict) else json.loads(module)
+                name, path = fields["name"], fields["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f'--lora-modules: expected {{"name": ..., "path": ...}}, got {module!r}') from None
+        else:
+            name, _, path = module.partition("=")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
             raise ValueError(f"--lora-modules: expected name=path, got {module!r}")
         pairs.append((name, path))
     return pairs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -49,6 +49,7 @@ class ServerSettings(BaseSettings):
         cli_prog_name="pagefleet serve",
         cli_implicit_flags=True,  # vLLM's --enable-lora, --no-enable-prefix-caching
     )
+    multi_value_flags: ClassVar[tuple[str, ...]] = ("lora_modules",)  # vLLM's --lora-modules a=/x b=/y
 
     model: str = Field(_default("model"), description="built-in name, HF directory or .gguf file")
     served_model_name: str | None = Field(None, description="the name clients send as `model` (default: --model)")
@@ -76,7 +77,10 @@ class ServerSettings(BaseSettings):
     )
     kv_transfer_timeout: float = Field(30.0, gt=0, description="seconds a KV pull may take")
     enable_lora: bool = Field(False, description="serve LoRA adapters over the base model (multi-LoRA)")
-    lora_modules: list[str] = Field(default_factory=list, description="adapters to serve from the start: name=path ...")
+    lora_modules: list[str | dict[str, Any]] = Field(
+        default_factory=list,
+        description='adapters to serve from the start: name=path or {"name": ..., "path": ...}, one or more',
+    )
     max_loras: int = Field(_default("max_loras"), description="adapters in device slots at once")
     max_lora_rank: int = Field(_default("max_lora_rank"), description="the largest adapter rank served")
 

@@ -198,3 +198,31 @@ def test_the_compiled_cpu_operator_matches_its_torch_reference(dtype: torch.dtyp
     torch.testing.assert_close(result.float(), reference, rtol=tolerance, atol=tolerance)
     untouched = [row for row, slot in enumerate(token_slots) if slot in (-1, 2)]
     assert torch.equal(result[untouched], y[untouched])
+
+
+def test_adapters_are_added_listed_and_removed_by_name_or_id_as_in_vllm(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["llama"]
+    first, second = _adapter_dirs(model_dir, "llama")
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=32, enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert llm.add_lora(LoRARequest("first", 1, str(first))) and llm.add_lora(LoRARequest("second", 7, str(second)))
+    assert llm.list_loras() == ["first", "second"]
+    assert llm.remove_lora(7) and llm.remove_lora("first")
+    assert llm.list_loras() == [] and not llm.remove_lora(7)
+
+
+def test_lora_modules_take_vllms_forms_on_the_command_line() -> None:
+    from pagefleet.cli.flags import parse_flags
+    from pagefleet.engine.server.lora import parse_lora_modules
+    from pagefleet.engine.server.settings import ServerSettings
+
+    chat = '{"name": "chat", "path": "/adapters/chat", "base_model_name": "smollm2"}'
+    for flags in (
+        ["--lora-modules", "sql=/adapters/sql", chat, "--port", "9001"],  # vLLM's nargs="+"
+        ["--lora-modules", "sql=/adapters/sql", "--lora-modules", chat],
+    ):
+        settings = parse_flags(ServerSettings, ["--model", "m", "--enable-lora", *flags], "pagefleet serve")
+        assert settings is not None
+        assert parse_lora_modules(settings.lora_modules) == [("sql", "/adapters/sql"), ("chat", "/adapters/chat")]
+    for bad in ("sql", "=/x", '{"name": "chat"}', '{"name": 3, "path": "/x"}', "{not json"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules([bad])
