@@ -141,6 +141,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
         self._adder.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()
 
     def _add(
         self,

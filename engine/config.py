@@ -61,6 +61,8 @@ class EngineConfig:
         enable_lora: serve LoRA adapters (`LoRARequest`) over the base model, mixed in one
             batch; `max_loras` adapters sit in device slots at once, of rank at most
             `max_lora_rank`.
+        tensor_parallel_size: devices (on a CPU: processes) the model is split across,
+            Megatron-style; this process is rank 0 and starts the others (docs/engine.md).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -88,6 +90,7 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def fail(param: str, message: str) -> None:
@@ -134,6 +137,12 @@ class EngineConfig:
             )
         if self.kv_pin_timeout <= 0:
             fail("kv_pin_timeout", f"must be > 0 seconds, got {self.kv_pin_timeout}")
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            fail("tensor_parallel_size", "LoRA adapters are not yet served with tensor parallelism (enable_lora)")
+        if self.tensor_parallel_size > 1 and self.kv_role != "both":
+            fail("tensor_parallel_size", "prefill/decode disaggregation (kv_role) needs tensor_parallel_size=1")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             fail("attention_backend", f"must be auto, cpu, torch or triton; got {self.attention_backend!r}")
 

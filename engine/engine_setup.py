@@ -1,6 +1,7 @@
 """Assemble an engine's parts from its config: tokenizer, model, KV cache, scheduler.
 
-This is where the memory budget becomes a block count, printed at start-up.
+This is where the memory budget becomes a block count, printed at start-up, and where a
+tensor-parallel engine starts its workers (engine/distributed/workers.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.distributed.shard import Shard
+from pagefleet.engine.distributed.workers import Workers, init_group
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.host_memory import keep_freed_memory
 from pagefleet.engine.kv_cache_manager import KVCacheManager
@@ -42,6 +46,18 @@ class EngineParts:
     lora: LoRAManager | None  # with enable_lora
 
 
+@dataclass(slots=True)
+class DeviceParts:
+    """What every tensor-parallel rank builds for itself: its part of the model and of the
+    KV cache, and the runner over them."""
+
+    model: CausalLM
+    model_config: ModelConfig
+    num_blocks: int
+    num_host_blocks: int
+    runner: ModelRunner
+
+
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     from transformers import AutoTokenizer
 
@@ -61,61 +77,83 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 f"no usable tokenizer in {tokenizer_dir} ({error}); name one with tokenizer=..., "
                 "or pass skip_tokenizer_init=True to run on token ids alone",
             ) from error
-    dtype, device = config.torch_dtype, config.torch_device
-    model, model_config = load_model(model_dir, dtype, device)
-    block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype)
-    num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
-    if num_blocks < 1:
-        knob = "gpu_memory_utilization" if config.gpu_memory_utilization is not None else "kv_cache_memory"
-        raise InvalidParameterError(knob, f"the KV budget holds no block of {block_bytes} bytes; raise {knob}")
+    workers = None
+    if config.tensor_parallel_size > 1:
+        if dist.is_initialized():
+            raise InvalidParameterError(
+                "tensor_parallel_size", "one tensor-parallel engine per process, and this process has one running"
+            )
+        workers = Workers(config, str(model_dir))
+        try:
+            init_group(0, config.tensor_parallel_size, workers.port, config.torch_device)
+        except Exception:
+            workers.stop()
+            raise
+    try:
+        device = build_device(config, model_dir, Shard(0, config.tensor_parallel_size))
+    except Exception:
+        if workers is not None:
+            workers.stop()
+        raise
+    model, model_config, num_blocks = device.model, device.model_config, device.num_blocks
     max_model_len = _resolve_max_model_len(config, model_config, num_blocks)
-    num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
-    logger.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens), max_model_len=%d, swap blocks=%d",
-        num_blocks,
-        config.block_size,
-        num_blocks * block_bytes / 2**20,
-        num_blocks * config.block_size,
-        max_model_len,
-        num_host_blocks,
-    )
     kv_cache = KVCacheManager(
-        num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks, config.enable_block_sharing
+        num_blocks, config.block_size, config.enable_prefix_caching, device.num_host_blocks, config.enable_block_sharing
     )
-    spec = CacheSpec(
-        num_blocks,
-        config.block_size,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-        dtype,
-        device,
-        model_config.sliding_window,
-    )
+    runner = device.runner
+    runner.workers = workers
     lora = None
     if config.enable_lora:
-        lora = LoRAManager(model.lora_targets(), config.max_loras, config.max_lora_rank, dtype, device)
+        lora = LoRAManager(
+            model.lora_targets(), config.max_loras, config.max_lora_rank, config.torch_dtype, config.torch_device
+        )
         logger.info(
             "LoRA: %d slots of rank <= %d, %.1f MiB each",
             config.max_loras,
             config.max_lora_rank,
             lora.bytes_per_slot / 2**20,
         )
-    backend = select_backend(config.attention_backend, spec)
-    logger.info("attention backend: %s", backend.name)
-    runner = ModelRunner(
-        model,
-        model_config,
-        backend,
-        num_blocks,
-        num_host_blocks,
-        config.block_size,
-        dtype,
-        device,
-        config.seed,
-        lora,
-    )
+        runner.lora = lora
     scheduler = Scheduler(config, kv_cache, lora)
     return EngineParts(model_dir, tokenizer, model, model_config, max_model_len, kv_cache, scheduler, runner, lora)
+
+
+def build_device(config: EngineConfig, model_dir: Path, shard: Shard) -> DeviceParts:
+    """This rank's model part, KV cache and runner. The block count is the least any rank
+    can hold (each computes its own from its budget), so all ranks write the same slots."""
+    dtype, device = config.torch_dtype, config.torch_device
+    model, model_config = load_model(model_dir, dtype, device, shard)
+    block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard)
+    num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
+    if shard.size > 1:
+        least = torch.tensor([num_blocks], dtype=torch.int64)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        num_blocks = int(least.item())
+    if num_blocks < 1:
+        knob = "gpu_memory_utilization" if config.gpu_memory_utilization is not None else "kv_cache_memory"
+        raise InvalidParameterError(knob, f"the KV budget holds no block of {block_bytes} bytes; raise {knob}")
+    num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
+    if shard.rank == 0:
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB%s, %d tokens), swap blocks=%d",
+            num_blocks,
+            config.block_size,
+            num_blocks * block_bytes / 2**20,
+            f" on each of {shard.size} ranks" if shard.size > 1 else "",
+            num_blocks * config.block_size,
+            num_host_blocks,
+        )
+    num_kv_heads = shard.kv_heads(model_config.num_heads, model_config.num_kv_heads)[1]
+    spec = CacheSpec(
+        num_blocks, config.block_size, num_kv_heads, model_config.head_dim, dtype, device, model_config.sliding_window
+    )
+    backend = select_backend(config.attention_backend, spec)
+    if shard.rank == 0:
+        logger.info("attention backend: %s", backend.name)
+    runner = ModelRunner(
+        model, model_config, backend, num_blocks, num_host_blocks, config.block_size, dtype, device, config.seed, shard
+    )
+    return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner)
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:

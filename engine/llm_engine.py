@@ -351,6 +351,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected
+        or the process exits); the engine cannot step afterwards."""
+        if self.runner.workers is not None:
+            self.runner.workers.stop()
+
     # --- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -363,8 +369,7 @@ class LLMEngine:
         chunks = sorted(plan.chunks, key=lambda c: (c.num_new_tokens != 1, c.request.lora_slot_index))
         samples = self._plan_samples(chunks)
         prompt_chunks = [i for i, c in enumerate(chunks) if c.request.wants_prompt_logprobs]
-        self.runner.run_copies(plan.copies)
-        results = self.runner.execute(chunks, samples, prompt_chunks)
+        results = self.runner.execute(chunks, samples, prompt_chunks, plan.copies)
         touched = self._advance(chunks)
         now = time.monotonic()
         outputs = []

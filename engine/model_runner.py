@@ -1,25 +1,23 @@
 """Turns a schedule plan into one forward pass over a flat token batch and samples.
 
 Owns the device KV cache (per layer, K and V shaped [num_blocks, block_size, num_kv_heads,
-head_dim]) and the host pool used for swapping.
+head_dim]) and the host pool used for swapping. With tensor parallelism, rank 0's runner
+builds each step's `StepInputs` and sends them to the workers in one broadcast; every rank
+runs `forward` on its part of the model and KV heads, and rank 0 samples.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.kv_cache_manager import PendingCopies
-from pagefleet.engine.layers.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    PrefillSpan,
-    StepLayout,
-    allocate_kv_cache,
-)
+from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, StepLayout, allocate_kv_cache
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.loading import CausalLM
@@ -27,6 +25,9 @@ from pagefleet.engine.request import Sequence
 from pagefleet.engine.sampler import Sampler, SampleResult, TokenLogprobs, token_logprobs
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    from pagefleet.engine.distributed.workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ class SampleRequest:
 
 @dataclass(slots=True)
 class PromptLogprobs:
-    chunk_index: int
     start_position: int  # the chunk's first position; position p scores prompt token p + 1
     values: TokenLogprobs  # one row per position of the chunk that has a next prompt token
 
@@ -57,9 +57,22 @@ class RequestResults:
     error: Exception | None = None
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+@dataclass(slots=True)
+class StepInputs:
+    """What every rank needs for one forward pass (sent to tensor-parallel workers whole)."""
+
+    copies: PendingCopies
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    layout: StepLayout
+    logit_rows: list[int]  # rows whose logits are computed: samples first, then prompt logprobs
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard | None = None) -> int:
+    """Bytes of one block on one rank (its KV heads only)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    num_kv_heads = shard.kv_heads(config.num_heads, config.num_kv_heads)[1] if shard else config.num_kv_heads
+    return 2 * config.num_layers * block_size * num_kv_heads * config.head_dim * element
 
 
 class ModelRunner:
@@ -74,12 +87,14 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int,
-        lora: LoRAManager | None = None,
+        shard: Shard,
     ) -> None:
         self.model, self.model_config, self.backend = model, model_config, backend
-        self.lora = lora
+        self.lora: LoRAManager | None = None  # set by the engine with enable_lora
+        self.workers: Workers | None = None  # rank 0 of a tensor-parallel group: the other ranks
         self.block_size, self.device = block_size, device
-        shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
+        num_kv_heads = shard.kv_heads(model_config.num_heads, model_config.num_kv_heads)[1]
+        shape = (block_size, num_kv_heads, model_config.head_dim)
 
         def cache_pair(blocks: int, where: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
             return allocate_kv_cache(blocks, *shape, dtype, where), allocate_kv_cache(blocks, *shape, dtype, where)
@@ -120,33 +135,57 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         samples: list[SampleRequest],
         prompt_logprob_chunks: list[int],
+        copies: PendingCopies,
     ) -> dict[str, RequestResults]:
-        """Run the forward pass for `chunks` (decodes must come first), then sample.
+        """Run `copies`, then the forward pass for `chunks` (decodes must come first), then
+        sample.
 
         Returns each request's results by request id. A failure of the forward pass raises
         (every request shares it); a failure in one request's sampling or prompt logprobs
         is that request's `error`.
         """
-        input_ids, positions, metadata, last_rows = self._build_batch(chunks)
+        input_ids, positions, layout, last_rows = self._build_batch(chunks)
+        logit_rows = [last_rows[s.chunk_index] for s in samples]
+        prompt_spans = {}  # chunk index -> its rows among the logits
+        for index in prompt_logprob_chunks:
+            first_row, count = self._prompt_rows(chunks[index], last_rows[index])
+            prompt_spans[index] = (len(logit_rows), len(logit_rows) + count)
+            logit_rows.extend(range(first_row, first_row + count))
+        step = StepInputs(copies, input_ids, positions, layout, logit_rows)
+        if self.workers is not None:
+            self.workers.send(step)
         if self.lora is not None:
             self.lora.set_batch([slot for c in chunks for slot in [c.request.lora_slot_index] * c.num_new_tokens])
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+        logits = self.forward(step)
         results: dict[str, RequestResults] = {}
 
         def results_of(chunk_index: int) -> RequestResults:
             return results.setdefault(chunks[chunk_index].request.request_id, RequestResults())
 
         if samples:
-            rows = torch.tensor([last_rows[s.chunk_index] for s in samples], device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
-            self._sample(logits, samples, [results_of(s.chunk_index) for s in samples])
-        for index in prompt_logprob_chunks:
+            assert logits is not None
+            self._sample(logits[: len(samples)], samples, [results_of(s.chunk_index) for s in samples])
+        for index, (start, end) in prompt_spans.items():
             owner = results_of(index)
             try:
-                owner.prompt_logprobs = self._prompt_logprobs(hidden, chunks, index, last_rows[index])
+                assert logits is not None
+                owner.prompt_logprobs = self._prompt_logprobs(logits[start:end], chunks[index])
             except Exception as error:  # this request's own work: it fails alone
                 owner.error = error
         return results
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor | None:
+        """One step on this rank: the copies, the forward pass, and the float32 logits of
+        `step.logit_rows` on the CPU (None on a tensor-parallel worker)."""
+        self.run_copies(step.copies)
+        metadata = self.backend.prepare(step.layout)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.backend)
+        if not step.logit_rows:
+            return None
+        rows = torch.tensor(step.logit_rows, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return logits.cpu() if logits is not None else None
 
     def _sample(self, logits: torch.Tensor, samples: list[SampleRequest], owners: list[RequestResults]) -> None:
         """Sample every row in one batch. If the batch fails, sample each request alone,
@@ -177,10 +216,8 @@ class ModelRunner:
             owner.rows.append(row)
             owner.sampled = result
 
-    def _build_batch(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """The flat batch of `chunks` and the backend's metadata for it (built once, here)."""
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, StepLayout, list[int]]:
+        """The flat batch of `chunks` and its attention layout."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -207,26 +244,23 @@ class ModelRunner:
                 prefills.append(PrefillSpan(row, num_new, end, table, context_slots))
             last_rows.append(row + num_new - 1)
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        metadata = self.backend.prepare(StepLayout(slot_mapping, decode_context, decode_tables, prefills))
         return (
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
-            metadata,
+            StepLayout(slot_mapping, decode_context, decode_tables, prefills),
             last_rows,
         )
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, chunks: list[ScheduledChunk], index: int, last_row: int
-    ) -> PromptLogprobs:
-        """Logprobs of the prompt tokens that follow each position of chunk `index`."""
-        chunk = chunks[index]
-        seq, request = chunk.seq, chunk.request
-        start = chunk.start
-        # Position p predicts token p + 1; the prompt's last position predicts no prompt token.
-        end = min(start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
-        count = max(0, end - start)
-        first_row = last_row - chunk.num_new_tokens + 1
-        logits = self.model.compute_logits(hidden[first_row : first_row + count]).cpu()
-        targets = torch.tensor(seq.token_ids[start + 1 : end + 1], dtype=torch.long)
-        num_top = [request.params.prompt_logprobs or 0] * count
-        return PromptLogprobs(index, start, token_logprobs(logits, targets, num_top))
+    @staticmethod
+    def _prompt_rows(chunk: ScheduledChunk, last_row: int) -> tuple[int, int]:
+        """(first row, count) of the chunk's positions that score a next prompt token:
+        position p predicts token p + 1; the prompt's last position predicts none."""
+        end = min(chunk.start + chunk.num_new_tokens, chunk.request.num_prompt_tokens - 1)
+        return last_row - chunk.num_new_tokens + 1, max(0, end - chunk.start)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, chunk: ScheduledChunk) -> PromptLogprobs:
+        """Logprobs of the prompt tokens that follow each scoring position of `chunk`."""
+        start, count = chunk.start, logits.shape[0]
+        targets = torch.tensor(chunk.seq.token_ids[start + 1 : start + count + 1], dtype=torch.long)
+        num_top = [chunk.request.params.prompt_logprobs or 0] * count
+        return PromptLogprobs(start, token_logprobs(logits, targets, num_top))

@@ -120,6 +120,8 @@ def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int, role: st
         args += ["--max-model-len", str(engine.max_model_len)]
     if spec.resources.gpus:
         args += ["--device", "cuda"]
+    if engine.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     if role is not None:
         args += ["--role", role]
     if spec.lora_adapters:

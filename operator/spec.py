@@ -75,7 +75,7 @@ class EngineSettings(_Spec):
     max_model_len: int | None = Field(None, ge=16)
     max_num_seqs: int = Field(64, ge=1, le=4096)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    tensor_parallel_size: int = Field(1, ge=1, le=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
     max_loras: int = Field(4, ge=1, le=256)
     max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = 16
     extra_args: list[str] = []
@@ -185,8 +185,8 @@ class InferenceDeploymentSpec(_Spec):
 
     @model_validator(mode="after")
     def _devices(self) -> InferenceDeploymentSpec:
-        if self.engine.tensor_parallel_size > 1 and self.resources.gpus < self.engine.tensor_parallel_size:
-            raise ValueError("engine.tensorParallelSize needs at least as many resources.gpus")
+        if self.resources.gpus and self.resources.gpus < self.engine.tensor_parallel_size:
+            raise ValueError("engine.tensorParallelSize: at most resources.gpus when GPUs are requested")
         names = [adapter.name for adapter in self.lora_adapters]
         if len(set(names)) != len(names):
             raise ValueError("loraAdapters: adapter names must be unique")

@@ -57,6 +57,8 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
     )
     if arch == "llama":
         return tf.LlamaConfig(**sizes, **common)
+    if arch in ("llama_kv4", "llama_kv1"):  # for tensor parallelism: KV heads split, or replicated
+        return tf.LlamaConfig(**sizes | dict(num_key_value_heads=int(arch[-1])), **common)
     if arch == "llama_slow":  # wide and deep enough that a step takes milliseconds
         wide = sizes | dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8)
         return tf.LlamaConfig(**wide, **common)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.fused import rotary, silu_and_mul
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
@@ -24,9 +24,13 @@ from pagefleet.engine.models.weights import WeightLoader
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Column-parallel q/k/v (this rank's heads), row-parallel o_proj (one all-reduce)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.shard = shard
+        self.num_heads = config.num_heads // shard.size
+        self.num_kv_heads = shard.kv_heads(config.num_heads, config.num_kv_heads)[1]
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -54,29 +58,33 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, *rope), rotary(k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.shard.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Column-parallel gate/up, row-parallel down (one all-reduce)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"Llama-family activation {config.hidden_act!r} is not supported (silu)")
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.shard = shard
+        start, end = shard.split(config.intermediate_size, "intermediate_size")
+        self.intermediate_size = end - start
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.shard.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(hidden))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, shard)
 
     def forward(self, hidden, residual, rope, kv_cache, metadata, backend):  # type: ignore[no-untyped-def]
         """hidden: the previous layer's output (to add to `residual`), or the embeddings for
@@ -92,15 +100,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         self.config = config
+        self.shard = shard = shard or Shard()
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shard) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        vocab_start, vocab_end = shard.vocab(config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
@@ -114,16 +124,16 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.shard.embed(input_ids, self.embed_tokens)
         rope = self.rotary.lookup(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, backend)
         return self.norm.add_and_norm(residual, hidden)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] -> float32 logits [n, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [n, hidden] -> float32 logits [n, vocab] (on rank 0; None on the others)."""
+        return self.shard.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
 
     def lora_targets(self) -> dict[str, LoRATarget]:
         """The checkpoint's q/k/v/o and gate/up/down projections, in our fused ones."""
@@ -142,23 +152,36 @@ class LlamaForCausalLM(nn.Module):
         return targets
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """From the checkpoint's tensors, one at a time: a rank keeps only its part of each."""
+        config, shard = self.config, self.shard
+        vocab = vocab_rows(*shard.vocab(config.vocab_size)) if shard.size > 1 else None
+        q_start, q_end = (config.head_dim * h for h in shard.split(config.num_heads, "num_attention_heads"))
+        kv_first, kv_count = shard.kv_heads(config.num_heads, config.num_kv_heads)
+        kv = rows(kv_first * config.head_dim, (kv_first + kv_count) * config.head_dim)
+        qkv = [rows(q_start, q_end), kv, kv] if shard.size > 1 else None
+        mlp_start, mlp_end = shard.split(config.intermediate_size, "intermediate_size")
+        gate_up = rows(mlp_start, mlp_end) if shard.size > 1 else None
+        o_cols = columns(q_start, q_end) if shard.size > 1 else None
+        down_cols = columns(mlp_start, mlp_end) if shard.size > 1 else None
         loader = WeightLoader(self)
-        loader.direct("model.embed_tokens.weight", "embed_tokens")
+        loader.direct("model.embed_tokens.weight", "embed_tokens", vocab)
         loader.direct("model.norm.weight", "norm.weight")
-        if not self.config.tie_word_embeddings:
-            loader.direct("lm_head.weight", "lm_head.weight")
-        for i in range(self.config.num_layers):
+        if not config.tie_word_embeddings:
+            loader.direct("lm_head.weight", "lm_head.weight", vocab)
+        for i in range(config.num_layers):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
             attn = ours + "self_attn."
-            loader.fused([hf + f"self_attn.{p}_proj.weight" for p in "qkv"], attn + "qkv_proj.weight")
-            if self.config.qkv_bias:
-                loader.fused([hf + f"self_attn.{p}_proj.bias" for p in "qkv"], attn + "qkv_proj.bias")
-            loader.direct(hf + "self_attn.o_proj.weight", attn + "o_proj.weight")
+            loader.fused([hf + f"self_attn.{p}_proj.weight" for p in "qkv"], attn + "qkv_proj.weight", qkv)
+            if config.qkv_bias:
+                loader.fused([hf + f"self_attn.{p}_proj.bias" for p in "qkv"], attn + "qkv_proj.bias", qkv)
+            loader.direct(hf + "self_attn.o_proj.weight", attn + "o_proj.weight", o_cols)
             if self.config.qk_norm:
                 loader.direct(hf + "self_attn.q_norm.weight", attn + "q_norm.weight")
                 loader.direct(hf + "self_attn.k_norm.weight", attn + "k_norm.weight")
             loader.direct(hf + "input_layernorm.weight", ours + "input_layernorm.weight")
             loader.direct(hf + "post_attention_layernorm.weight", ours + "post_attention_layernorm.weight")
-            loader.fused([hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_proj.weight")
-            loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_proj.weight")
+            loader.fused(
+                [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_proj.weight", gate_up
+            )
+            loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_proj.weight", down_cols)
         loader.load(weights, ignore=("rotary_emb.inv_freq",))

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.errors import ModelNotFoundError
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.linear import pack_linears
@@ -36,7 +37,7 @@ class CausalLM(Protocol):
         backend: AttentionBackend,
     ) -> torch.Tensor: ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
 
     def lora_targets(self) -> dict[str, LoRATarget]: ...
 
@@ -50,20 +51,24 @@ def _model_class(config: ModelConfig) -> type[nn.Module]:
     return {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}[config.family]
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, ModelConfig]:
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, shard: Shard | None = None
+) -> tuple[CausalLM, ModelConfig]:
+    """The model, or with `shard` one tensor-parallel rank's part of it."""
     started = time.monotonic()
     config = ModelConfig.from_dir(model_dir)
-    module = _model_class(config)(config)  # parameters start uninitialised (torch.empty)
+    module = _model_class(config)(config, shard or Shard())  # parameters start uninitialised (torch.empty)
     module.load_weights(iter_weights(model_dir))  # type: ignore[operator]
     module = module.to(device=device, dtype=dtype).eval()
     pack_linears(module)  # last: packed copies do not follow later changes to the weights
     model = cast(CausalLM, module)
     num_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     logger.info(
-        "loaded %s (%s, %.1fM parameters, %s) in %.1f s",
+        "loaded %s (%s, %.1fM parameters%s, %s) in %.1f s",
         model_dir.name,
         config.architecture,
         num_params / 1e6,
+        f" on rank {shard.rank} of {shard.size}" if shard is not None and shard.size > 1 else "",
         dtype,
         time.monotonic() - started,
     )

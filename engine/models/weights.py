@@ -35,9 +35,13 @@ class WeightLoader:
     def direct(self, hf_name: str, param: str, transform: Transform | None = None) -> None:
         self._targets[hf_name] = _Target(param, 0, 1, transform)
 
-    def fused(self, hf_names: list[str], param: str, transform: Transform | None = None) -> None:
-        """Concatenate `hf_names` along dim 0 into `param` (e.g. q, k, v -> qkv)."""
+    def fused(
+        self, hf_names: list[str], param: str, transforms: list[Transform | None] | Transform | None = None
+    ) -> None:
+        """Concatenate `hf_names` along dim 0 into `param` (e.g. q, k, v -> qkv), each after
+        its own transform if `transforms` is a list (a tensor-parallel rank's rows of each)."""
         for index, name in enumerate(hf_names):
+            transform = transforms[index] if isinstance(transforms, list) else transforms
             self._targets[name] = _Target(param, index, len(hf_names), transform)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], ignore: tuple[str, ...] = ()) -> None:

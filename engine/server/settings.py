@@ -36,6 +36,7 @@ ENGINE_FIELDS = (
     "enable_lora",
     "max_loras",
     "max_lora_rank",
+    "tensor_parallel_size",
 )
 
 
@@ -97,6 +98,9 @@ class ServerSettings(BaseSettings):
     seed: int = _default("seed")
     device: str = _default("device")
     attention_backend: str = _default("attention_backend")
+    tensor_parallel_size: int = Field(
+        _default("tensor_parallel_size"), description="devices (on a CPU: processes) the model is split across"
+    )
 
     _engine_config: EngineConfig | None = PrivateAttr(None)
 

@@ -96,6 +96,7 @@ def test_the_crd_passes_the_official_schema_and_every_example_passes_the_crd() -
             "spec.loraAdapters.0.source",
         ),
         ({"loraAdapters": [{"name": "a", "source": {}}]}, "spec.loraAdapters.0.source"),
+        ({"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}}, "spec"),
     ],
 )
 def test_cel_rules_hold_in_pydantic_where_the_json_schema_alone_lets_them_pass(
@@ -221,3 +222,18 @@ def test_lora_adapters_become_engine_flags_and_read_only_volumes() -> None:
     plain = parse_spec({"model": {"builtin": "smollm2-135m-instruct"}})
     (plain_set,) = [o for o in manifests.desired_objects(OWNER, plain, OperatorSettings()) if o["kind"] == "Deployment"]
     assert "--enable-lora" not in plain_set["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize(("tp", "gpus"), [(2, 0), (2, 2), (4, 4)])
+def test_tensor_parallel_size_reaches_the_engine_on_cpus_and_within_the_gpus(tp: int, gpus: int) -> None:
+    spec = parse_spec(
+        {
+            "model": {"builtin": "smollm2-135m-instruct"},
+            "engine": {"tensorParallelSize": tp},
+            "resources": {"gpus": gpus},
+        }
+    )
+    (pod_set,) = [o for o in manifests.desired_objects(OWNER, spec, OperatorSettings()) if o["kind"] == "Deployment"]
+    kubernetes_validate.validate(pod_set, K8S_VERSION, strict=True)
+    args = pod_set["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == str(tp)

@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model split across processes (docs/engine.md)."""

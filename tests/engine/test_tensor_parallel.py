@@ -1,0 +1,156 @@
+"""Tensor parallelism on the CPU: two ranks (the engine and one spawned worker, gloo, one
+OpenMP thread each) give transformers' greedy output token for token, hold half the
+weights each, fail clearly when a worker dies, and leave no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.errors import EngineDeadError
+from tests.conftest import TINY_VOCAB, build_tiny_model
+from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts
+
+NEW_TOKENS = 10
+PROMPT_LENGTHS = [5, 17, 33, 1, 48]
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "preempt_recompute": {"num_kv_blocks": 10, "block_size": 8},
+    "preempt_swap": {"num_kv_blocks": 10, "block_size": 8, "preemption_mode": "swap"},
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tp_models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Llama with 2 KV heads (one per rank), 4 (two per rank) and 1 (replicated), Qwen2, GPT-2."""
+    root = tmp_path_factory.mktemp("tp-models")
+    extra = {arch: build_tiny_model(arch, root / arch) for arch in ("llama_kv4", "llama_kv1")}
+    return {"llama_kv2": tiny_models["llama"], **extra, "qwen2": tiny_models["qwen2"], "gpt2": tiny_models["gpt2"]}
+
+
+def _worker_pids(llm: LLM) -> list[int]:
+    workers = llm.engine.runner.workers
+    assert workers is not None
+    return [process.pid for process in workers.processes if process.pid is not None]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("arch", ["llama_kv2", "llama_kv4", "llama_kv1", "qwen2", "gpt2"])
+def test_two_ranks_give_transformers_greedy_output(tp_models: dict[str, Path], arch: str, schedule: str) -> None:
+    model_dir = tp_models[arch]
+    llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, **SCHEDULES[schedule])
+    try:
+        prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB)
+        outputs = llm.generate(prompts, GREEDY)
+        for prompt, output in zip(prompts, outputs, strict=True):
+            assert output.outputs[0].token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS)[0]
+        if schedule.startswith("preempt"):
+            stats = llm.stats()
+            assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
+        assert_no_block_leaked(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_each_rank_holds_about_half_the_weights(tp_models: dict[str, Path]) -> None:
+    model_dir = tp_models["llama_kv2"]
+    whole = LLM(str(model_dir), dtype="float32", num_kv_blocks=16)
+    split = LLM(str(model_dir), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    try:
+
+        def parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
+            """(all bytes, bytes of the replicated norms)"""
+            params = {id(p): (name, p) for name, p in model.named_parameters()}.values()
+            total = sum(p.numel() * p.element_size() for _, p in params)
+            norms = sum(p.numel() * p.element_size() for name, p in params if "norm" in name)
+            return total, norms
+
+        whole_bytes, norms = parameter_bytes(whole.engine.parts.model)  # type: ignore[arg-type]
+        rank_bytes, _ = parameter_bytes(split.engine.parts.model)  # type: ignore[arg-type]
+        assert rank_bytes == pytest.approx((whole_bytes - norms) / 2 + norms, rel=0.01)
+        whole_kv = whole.engine.runner.kv_caches[0][0]
+        rank_kv = split.engine.runner.kv_caches[0][0]
+        assert rank_kv.shape[2] * 2 == whole_kv.shape[2], "each rank keeps half the KV heads"
+    finally:
+        split.engine.shutdown()
+
+
+def test_a_dead_worker_fails_the_requests_clearly_and_stopping_leaves_no_process(
+    tp_models: dict[str, Path],
+) -> None:
+    llm = LLM(str(tp_models["llama_kv2"]), dtype="float32", tensor_parallel_size=2)
+    pids = _worker_pids(llm)
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    os.kill(pids[0], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker rank 1"):
+        llm.generate([[1, 2, 3], [4, 5]], GREEDY)
+    assert time.monotonic() - started < 10
+    assert_no_block_leaked(llm)
+    llm.engine.shutdown()
+
+    healthy = LLM(str(tp_models["llama_kv2"]), dtype="float32", tensor_parallel_size=2)
+    pids = _worker_pids(healthy)
+    healthy.engine.shutdown()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a worker outlived its engine"
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of every thread of `pid` (the server starts its engine in a thread)."""
+    return [
+        int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()
+    ]
+
+
+def test_pagefleet_serve_with_two_ranks_serves_the_openai_api(tp_models: dict[str, Path], tmp_path: Path) -> None:
+    import httpx
+
+    from tests.processes import start_server, stop_server
+
+    model_dir = tp_models["llama_kv2"]
+    server = start_server(str(model_dir), tmp_path / "serve.log", "--tensor-parallel-size", "2", "--dtype", "float32")
+    try:
+        workers = _children(server.process.pid)
+        assert workers, "rank 1 runs in a child process"
+        prompt = random_prompts([12], TINY_VOCAB)[0]
+        body = {
+            "model": str(model_dir),
+            "prompt": prompt,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        tokenizer_text = answer.json()["choices"][0]["text"]
+        expected = hf_greedy(model_dir, prompt, NEW_TOKENS)[0]
+        from transformers import AutoTokenizer
+
+        assert tokenizer_text == AutoTokenizer.from_pretrained(model_dir).decode(expected)
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    finally:
+        stop_server(server)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers), "a worker outlived its server"
