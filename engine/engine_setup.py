@@ -90,11 +90,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             workers.stop()
             raise
     try:
-        device = build_device(config, model_dir, Shard(0, config.tensor_parallel_size))
+        shared_memory = workers.shared_memory if workers is not None else None
+        device = build_device(config, model_dir, Shard(0, config.tensor_parallel_size, shared_memory=shared_memory))
     except Exception:
         if workers is not None:
             workers.stop()
         raise
+    if workers is not None:
+        workers.stepping = True
     model, model_config, num_blocks = device.model, device.model_config, device.num_blocks
     max_model_len = _resolve_max_model_len(config, model_config, num_blocks)
     kv_cache = KVCacheManager(

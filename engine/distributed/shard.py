@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pagefleet.engine.distributed.shm import SharedMemoryAllReduce
 from pagefleet.engine.errors import UnsupportedModelError
 
 Transform = Callable[[torch.Tensor], torch.Tensor]  # as the weight loader's
@@ -27,6 +28,8 @@ class Shard:
     rank: int = 0
     size: int = 1
     reduce_seconds: float = field(default=0.0, compare=False)  # time in all-reduces and gathers
+    # On the CPU, all-reduces through shared memory (shm.py) instead of gloo's loopback TCP.
+    shared_memory: SharedMemoryAllReduce | None = field(default=None, compare=False)
 
     def split(self, total: int, what: str) -> tuple[int, int]:
         """[start, end) of this rank's equal part of `total` (which must divide evenly)."""
@@ -66,7 +69,10 @@ class Shard:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             started = time.perf_counter()
-            dist.all_reduce(x)
+            if self.shared_memory is not None and self.shared_memory.fits(x):
+                self.shared_memory(x)
+            else:
+                dist.all_reduce(x)
             self.reduce_seconds += time.perf_counter() - started
         return x
 

@@ -154,3 +154,44 @@ def test_pagefleet_serve_with_two_ranks_serves_the_openai_api(tp_models: dict[st
     while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in workers), "a worker outlived its server"
+
+
+def _reduce_in_a_rank(rank: int, size: int, port: int, memory_name: str, results: Any) -> None:
+    from pagefleet.engine.distributed.shard import Shard
+    from pagefleet.engine.distributed.shm import SLOT_BYTES, SharedMemoryAllReduce
+    from pagefleet.engine.distributed.workers import init_group
+
+    init_group(rank, size, port, torch.device("cpu"))
+    shard = Shard(rank, size, shared_memory=SharedMemoryAllReduce(memory_name, rank, size))
+    sums = []
+    for elements in (7, 32 * 576, SLOT_BYTES // 4 + 1):  # the last one is past a slot: gloo
+        for call in range(3):  # the two buffers alternate
+            x = torch.full((elements,), float(rank + 1) * (call + 1))
+            sums.append(float(shard.all_reduce(x)[-1]))
+    results.put((rank, sums))
+    torch.distributed.destroy_process_group()
+
+
+def test_the_shared_memory_all_reduce_sums_every_rank_and_hands_large_tensors_to_gloo() -> None:
+    import multiprocessing
+
+    from pagefleet.engine.distributed.shm import SharedMemoryAllReduce
+    from pagefleet.engine.distributed.workers import free_port
+
+    size, port = 3, free_port()
+    owner = SharedMemoryAllReduce(f"/dev/shm/pagefleet-test-{os.getpid()}", 0, size, create=True)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [
+        context.Process(target=_reduce_in_a_rank, args=(rank, size, port, owner.path, results)) for rank in range(size)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        gathered = dict(results.get(timeout=120) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(30)
+        owner.close(remove=True)
+    expected = [6.0 * (call + 1) for _ in range(3) for call in range(3)]  # (1 + 2 + 3) x (call + 1)
+    assert gathered == {rank: expected for rank in range(size)}
