@@ -24,24 +24,28 @@ class LoRABatch:
     Triton kernels, and as runs of consecutive rows of one slot for the CPU paths (the
     engine orders a step's chunks by slot, so a slot's rows are one or two runs)."""
 
-    slots: torch.Tensor
+    slots: torch.Tensor | None  # per row, on CUDA only
     runs: list[tuple[int, int, int]]  # (slot, first row, end row)
     run_table: torch.Tensor  # the runs as an int64 [R, 3] tensor, for the compiled operator
 
     @classmethod
-    def of(cls, token_slots: list[int], device: torch.device) -> LoRABatch | None:
-        """None when no row uses an adapter (nothing to add)."""
-        if all(slot < 0 for slot in token_slots):
-            return None
+    def of(cls, chunk_slots: list[tuple[int, int]], device: torch.device) -> LoRABatch | None:
+        """From each chunk's (slot, rows), in batch order; None when no row uses an adapter."""
         runs: list[tuple[int, int, int]] = []
-        start = 0
-        for row in range(1, len(token_slots) + 1):
-            if row == len(token_slots) or token_slots[row] != token_slots[start]:
-                if token_slots[start] >= 0:
-                    runs.append((token_slots[start], start, row))
-                start = row
-        slots = torch.tensor(token_slots, dtype=torch.long, device=device)
-        return cls(slots, runs, torch.tensor(runs, dtype=torch.long).reshape(-1, 3))
+        row = 0
+        for slot, count in chunk_slots:
+            if slot >= 0 and runs and runs[-1][0] == slot and runs[-1][2] == row:
+                runs[-1] = (slot, runs[-1][1], row + count)  # the same adapter as the chunk before
+            elif slot >= 0:
+                runs.append((slot, row, row + count))
+            row += count
+        if not runs:
+            return None
+        slots = None
+        if device.type == "cuda":
+            per_chunk = torch.tensor(chunk_slots, dtype=torch.long)
+            slots = per_chunk[:, 0].repeat_interleave(per_chunk[:, 1]).to(device)
+        return cls(slots, runs, torch.tensor(runs, dtype=torch.long))
 
 
 @dataclass(slots=True)
@@ -96,7 +100,7 @@ class LoRALayer:
         batch = self.context.batch
         if batch is None:
             return y
-        if x.device.type == "cuda":
+        if batch.slots is not None:  # on CUDA
             from pagefleet.kernels.lora import lora_expand, lora_shrink
 
             lora_expand(lora_shrink(x, self.a, batch.slots), self.b.transpose(1, 2), batch.slots, y)

@@ -123,9 +123,9 @@ class LoRAManager:
         if self._holders[slot] == 0 and name is not None and name not in self.adapters:
             self._clear(slot)  # removed while it ran
 
-    def set_batch(self, token_slots: list[int] | None) -> None:
-        """The slot of each token row of the next forward pass (None: no adapter at all)."""
-        self.context.batch = LoRABatch.of(token_slots, self.device) if token_slots else None
+    def set_batch(self, chunk_slots: list[tuple[int, int]] | None) -> None:
+        """Each chunk's (slot, rows) in the next forward pass, in batch order (-1: none)."""
+        self.context.batch = LoRABatch.of(chunk_slots, self.device) if chunk_slots else None
 
     def _free_slot(self) -> int | None:
         if None in self.slots:
