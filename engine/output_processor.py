@@ -128,6 +128,7 @@ class OutputProcessor:
             metrics=metrics,
             error=request.error,
             kv_transfer_params=request.kv_transfer_params,
+            events=request.events,
         )
 
     def _sample_outputs(self, request: Request) -> list[CompletionOutput]:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagefleet.engine.request import RequestEvent
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,3 +70,5 @@ class RequestOutput:
     error: str | None = None  # set when the request failed inside the engine (finish_reason "error")
     # A prefill replica's answer (as vLLM's): where a decode replica pulls the prompt's KV.
     kv_transfer_params: dict[str, Any] | None = None
+    # The request's moments in the engine so far (the engine's own list, appended to while it runs).
+    events: list[RequestEvent] = field(default_factory=list)

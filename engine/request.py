@@ -39,6 +39,16 @@ def sequence_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % 2**64
 
 
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """A moment in a request's life inside the engine (left the queue, a prompt chunk, a
+    preemption), for its trace: `time` is `time.monotonic()`."""
+
+    time: float
+    name: str
+    attributes: dict[str, int | str | bool]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # new, or preempted by recompute
     RUNNING = "running"
@@ -110,6 +120,7 @@ class Request:
     kv_transfer_params: dict[str, Any] | None = None  # for the caller: how to pull this prompt's KV
     lora_request: LoRARequest | None = None  # the adapter it runs with
     lora_slot: int | None = None  # its adapter's slot while the scheduler holds one for it
+    events: list[RequestEvent] = field(default_factory=list)  # appended by the scheduler, read by tracing
 
     def __post_init__(self) -> None:
         num_prompt = len(self.prompt_token_ids)
@@ -122,6 +133,9 @@ class Request:
         if self.params.seed is not None:
             for seq in self.sequences:
                 seq.generator = torch.Generator().manual_seed(sequence_seed(self.params.seed, seq.index))
+
+    def note(self, name: str, **attributes: int | str | bool) -> None:
+        self.events.append(RequestEvent(time.monotonic(), name, attributes))
 
     def reset_fork(self) -> None:
         """Back to before the fork point (new, or preempted by recompute)."""

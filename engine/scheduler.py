@@ -103,6 +103,9 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
         plan.copies = self.kv_cache.pending.take()
+        for chunk in plan.chunks:
+            if chunk.seq.index == 0 and chunk.start < chunk.request.num_prompt_tokens:
+                chunk.request.note("prefill_chunk", start=chunk.start, tokens=chunk.num_new_tokens)
         return plan
 
     # --- phases -------------------------------------------------------------------------
@@ -155,6 +158,8 @@ class Scheduler:
                 self.kv_cache.queue_load(request.sequences[0], remote)
                 request.remote_kv = None  # loaded once; a recompute preemption computes it here
             self.waiting.pop(0)
+            resumed = any(event.name == "preempted" for event in request.events)
+            request.note("scheduled", cached_tokens=request.num_cached_tokens, resumed=resumed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= scheduled
@@ -240,6 +245,8 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.stats.num_preemptions_recompute += 1
         self._release_adapter(request)
-        logger.info("preempted request %s by %s", request.request_id, "swap" if swap else "recompute")
+        mode = "swap" if swap else "recompute"
+        request.note("preempted", mode=mode)
+        logger.info("preempted request %s by %s", request.request_id, mode)
         plan.preempted.append(request)
         self.add(request)

@@ -4,6 +4,7 @@ ASGI in front of FastAPI (gateway/forwarding.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,42 +12,66 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp
 
 from pagefleet.gateway.core import RoutingCore
 from pagefleet.gateway.dashboard import PAGE, dashboard_data
-from pagefleet.gateway.forwarding import ProxiedRoutes
+from pagefleet.gateway.forwarding import PROXIED_PATHS, ProxiedRoutes
+from pagefleet.gateway.history import FleetHistory
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import OutlierDetector, Proxy
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.settings import GatewaySettings
+from pagefleet.gateway.tracing import ProxyTracing
 from pagefleet.gateway.upstream import UpstreamPool
+from pagefleet.protocol import tracing
 from pagefleet.protocol.http import ErrorGuard, error_json
 from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pagefleet.protocol.tracing import ServerSpans
 
 
-def create_app(settings: GatewaySettings) -> ASGIApp:
+def create_app(settings: GatewaySettings, tracer_provider: TracerProvider | None = None) -> ASGIApp:
+    """The gateway for `settings`; traces go to `tracer_provider`, else to
+    `settings.otlp_traces_endpoint` if set."""
     metrics = GatewayMetrics()
     core = RoutingCore(settings, metrics)
     pool = UpstreamPool(settings.connect_timeout_s, settings.read_timeout_s)
     outliers = OutlierDetector(core.registry, settings.eject_after_failures, settings.exclude_failed_for_s)
-    proxy = Proxy(core.router, pool, outliers, metrics, settings.failover_attempts)
+    tracer_provider = tracer_provider or tracing.tracer_provider("pagefleet-gateway", settings.otlp_traces_endpoint)
+    tracer = tracer_provider.get_tracer("pagefleet.gateway") if tracer_provider is not None else None
+    proxy_tracing = ProxyTracing(tracer) if tracer is not None else None
+    proxy = Proxy(core.router, pool, outliers, metrics, settings.failover_attempts, proxy_tracing)
+    history = FleetHistory(
+        core.registry,
+        metrics.registry,
+        settings.dashboard_interval_s,
+        settings.dashboard_span_s,
+        settings.dashboard_window_s,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await core.start()
+        sampling = asyncio.create_task(history.run())
         yield
+        sampling.cancel()
+        await asyncio.gather(sampling, return_exceptions=True)
+        await history.close()
         pool.close()
         await core.close()
+        if tracer_provider is not None:
+            await asyncio.to_thread(tracer_provider.shutdown)  # the last spans go out
 
     app = FastAPI(title="pagefleet gateway", lifespan=lifespan)
-    app.include_router(fleet_routes(core.registry, metrics))
+    app.include_router(fleet_routes(core.registry, metrics, history))
     _document_proxied_routes(app)
-    return ErrorGuard(ProxiedRoutes(app, core.admission, proxy, metrics, settings.max_request_bytes))
+    guarded = ErrorGuard(ProxiedRoutes(app, core.admission, proxy, metrics, settings.max_request_bytes))
+    return ServerSpans(guarded, tracer, PROXIED_PATHS) if tracer is not None else guarded
 
 
-def fleet_routes(registry: ReplicaRegistry, metrics: GatewayMetrics) -> APIRouter:
+def fleet_routes(registry: ReplicaRegistry, metrics: GatewayMetrics, history: FleetHistory) -> APIRouter:
     """The gateway's own routes: the models served, health, metrics and the dashboard."""
     routes = APIRouter()
 
@@ -80,13 +105,7 @@ def fleet_routes(registry: ReplicaRegistry, metrics: GatewayMetrics) -> APIRoute
 
     @routes.get("/dashboard/data")
     async def dashboard_json() -> dict[str, Any]:
-        requests: dict[str, float] = {}
-        for family in metrics.registry.collect():
-            for sample in family.samples:
-                if sample.name == "pagefleet_gateway:requests_total":
-                    model = sample.labels["model"]
-                    requests[model] = requests.get(model, 0.0) + sample.value
-        return dashboard_data(registry, requests)
+        return dashboard_data(registry, history)
 
     return routes
 

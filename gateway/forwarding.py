@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from opentelemetry import trace
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagefleet.gateway import errors
@@ -44,7 +45,15 @@ class ProxiedRoutes:
             await refusal.response()(scope, receive, send)
             return
         request_id = values.get(b"x-request-id") or b"req-" + os.urandom(16).hex().encode()
-        upstream_headers = forwarded_headers(headers, request_id)
+        upstream_headers = forwarded_headers(headers, request_id, traced=self.proxy.tracing is not None)
+        if self.proxy.tracing is not None:
+            trace.get_current_span().set_attributes(
+                {
+                    "gen_ai.request.model": shape.model,
+                    "gen_ai.operation.name": "chat" if path == CHAT_COMPLETIONS else "text_completion",
+                    "pagefleet.request_id": request_id.decode("latin-1"),
+                }
+            )
 
         async def forward_and_relay() -> None:
             try:

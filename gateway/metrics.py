@@ -18,8 +18,8 @@ class GatewayMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.errors = Counter(
-            f"{namespace}:errors", "Requests answered with an error by the gateway.", ["model", "reason"],
-            registry=self.registry,
+            f"{namespace}:errors", "Requests answered with an error by the gateway itself.",
+            ["model", "reason", "status"], registry=self.registry,
         )  # fmt: skip
         self.failovers = Counter(
             f"{namespace}:failovers", "Replicas that failed before the first byte.", ["model", "replica"],
@@ -44,5 +44,5 @@ class GatewayMetrics:
 
     def refused(self, refusal: Refusal) -> Refusal:
         """Count a refusal under its reason; returns it, to be raised."""
-        self.errors.labels(refusal.model, refusal.reason).inc()
+        self.errors.labels(refusal.model, refusal.reason, str(refusal.status)).inc()
         return refusal

@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+from opentelemetry.trace import Span
 from starlette.types import Send
 
 from pagefleet.gateway import errors
@@ -35,8 +36,10 @@ from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import Route, Router
 from pagefleet.gateway.shape import RequestShape
+from pagefleet.gateway.tracing import ProxyTracing
 from pagefleet.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from pagefleet.protocol.openai import error_response
+from pagefleet.protocol.tracing import TRACE_HEADERS
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +61,12 @@ HOP_BY_HOP = frozenset(
 _NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
 
 
-def forwarded_headers(headers: list[tuple[bytes, bytes]], request_id: bytes) -> bytes:
+def forwarded_headers(headers: list[tuple[bytes, bytes]], request_id: bytes, traced: bool = False) -> bytes:
     """The client's end-to-end headers (lower-case names, as ASGI gives them) as header
-    lines for the replica, with the request id."""
-    lines = [b"%s: %s\r\n" % (name, value) for name, value in headers if name not in _NOT_FORWARDED]
+    lines for the replica, with the request id. `traced`: the gateway's own spans carry
+    the trace on, so the client's `traceparent` is not passed as it came."""
+    dropped = _NOT_FORWARDED | TRACE_HEADERS if traced else _NOT_FORWARDED
+    lines = [b"%s: %s\r\n" % (name, value) for name, value in headers if name not in dropped]
     return b"".join(lines) + b"x-request-id: " + request_id + b"\r\n"
 
 
@@ -91,10 +96,16 @@ class OutlierDetector:
 
 class Proxy:
     def __init__(
-        self, router: Router, pool: UpstreamPool, outliers: OutlierDetector, metrics: GatewayMetrics, attempts: int
+        self,
+        router: Router,
+        pool: UpstreamPool,
+        outliers: OutlierDetector,
+        metrics: GatewayMetrics,
+        attempts: int,
+        tracing: ProxyTracing | None = None,
     ) -> None:
         self.router, self.pool, self.outliers, self.metrics = router, pool, outliers, metrics
-        self.attempts = attempts
+        self.attempts, self.tracing = attempts, tracing
 
     async def forward(self, path: str, body: bytes, headers: bytes, shape: RequestShape, request_id: bytes) -> Relay:
         """The first replica's answer that is not a failure of its own; raises a Refusal
@@ -133,28 +144,42 @@ class Proxy:
         tried: set[str] = set()
         model = shape.model
         for _ in range(self.attempts):
-            route = await self.router.pick(shape, tried, phase)
+            route = await self._pick(shape, tried, phase)
             if route is None:
                 return None
             replica = route.replica
             tried.add(replica.url)
             started = time.monotonic()
+            span, sent_headers = None, headers
+            if self.tracing is not None:
+                span, trace_lines = self.tracing.call(path, replica, phase)
+                sent_headers = headers + trace_lines
             try:
-                upstream = await self.pool.post(replica.url, path, body, headers)
+                upstream = await self.pool.post(replica.url, path, body, sent_headers)
             except (UpstreamError, TimeoutError) as exc:
-                await self._failed(route, str(exc) or repr(exc))
+                await self._failed(route, str(exc) or repr(exc), span)
                 continue
             # 503: the replica cannot take it now (full, loading, stopped).
             if upstream.status == 503 or (phase == "decode" and upstream.status == 502):
                 upstream.close()
-                await self._failed(route, f"HTTP {upstream.status}")
+                await self._failed(route, f"HTTP {upstream.status}", span)
                 continue
             self.outliers.succeeded(replica.url)
             self.metrics.upstream_latency.labels(model, replica.replica_id).observe(time.monotonic() - started)
             self.metrics.requests.labels(model, replica.replica_id, str(upstream.status)).inc()
             headers_out = [(b"x-request-id", request_id), (b"x-pagefleet-replica", replica.replica_id.encode())]
-            return Relay(upstream, request_id.decode("latin-1"), [*headers_out, *extra])
+            if span is not None:
+                ProxyTracing.answered(span, upstream.status)
+            return Relay(upstream, request_id.decode("latin-1"), [*headers_out, *extra], span)
         return None
+
+    async def _pick(self, shape: RequestShape, tried: set[str], phase: str) -> Route | None:
+        if self.tracing is None:
+            return await self.router.pick(shape, tried, phase)
+        with self.tracing.routing(shape.model, phase) as span:
+            route = await self.router.pick(shape, tried, phase)
+            span.chosen(route)
+            return route
 
     async def prefill(
         self, path: str, payload: dict[str, Any], headers: bytes, shape: RequestShape, request_id: bytes
@@ -167,6 +192,8 @@ class Proxy:
             return None
         answer = await prefill.upstream.read()
         prefill.upstream.release()
+        if prefill.span is not None:
+            prefill.span.end()
         transfer = transfer_params(answer) if prefill.upstream.status == 200 else None
         if transfer is None:  # its own error (the request's): the whole request says it again
             return None
@@ -211,7 +238,9 @@ class Proxy:
         else:
             logger.warning("replica %s refused adapter %s: %s", replica.replica_id, shape.model, text[:300])
 
-    async def _failed(self, route: Route, reason: str) -> None:
+    async def _failed(self, route: Route, reason: str, span: Span | None = None) -> None:
+        if span is not None:
+            ProxyTracing.failed(span, reason)
         await route.release()
         replica = route.replica
         skipped = self.outliers.failed(replica.url)
@@ -227,8 +256,14 @@ class Proxy:
 class Relay:
     """The replica's response, to be written to the client over ASGI."""
 
-    def __init__(self, upstream: UpstreamResponse, request_id: str, extra: list[tuple[bytes, bytes]]) -> None:
-        self.upstream, self.request_id = upstream, request_id
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        request_id: str,
+        extra: list[tuple[bytes, bytes]],
+        span: Span | None = None,
+    ) -> None:
+        self.upstream, self.request_id, self.span = upstream, request_id, span  # span: the call, ended when relayed
         kept = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _NOT_FORWARDED]
         self.headers = kept + extra
         self.streaming = upstream.header(b"content-type").startswith(b"text/event-stream")
@@ -248,6 +283,8 @@ class Relay:
             # Read to the end: the connection goes back to the pool. Otherwise (the client
             # left, the relay failed) it is closed, which aborts the request upstream.
             self.upstream.release() if completed else self.upstream.close()
+            if self.span is not None:
+                self.span.end()
 
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.upstream.status, "headers": self.headers})

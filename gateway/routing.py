@@ -49,6 +49,9 @@ async def _nothing() -> None:
 class Route:
     replica: ReplicaRecord
     release: Release = field(default=_nothing)  # drop the promise (the replica failed)
+    reserved_blocks: int = 0  # the KV blocks promised on the replica for this request
+    policy: str = ""  # the policy that chose it (set by the Router)
+    candidates: int = 0  # how many replicas it was chosen from
 
 
 class RoutingPolicy(Protocol):
@@ -76,13 +79,13 @@ class KVPolicy:
             reserving = asyncio.ensure_future(self._reserve(candidates, request))
             self._in_flight.add(reserving)
             reserving.add_done_callback(self._in_flight.discard)
-            return Route(candidates[0], functools.partial(self._release_once_made, reserving))
+            return Route(candidates[0], functools.partial(self._release_once_made, reserving), request.estimated_blocks)
         promise = await self._reserve(candidates, request)
         if promise is None:  # without Redis, route on the reports alone
             if request.prefill:
                 return Route(max(candidates, key=lambda r: (r.free_blocks, -r.waiting_prompt_tokens)))
             return Route(max(candidates, key=lambda r: (r.free_blocks, -r.waiting)))
-        return Route(promise.replica, functools.partial(self._release, promise))
+        return Route(promise.replica, functools.partial(self._release, promise), request.estimated_blocks)
 
     async def _release_once_made(self, reserving: asyncio.Future[Promise | None]) -> None:
         promise = await reserving
@@ -220,5 +223,6 @@ class Router:
             routed = RoutedRequest(shape.model, shape.blocks(block_size), shape.prefix)
         route = await policy.choose(candidates, routed)
         if route is not None:
+            route.policy, route.candidates = policy.name, len(candidates)
             self.metrics.routing_decisions.labels(shape.model, route.replica.replica_id, policy.name).inc()
         return route

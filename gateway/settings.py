@@ -68,6 +68,13 @@ class GatewaySettings(RoutingSettings):
     exclude_failed_for_s: float = seconds(10.0, "a replica is skipped after those failures")
     connect_timeout_s: float = seconds(2.0, "to connect to a replica")
     read_timeout_s: float = seconds(600.0, "to wait for a replica's next bytes")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="send OpenTelemetry traces here over OTLP (gRPC, or HTTP with "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), e.g. http://localhost:4317; none: no tracing",
+    )  # fmt: skip
+    dashboard_interval_s: float = Field(2.0, gt=0, description="seconds between the dashboard's samples")
+    dashboard_span_s: float = Field(300.0, gt=0, description="seconds of history the dashboard charts")
+    dashboard_window_s: float = Field(10.0, gt=0, description="seconds the dashboard's rates and percentiles cover")
 
 
 class PickerSettings(RoutingSettings):

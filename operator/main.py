@@ -4,13 +4,21 @@ Handlers only translate between kopf and reconcile.py / autoscale.py: a change, 
 the periodic timer runs the same reconcile; the timer also runs the autoscaler; deletion
 removes the model's replica records from Redis before the finalizer lets go. kopf's own
 bookkeeping goes to `pagefleet.io/` annotations, so `.status` holds only our fields.
+
+One writer per resource: the change handlers and the timer reconcile a resource under its
+lock, and the timer skips a period in which a handler holds it (the handler does the same
+work from newer state). The timer also stops as soon as kopf asks it to (the resource is
+being deleted, or the operator exits), cancelling a call in flight, so that neither a
+deletion nor a shutdown waits for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import kopf
@@ -20,6 +28,7 @@ from redis.exceptions import RedisError
 from pagefleet.operator.autoscale import ScaleHistory, decide
 from pagefleet.operator.kube import INFERENCE_DEPLOYMENTS, ApiError, KubeApi
 from pagefleet.operator.manifests import GROUP, PLURAL, VERSION, Owner
+from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.operator.reconcile import Outcome, Runtime, reconcile
 from pagefleet.operator.replicas import remove_records
 from pagefleet.operator.settings import OperatorSettings
@@ -40,9 +49,11 @@ def _backoff(retry: int) -> float:
     return float(min(60, 2 ** min(retry, 6)))
 
 
-def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+def build_registry(settings: OperatorSettings, metrics: OperatorMetrics | None = None) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     runtime = Runtime(settings, KubeApi(_login), redis.from_url(settings.redis_url, socket_timeout=2.0))
+    metrics = metrics or OperatorMetrics()
+    operator_settings = settings
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -54,9 +65,17 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         settings.posting.level = logging.WARNING  # kopf's log lines become events only from warnings up
         settings.scanning.disabled = True  # the resource is known: no watching of CRDs or namespaces
         settings.execution.max_workers = 4
+        settings.background.instant_exit_timeout = 2.0  # the timer exits at once when told to (below)
+        if operator_settings.metrics_port:
+            metrics.serve(operator_settings.metrics_port)
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        runtime.closing = True  # a timer kopf still fires from now on does nothing
+        for lock in list(runtime.locks.values()):  # reconciles in flight end before their client closes
+            async with lock:
+                pass
+        metrics.close()
         await runtime.kube.close()
         await runtime.redis.aclose()
 
@@ -65,12 +84,23 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         return _login(settings)
 
     async def run_reconcile(body: kopf.Body, patch: kopf.Patch, retry: int, logger: Any) -> Outcome:
+        owner = Owner.of(body)
         try:
             outcome = await reconcile(runtime, body)
         except ApiError as error:
+            metrics.reconciles.labels(owner.namespace, owner.name, "error").inc()
             if error.is_transient:
                 raise kopf.TemporaryError(str(error), delay=_backoff(retry)) from error
             raise kopf.PermanentError(str(error)) from error
+        metrics.reconciles.labels(owner.namespace, owner.name, "ok").inc()
+        if outcome.spec is not None:
+            spec = outcome.spec
+            pools = {role: (spec.pool(role).replicas, kv) for role, kv in outcome.pools.items()} or {
+                "": (spec.replicas, outcome.kv)
+            }
+            for pool, (replicas, kv) in pools.items():
+                metrics.replicas.labels(owner.namespace, owner.name, pool).set(replicas)
+                metrics.kv_utilization.labels(owner.namespace, owner.name, pool).set(kv.mean_utilization)
         for action in outcome.applied:
             logger.info(action)
         if outcome.invalid is not None and outcome.status_patch:
@@ -83,11 +113,21 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.on.create(*RESOURCE, registry=registry)
     @kopf.on.update(*RESOURCE, registry=registry)
     async def changed(*, body: kopf.Body, patch: kopf.Patch, retry: int, logger: Any, **_: Any) -> None:
-        await run_reconcile(body, patch, retry, logger)
+        async with runtime.lock(Owner.of(body).key):
+            await run_reconcile(body, patch, retry, logger)
 
     @kopf.timer(*RESOURCE, interval=settings.reconcile_interval_s, registry=registry)
     async def periodic(*, body: kopf.Body, patch: kopf.Patch, logger: Any, **kwargs: Any) -> None:
-        outcome = await run_reconcile(body, patch, kwargs.get("retry", 0), logger)
+        stopped: kopf.DaemonStopped = kwargs["stopped"]  # set when the resource goes or the operator exits
+        lock = runtime.lock(Owner.of(body).key)
+        if runtime.closing or lock.locked():
+            logger.debug("the operator exits, or a handler is reconciling this resource: the timer skips a period")
+            return
+        async with lock:
+            await _unless_stopped(stopped, reconcile_and_autoscale(body, patch, logger))
+
+    async def reconcile_and_autoscale(body: kopf.Body, patch: kopf.Patch, logger: Any) -> None:
+        outcome = await run_reconcile(body, patch, 0, logger)
         spec = outcome.spec
         if spec is None:
             return
@@ -104,11 +144,12 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         (the decode pool on KV pressure, the prefill pool on queued prompt tokens)."""
         owner = Owner.of(body)
         now = time.monotonic()
-        key = f"{owner.namespace}/{owner.name}" + (f"/{role}" if role else "")
+        key = owner.key + (f"/{role}" if role else "")
         history = runtime.histories.setdefault(key, ScaleHistory(started_s=now))
         current = spec.replicas
         decision = decide(current, kv, spec.autoscaling, history, now, prefill=role == "prefill")
         if decision.changes(current):
+            metrics.scaling_events.labels(owner.namespace, owner.name, role or "", decision.reason).inc()
             if role is None:
                 scale = {"spec": {"replicas": decision.replicas}}
                 await runtime.kube.patch(INFERENCE_DEPLOYMENTS, owner.namespace, owner.name, scale, sub="scale")
@@ -128,6 +169,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     async def deleted(*, spec: kopf.Spec, name: str, namespace: str | None, retry: int, logger: Any, **_: Any) -> None:
         for key in [k for k in runtime.histories if k == f"{namespace}/{name}" or k.startswith(f"{namespace}/{name}/")]:
             runtime.histories.pop(key)
+        runtime.locks.pop(f"{namespace}/{name}", None)
+        metrics.forget(namespace or "", name)
         model = spec.get("servedModelName") or name
         try:
             removed = await remove_records(runtime.redis, model)
@@ -137,6 +180,25 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         logger.info("removed %d replica records of %s from Redis", removed, model)
 
     return registry
+
+
+async def _unless_stopped(stopped: kopf.DaemonStopped, work: Awaitable[None]) -> None:
+    """Run `work` until it ends or kopf sets `stopped`; then cancel it, mid-call if need be
+    (a timer's reconcile is repeated next period anyway)."""
+    task = asyncio.ensure_future(work)
+
+    async def stop_requested() -> None:
+        await stopped.wait()
+
+    waiter = asyncio.ensure_future(stop_requested())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, waiter):
+            pending.cancel()
+        await asyncio.gather(task, waiter, return_exceptions=True)
+    if not task.cancelled():
+        task.result()  # its error, if any, is the timer's
 
 
 async def run_operator(

@@ -37,6 +37,11 @@ class Owner:
         meta = body["metadata"]
         return cls(meta["name"], meta["namespace"], meta["uid"])
 
+    @property
+    def key(self) -> str:
+        """namespace/name: how the operator keeps per-resource state in memory."""
+        return f"{self.namespace}/{self.name}"
+
     def reference(self) -> dict[str, Any]:
         return {
             "apiVersion": API_VERSION,
@@ -178,6 +183,11 @@ def _environment(owner: Owner, spec: InferenceDeploymentSpec, settings: Operator
         {"name": "PAGEFLEET_CACHE_DIR", "value": _CACHE_MOUNT},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
+    if settings.engine_otlp_traces_endpoint:
+        env += [
+            {"name": "PAGEFLEET_ENGINE_OTLP_TRACES_ENDPOINT", "value": settings.engine_otlp_traces_endpoint},
+            {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": settings.engine_otlp_traces_protocol},
+        ]
     return env + [variable.model_dump(by_alias=True, exclude_none=True) for variable in spec.env]
 
 

@@ -8,6 +8,7 @@ a second reconcile of an unchanged resource writes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from redis.exceptions import RedisError
 
 from pagefleet.operator import manifests, status
 from pagefleet.operator.autoscale import ScaleHistory
-from pagefleet.operator.kube import DEPLOYMENTS, KINDS_BY_API_KIND, KubeApi
+from pagefleet.operator.kube import DEPLOYMENTS, KINDS_BY_API_KIND, ApiError, KubeApi
 from pagefleet.operator.replicas import KVSummary, read_records
 from pagefleet.operator.settings import OperatorSettings
 from pagefleet.operator.spec import ROLES, InferenceDeploymentSpec, InvalidSpec, parse_spec
@@ -33,6 +34,12 @@ class Runtime:
     kube: KubeApi
     redis: redis.Redis
     histories: dict[str, ScaleHistory] = field(default_factory=dict)  # by namespace/name
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)  # by namespace/name: one reconcile at a time
+    closing: bool = False  # the operator exits: no new periodic work
+
+    def lock(self, key: str) -> asyncio.Lock:
+        """The lock every handler and the timer hold while they reconcile one resource."""
+        return self.locks.setdefault(key, asyncio.Lock())
 
 
 @dataclass(slots=True)
@@ -82,7 +89,16 @@ async def apply(kube: KubeApi, desired: dict[str, Any]) -> tuple[dict[str, Any],
     meta = desired["metadata"]
     current = await kube.get(kind, meta["namespace"], meta["name"])
     if current is None:
-        return await kube.create(kind, meta["namespace"], desired), "created"
+        try:
+            return await kube.create(kind, meta["namespace"], desired), "created"
+        except ApiError as error:
+            if error.status != 409:
+                raise
+            # Created by someone else since our read (another operator replica, a user):
+            # it exists, so this is an update like any other.
+            current = await kube.get(kind, meta["namespace"], meta["name"])
+            if current is None:
+                raise
     desired = _with_removals(desired)
     if is_subset(desired, current):
         return current, None

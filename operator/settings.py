@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -23,9 +25,16 @@ class OperatorSettings(BaseSettings):
         None,
         description="give the engines REDIS_PASSWORD from this Secret (name/key), for $(REDIS_PASSWORD) in the URL",
     )
+    engine_otlp_traces_endpoint: str | None = Field(
+        None, description="the engines send OpenTelemetry traces here (their --otlp-traces-endpoint); none: off"
+    )
+    engine_otlp_traces_protocol: Literal["grpc", "http/protobuf"] = Field(
+        "grpc", description="OTLP over gRPC or HTTP, for that endpoint (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)"
+    )
     engine_image: str = Field("ghcr.io/pagefleet/engine:0.1.0", description="engine image when a spec names none")
     engine_port: int = 8000
     reconcile_interval_s: float = Field(10.0, gt=0, description="the periodic reconcile: status and autoscaling")
     health_port: int | None = Field(8080, description="serve /healthz here for the liveness probe (none: off)")
+    metrics_port: int | None = Field(9090, description="serve Prometheus /metrics here (none: off)")
     liveness_probe: bool = True
     log_level: str = "INFO"

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -219,3 +220,23 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+class ServerThread:
+    """A uvicorn server in a thread of this process, so that a test can reach its app."""
+
+    def __init__(self, app: object, port: int) -> None:
+        from pagefleet.cli.web import make_server
+
+        self.server = make_server(app, "127.0.0.1", port, "WARNING")
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        wait_for(lambda: self.server.started, timeout=60)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

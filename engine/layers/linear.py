@@ -17,7 +17,13 @@ from torch import nn
 if TYPE_CHECKING:
     from pagefleet.engine.lora.layer import LoRALayer
 
-_PACKABLE = (torch.float32, torch.bfloat16)
+
+def _packable(dtype: torch.dtype) -> bool:
+    """oneDNN packs float32 anywhere; bfloat16 only on CPUs with bf16 instructions
+    (AVX512-BF16/AVX-NE-CONVERT; e.g. not on an AVX2-only EPYC), else plain F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def frozen_parameter(*shape: int) -> nn.Parameter:
@@ -39,7 +45,7 @@ class Linear(nn.Module):
     def pack(self) -> None:
         """Prepack the weight for oneDNN (after weights are loaded and cast)."""
         weight = self.weight
-        if weight.device.type == "cpu" and weight.dtype in _PACKABLE and torch.backends.mkldnn.is_available():
+        if weight.device.type == "cpu" and _packable(weight.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -37,13 +38,18 @@ from pagefleet.engine.server.publisher import CapacityPublisher
 from pagefleet.engine.server.settings import ServerSettings
 from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import cancel_on_disconnect
+from pagefleet.engine.server.tracing import RequestTracing
 from pagefleet.engine.stats import EngineStats
+from pagefleet.protocol import tracing
 from pagefleet.protocol.http import ErrorGuard, error_json
 from pagefleet.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagefleet.protocol.tracing import ServerSpans
 
 logger = logging.getLogger(__name__)
 
 EXIT_ENGINE_DEAD = 3  # the process's exit code after its engine died
+EXIT_LOAD_FAILED = 4  # ... after its model failed to load
+TRACED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def _version() -> str:
@@ -128,16 +134,24 @@ def _stats(state: ServerState) -> EngineStats | None:
 
 
 def create_app(
-    settings: ServerSettings, engine: AsyncEngine | None = None, stop_server: Callable[[], None] | None = None
+    settings: ServerSettings,
+    engine: AsyncEngine | None = None,
+    stop_server: Callable[[], None] | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
     """The app for `settings`; pass an `engine` to serve one built already (tests).
 
     `stop_server` makes the HTTP server stop gracefully; it is called if the engine dies
-    (the server's runner then exits with `state.exit_code`).
+    (the server's runner then exits with `state.exit_code`). Traces go to
+    `tracer_provider`, else to `settings.otlp_traces_endpoint` if set.
     """
     state: ServerState
     metrics = ServerMetrics(settings.model_name, lambda: _stats(state))
     state = ServerState(settings, metrics, KVTransfers(settings, metrics), Adapters(settings.model_name))
+    tracer_provider = tracer_provider or tracing.tracer_provider("pagefleet-engine", settings.otlp_traces_endpoint)
+    tracer = tracer_provider.get_tracer("pagefleet.engine") if tracer_provider is not None else None
+    if tracer is not None:
+        state.tracing = RequestTracing(tracer)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -162,6 +176,9 @@ def create_app(
             nonlocal publisher, publishing
             await _load(state, engine)
             if state.engine is None:
+                if stop_server is not None:  # nothing to serve: exit, so a supervisor sees it at once
+                    state.exit_code = EXIT_LOAD_FAILED
+                    stop_server()
                 return
             state.engine.engine.kv_connector = state.transfers.connector
             loop = asyncio.get_running_loop()
@@ -194,6 +211,8 @@ def create_app(
         await state.transfers.close()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
+        if tracer_provider is not None:
+            await asyncio.to_thread(tracer_provider.shutdown)  # the last spans go out
 
     app = FastAPI(title="pagefleet engine", version=_version(), lifespan=lifespan)
     app.state.server = state
@@ -203,6 +222,8 @@ def create_app(
     _add_routes(app, state)
     add_kv_routes(app, state.transfers, lambda: state.ready_engine(None))
     add_lora_routes(app, state.adapters, lambda: state.ready_engine(None))
+    if tracer is not None:
+        app.add_middleware(ServerSpans, tracer=tracer, paths=TRACED_PATHS)
     return app
 
 

@@ -66,9 +66,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         extra["structured_outputs"] = constraint
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
     lora = state.adapters.request_for(body.model)
-    stream = await first_and_rest(
-        generate(state.metrics, engine, chat_prompt(engine, body), params, state.transfers, lora)
-    )
+    stream = await first_and_rest(generate(state, engine, chat_prompt(engine, body), params, lora, "chat"))
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     calling = tools if tools is not None and tools.parses_calls else None
     if body.stream:

@@ -94,9 +94,7 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
     if body.kv_transfer_params and len(prompts) > 1:
         raise OpenAIError(400, "kv_transfer_params: a disaggregated request has one prompt", "kv_transfer_params")
     lora = state.adapters.request_for(body.model)
-    streams = await start_all(
-        [generate(state.metrics, engine, prompt, params, state.transfers, lora) for prompt in prompts]
-    )
+    streams = await start_all([generate(state, engine, prompt, params, lora, "text_completion") for prompt in prompts])
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -11,43 +11,55 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from opentelemetry import context as otel_context
+
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.server.kv_transfer import KVTransfers
-from pagefleet.engine.server.metrics import ServerMetrics
+from pagefleet.engine.server.state import ServerState
 
 Outputs = AsyncGenerator[RequestOutput, None]
 
 
 async def generate(
-    metrics: ServerMetrics,
+    state: ServerState,
     engine: AsyncEngine,
     prompt: str | list[int],
     params: SamplingParams,
-    transfers: KVTransfers | None = None,
-    lora_request: LoRARequest | None = None,
+    lora_request: LoRARequest | None,
+    operation: str,
 ) -> Outputs:
-    """The engine's outputs for one prompt, with latency metrics. Closing the generator
-    early (a client gone) aborts the request and frees its blocks. With `transfers`, a
-    decode request's prompt KV is pulled first (kv_transfer.py)."""
+    """The engine's outputs for one prompt, with latency metrics and, if tracing is on, its
+    span (`operation`: "chat" or "text_completion"). Closing the generator early (a client
+    gone) aborts the request and frees its blocks. A decode request's prompt KV is pulled
+    first (kv_transfer.py)."""
+    metrics = state.metrics
     started = last = time.monotonic()
+    parent = otel_context.get_current()  # the HTTP request's span, when traced
     tokens_seen = 0
-    remote_kv = None
-    if transfers is not None:
-        prompt, remote_kv = await transfers.prepare(engine, prompt, params)  # type: ignore[assignment]
+    output: RequestOutput | None = None
+    error: BaseException | None = None
     request_id = f"req-{uuid.uuid4().hex}"
-    async with aclosing(engine.generate(prompt, params, request_id, remote_kv, lora_request)) as outputs:
-        async for output in outputs:
-            tokens = sum(len(c.token_ids) for c in output.outputs)
-            if tokens > tokens_seen:
-                now = time.monotonic()
-                histogram = metrics.time_to_first_token if tokens_seen == 0 else metrics.inter_token_latency
-                histogram.observe((now - started) if tokens_seen == 0 else (now - last))
-                last, tokens_seen = now, tokens
-            yield output
-    metrics.e2e_request_latency.observe(time.monotonic() - started)
+    try:
+        prompt, remote_kv = await state.transfers.prepare(engine, prompt, params)  # type: ignore[assignment]
+        async with aclosing(engine.generate(prompt, params, request_id, remote_kv, lora_request)) as outputs:
+            async for output in outputs:
+                tokens = sum(len(c.token_ids) for c in output.outputs)
+                if tokens > tokens_seen:
+                    now = time.monotonic()
+                    histogram = metrics.time_to_first_token if tokens_seen == 0 else metrics.inter_token_latency
+                    histogram.observe((now - started) if tokens_seen == 0 else (now - last))
+                    last, tokens_seen = now, tokens
+                yield output
+        metrics.e2e_request_latency.observe(time.monotonic() - started)
+    except BaseException as exc:  # recorded on the span, then raised as it was
+        error = exc if not isinstance(exc, GeneratorExit | asyncio.CancelledError) else None
+        raise
+    finally:
+        if state.tracing is not None:
+            model = lora_request.lora_name if lora_request is not None else state.settings.model_name
+            state.tracing.record(parent, operation, model, request_id, params, output, started, error)
 
 
 async def first_and_rest(stream: Outputs) -> Outputs:

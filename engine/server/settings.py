@@ -68,6 +68,10 @@ class ServerSettings(BaseSettings):
     exit_grace: float = Field(1.0, description="seconds in-flight requests get to be answered after the engine dies")
     restarts: int = Field(0, ge=0, description="times a supervisor restarted this replica (shown on the dashboard)")
     log_level: str = "INFO"
+    otlp_traces_endpoint: str | None = Field(
+        None, description="send OpenTelemetry traces here over OTLP (gRPC, or HTTP with "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), e.g. http://localhost:4317; none: no tracing",
+    )  # fmt: skip
     role: Literal["prefill", "decode", "both"] = Field(
         "both",
         description="prefill/decode disaggregation: prefill (prompts whose KV decode replicas pull), "

@@ -11,6 +11,7 @@ from pagefleet.engine.server.kv_transfer import KVTransfers
 from pagefleet.engine.server.lora import Adapters
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
+from pagefleet.engine.server.tracing import RequestTracing
 
 
 @dataclass(slots=True)
@@ -20,6 +21,7 @@ class ServerState:
     transfers: KVTransfers
     adapters: Adapters
     engine: AsyncEngine | None = None  # None until the model is loaded and warm
+    tracing: RequestTracing | None = None  # None unless traces are exported
     load_error: BaseException | None = None
     exit_code: int = 0  # what the process exits with once the server stops (non-zero: the engine died)
     created: int = field(default_factory=lambda: int(time.time()))

@@ -68,6 +68,12 @@ def inference_pool_validator() -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(schema)
 
 
+def monitoring_validator() -> jsonschema.Draft7Validator:
+    """ServiceMonitor and PodMonitor, as the Prometheus Operator's API reference defines them."""
+    schema = json.loads((Path(__file__).parent / "monitoring-v1.schema.json").read_text())
+    return jsonschema.Draft7Validator(schema)
+
+
 def crd_validator() -> jsonschema.Draft4Validator:
     crd = yaml.safe_load((ROOT / "crds" / "inferencedeployments.pagefleet.io.yaml").read_text())
     return jsonschema.Draft4Validator(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
@@ -104,6 +110,15 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         }
     },
     "the picker, with a first model": {"picker": {"enabled": True, "failureMode": "FailOpen"}, "models": [FIRST_MODEL]},
+    "metrics: monitors and dashboards": {
+        "picker": {"enabled": True},
+        "metrics": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+            "grafanaDashboards": {"enabled": True, "annotations": {"grafana_folder": "pagefleet"}},
+        },
+        "models": [FIRST_MODEL],
+    },
+    "tracing": {"tracing": {"otlpEndpoint": "http://otel-collector.observability:4318", "protocol": "http/protobuf"}},
     "watched namespaces, persistent redis": {
         "operator": {"watchNamespaces": ["models-a", "models-b"]},
         "redis": {"persistence": {"enabled": True, "size": "2Gi"}},
@@ -125,6 +140,8 @@ def test_every_rendered_object_passes_the_official_schemas(name: str) -> None:
             parse_spec(doc["spec"])
         elif doc["kind"] == "InferencePool":
             inference_pool_validator().validate(doc)
+        elif doc["apiVersion"] == "monitoring.coreos.com/v1":
+            monitoring_validator().validate(doc)
         else:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     for doc in docs:
@@ -347,3 +364,99 @@ def test_examples_take_their_namespace_from_kubectl() -> None:
     examples without a namespace of their own."""
     for path in sorted((ROOT / "examples").glob("*.yaml")):
         assert "namespace" not in yaml.safe_load(path.read_text())["metadata"], path.name
+
+
+def test_monitors_scrape_the_gateway_picker_operator_and_every_engine_pod() -> None:
+    docs = render({**VALUE_SETS["metrics: monitors and dashboards"], "operator": {"watchNamespaces": ["models"]}})
+    monitors = {d["metadata"]["name"]: d for d in docs if d["apiVersion"] == "monitoring.coreos.com/v1"}
+    assert {name: d["kind"] for name, d in monitors.items()} == {
+        "pf-pagefleet-gateway": "ServiceMonitor",
+        "pf-pagefleet-picker": "ServiceMonitor",
+        "pf-pagefleet-operator": "PodMonitor",
+        "pf-pagefleet-engines": "PodMonitor",
+    }
+    for monitor in monitors.values():
+        monitoring_validator().validate(monitor)
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"  # what Prometheus selects
+    # Each ServiceMonitor selects its Service and names one of its ports.
+    for component in ("gateway", "picker"):
+        service = find(docs, "Service", f"pf-pagefleet-{component}")
+        spec = monitors[f"pf-pagefleet-{component}"]["spec"]
+        assert spec["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        assert {e["port"] for e in spec["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+    # The operator's PodMonitor selects its pod and names the port its metrics are served on.
+    operator = find(docs, "Deployment", "pf-pagefleet-operator")["spec"]["template"]
+    spec = monitors["pf-pagefleet-operator"]["spec"]
+    assert spec["selector"]["matchLabels"].items() <= operator["metadata"]["labels"].items()
+    container = operator["spec"]["containers"][0]
+    assert spec["podMetricsEndpoints"][0]["port"] in {p["name"] for p in container["ports"]}
+    assert env_of(container)["PAGEFLEET_OPERATOR_METRICS_PORT"] == str(
+        next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+    )
+    # The engines' PodMonitor selects the pods the operator makes, in the namespaces it watches.
+    spec = monitors["pf-pagefleet-engines"]["spec"]
+    engine = labels(Owner("smollm2", "models", "uid"), parse_spec(FIRST_MODEL["spec"]))
+    assert spec["selector"]["matchLabels"].items() <= engine.items()
+    assert spec["namespaceSelector"] == {"matchNames": ["models"]}
+    assert spec["podMetricsEndpoints"][0]["port"] == "http"  # the engine container's port name
+    # Off by default: a cluster without the Prometheus Operator's CRDs installs the chart.
+    assert not [d for d in render() if d["apiVersion"] == "monitoring.coreos.com/v1"]
+
+
+def test_grafana_dashboards_are_configmaps_for_the_sidecar_holding_the_generated_dashboard() -> None:
+    import runpy
+
+    generator = runpy.run_path(str(ROOT / "scripts" / "grafana_dashboard.py"))
+    assert (CHART / "dashboards" / "pagefleet-fleet.json").read_text() == generator["render"](), (
+        "the dashboard JSON is stale: run python scripts/grafana_dashboard.py"
+    )
+    docs = render(VALUE_SETS["metrics: monitors and dashboards"])
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and "grafana_dashboard" in d["metadata"]["labels"]]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "pagefleet"}
+    dashboard = json.loads(config_map["data"]["pagefleet-fleet.json"])
+    assert dashboard["uid"] == "pagefleet-fleet"
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    assert {
+        "KV cache usage",
+        "Output tokens/s",
+        "Time to first token",
+        "Inter-token latency",
+        "Errors/s by status",
+    } <= titles
+    assert all(target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", []))
+    elsewhere = render({"metrics": {"grafanaDashboards": {"enabled": True, "namespace": "monitoring"}}})
+    assert find(elsewhere, "ConfigMap", "pf-pagefleet-dashboard-fleet")["metadata"]["namespace"] == "monitoring"
+
+
+def test_tracing_reaches_the_gateway_and_through_the_operator_every_engine() -> None:
+    from pagefleet.engine.server.settings import ServerSettings
+    from pagefleet.gateway.settings import GatewaySettings
+
+    docs = render(VALUE_SETS["tracing"])
+    gateway = env_of(find(docs, "Deployment", "pf-pagefleet-gateway")["spec"]["template"]["spec"]["containers"][0])
+    endpoint = "http://otel-collector.observability:4318"
+    assert gateway["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert GatewaySettings(otlp_traces_endpoint=gateway["PAGEFLEET_GATEWAY_OTLP_TRACES_ENDPOINT"]).otlp_traces_endpoint
+    operator = env_of(find(docs, "Deployment", "pf-pagefleet-operator")["spec"]["template"]["spec"]["containers"][0])
+    plain = {k.removeprefix("PAGEFLEET_OPERATOR_").lower(): v for k, v in operator.items() if isinstance(v, str)}
+    settings = OperatorSettings(**{k: json.loads(v) if k == "namespaces" else v for k, v in plain.items()})
+    pod = find_engine_pod(settings)
+    engine = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert engine["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    variables = {
+        k.removeprefix("PAGEFLEET_ENGINE_").lower(): v for k, v in engine.items() if k.startswith("PAGEFLEET_ENGINE_")
+    }
+    assert ServerSettings.model_validate(variables).otlp_traces_endpoint == endpoint
+    assert "PAGEFLEET_GATEWAY_OTLP_TRACES_ENDPOINT" not in env_of(
+        find(render(), "Deployment", "pf-pagefleet-gateway")["spec"]["template"]["spec"]["containers"][0]
+    )  # off by default
+
+
+def find_engine_pod(settings: OperatorSettings) -> dict[str, Any]:
+    from pagefleet.operator import manifests
+
+    objects = manifests.desired_objects(Owner("smollm2", NAMESPACE, "uid"), parse_spec(FIRST_MODEL["spec"]), settings)
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    return deployment["spec"]["template"]["spec"]

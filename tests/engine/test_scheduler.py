@@ -155,3 +155,37 @@ def test_a_request_larger_than_the_whole_cache_is_never_scheduled() -> None:
     plan = scheduler.schedule()
     assert plan.is_empty and [r.request_id for r in scheduler.waiting] == ["r0"]
     assert kv_cache.num_free_blocks == 4, "nothing is held by a request that did not fit"
+
+
+def _events(request: Request) -> list[tuple[str, dict[str, int | str | bool]]]:
+    return [(event.name, event.attributes) for event in request.events]
+
+
+def test_a_request_records_its_queueing_prefill_chunks_and_preemptions_for_its_trace() -> None:
+    scheduler, kv_cache = _scheduler(num_blocks=6)
+    plan = _two_requests_that_outgrow_six_blocks(scheduler, kv_cache)
+    first, newest = (scheduler.running + scheduler.waiting)[:2]
+    assert _events(first) == [
+        ("scheduled", {"cached_tokens": 0, "resumed": False}),
+        ("prefill_chunk", {"start": 0, "tokens": 8}),
+    ]
+    assert plan.preempted == [newest]
+    while newest.status != RequestStatus.RUNNING:
+        _step(scheduler, kv_cache)
+    names = [name for name, _ in _events(newest)]
+    assert names[names.index("preempted") :] == ["preempted", "scheduled", "prefill_chunk"]
+    assert _events(newest)[names.index("preempted") :][:2] == [
+        ("preempted", {"mode": "recompute"}),
+        ("scheduled", {"cached_tokens": 0, "resumed": True}),
+    ]
+    times = [event.time for event in newest.events]
+    assert times == sorted(times)
+
+
+def test_a_swapped_request_records_the_swap() -> None:
+    scheduler, kv_cache = _scheduler(num_blocks=6, mode="swap", host_blocks=8)
+    newest = _two_requests_that_outgrow_six_blocks(scheduler, kv_cache).preempted[0]
+    assert _events(newest)[-1] == ("preempted", {"mode": "swap"})
+    while newest.status != RequestStatus.RUNNING:
+        _step(scheduler, kv_cache)
+    assert _events(newest)[-1] == ("scheduled", {"cached_tokens": 0, "resumed": True})  # no prompt chunk: no recompute

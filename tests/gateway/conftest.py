@@ -19,6 +19,8 @@ from tests.processes import (
     stop_server,
 )
 
+# Dashboard samples often enough for a test to see its charts fill within seconds.
+DASHBOARD_FLAGS = ("--dashboard-interval-s", "0.5", "--dashboard-window-s", "2")
 ENGINE_FLAGS = ("--dtype", "float32", "--num-kv-blocks", "200", "--block-size", "8", "--record-ttl", "1.5")
 
 
@@ -40,7 +42,7 @@ def fleet(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     logs = tmp_path_factory.mktemp("fleet")
     with running_redis() as redis:
         replicas = {name: start_replica(tiny_llama, logs, redis, name) for name in ("tiny-a", "tiny-b")}
-        gateway = start_gateway(redis.url, logs / "gateway.log")
+        gateway = start_gateway(redis.url, logs / "gateway.log", *DASHBOARD_FLAGS)
         yield Fleet(redis, replicas, gateway, logs)
         stop_process(gateway.process)
         for replica in replicas.values():

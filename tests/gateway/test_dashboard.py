@@ -1,10 +1,15 @@
-"""The dashboard in a real headless Chromium: it shows the fleet's model and replicas."""
+"""The dashboard in a real headless Chromium: it shows the fleet's model and replicas, and
+its charts fill while the fleet is under load."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.gateway.conftest import Fleet
@@ -22,24 +27,119 @@ def browser():  # type: ignore[no-untyped-def]
         )
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,700"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1500"):
         options.add_argument(flag)
     session = webdriver.Chrome(service=Service(driver), options=options)
     yield session
     session.quit()
 
 
-def test_dashboard_shows_models_and_replicas(fleet: Fleet, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from selenium.webdriver.common.by import By
+# Where the screenshot is kept after the run (CI keeps the folder as an artefact).
+ARTIFACTS = Path(os.environ.get("PAGEFLEET_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
+# The charts that load must fill: engine figures, gateway figures and latency percentiles.
+CHARTS_UNDER_LOAD = (
+    "kv_usage",
+    "free_blocks",
+    "output_tokens",
+    "requests_in_engine",
+    "ttft",
+    "itl",
+    "requests",
+    "routing",
+)
+
+
+@pytest.fixture
+def load(fleet: Fleet) -> Iterator[None]:
+    """Two clients streaming completions through the gateway until the test ends."""
+    done = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(base_url=fleet.gateway.url, timeout=60) as http:
+            while not done.is_set():
+                body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "stream": True}
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    for _ in response.iter_bytes():
+                        pass
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    yield
+    done.set()
+    for thread in threads:
+        thread.join(timeout=60)
+
+
+# What the page shows, read in one script: the page re-renders every second, so elements
+# found in one call may be gone by the next.
+READ_PAGE = """
+const text = selector => [...document.querySelectorAll(selector)].map(element => element.textContent.trim());
+return {
+  status: document.getElementById("status").textContent,
+  window: document.getElementById("window").textContent,
+  models: text("h2.model"),
+  replicas: [...document.querySelectorAll("tr.replica")].map(row => row.dataset.replica),
+  restarts: text("td.restarts"),
+  charts: Object.fromEntries([...document.querySelectorAll("h2.model + table + .charts svg.chart")]
+    .map(svg => [svg.dataset.chart, {points: Number(svg.dataset.points), legend: svg.nextElementSibling.textContent}])),
+};
+"""
+
+
+def test_dashboard_shows_models_and_replicas_and_charts_under_load(fleet: Fleet, load: None, browser) -> None:  # type: ignore[no-untyped-def]
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(f"{fleet.gateway.url}/dashboard")
-    rows = WebDriverWait(browser, 20).until(
-        lambda b: (found := b.find_elements(By.CSS_SELECTOR, "tr.replica")) and len(found) >= 2 and found
-    )
-    assert {row.get_attribute("data-replica") for row in rows} >= {"tiny-a", "tiny-b"}
-    assert "tiny" in browser.find_element(By.CSS_SELECTOR, "h2.model").text
-    assert browser.find_element(By.ID, "status").text == "live"
-    assert [cell.text for cell in browser.find_elements(By.CSS_SELECTOR, "td.restarts")][:2] == ["0", "0"]
-    screenshot = tmp_path / "dashboard.png"
+    page = WebDriverWait(browser, 20).until(lambda b: (seen := b.execute_script(READ_PAGE))["replicas"] and seen)
+    assert set(page["replicas"]) >= {"tiny-a", "tiny-b"}
+    assert any("tiny" in model for model in page["models"])
+    assert page["status"] == "live"
+    assert page["restarts"][:2] == ["0", "0"]
+
+    def filled(b) -> dict | None:  # type: ignore[no-untyped-def,type-arg]
+        charts = b.execute_script(READ_PAGE)["charts"]
+        return charts if all(charts.get(name, {}).get("points", 0) >= 3 for name in CHARTS_UNDER_LOAD) else None
+
+    charts = WebDriverWait(browser, 40).until(filled)
+    assert set(charts) >= {*CHARTS_UNDER_LOAD, "preemptions", "errors", "failovers"}
+    routing = charts["routing"]["legend"]
+    assert "tiny-a" in routing and "tiny-b" in routing  # one line per replica, in the legend
+    assert "rates and percentiles over 2" in page["window"]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    screenshot = ARTIFACTS / "dashboard.png"
     assert browser.save_screenshot(str(screenshot)) and screenshot.stat().st_size > 1000
+
+
+def exported_names(text: str) -> set[str]:
+    """Every series name a Prometheus scrape of this text can hold, labelled children or not."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names |= {family.name + suffix for suffix in suffixes.get(family.type, ("",))}
+    return names
+
+
+def test_every_metric_in_the_grafana_dashboard_is_exported(fleet: Fleet) -> None:
+    """The Helm chart's Grafana dashboard names only metrics a replica, the gateway or the
+    operator export, so renaming one fails here rather than blanking a panel."""
+    import json
+    import re
+
+    from prometheus_client import generate_latest
+
+    from pagefleet.operator.metrics import OperatorMetrics
+
+    replica = fleet.replicas["tiny-a"]
+    exported = exported_names(httpx.get(f"{replica.url}/metrics").text)
+    exported |= exported_names(httpx.get(f"{fleet.gateway.url}/metrics").text)
+    exported |= exported_names(generate_latest(OperatorMetrics().registry).decode())
+    dashboard = json.loads((Path(__file__).parents[2] / "charts/pagefleet/dashboards/pagefleet-fleet.json").read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    queries.append(dashboard["templating"]["list"][1]["query"]["query"])
+    used = {name for query in queries for name in re.findall(r"\bpagefleet[a-z_]*:[a-zA-Z0-9_:]+", query)}
+    assert len(used) >= 15
+    assert used <= exported, f"not exported: {sorted(used - exported)}"

@@ -354,3 +354,37 @@ def test_endpoints_are_ip_and_port_with_ipv6_in_brackets() -> None:
     assert endpoint("http://10.1.2.3:8000") == "10.1.2.3:8000"
     assert endpoint("http://[fd00::1]:8000/") == "[fd00::1]:8000"
     assert endpoint("http://pod.example") == "pod.example:80"
+
+
+def test_histogram_quantile_interpolates_as_prometheus_does() -> None:
+    from pagefleet.gateway.history import histogram_quantile
+
+    buckets = {0.1: 10.0, 0.5: 30.0, 1.0: 40.0, float("inf"): 40.0}
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * (20 - 10) / 20)
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.1)
+    assert histogram_quantile(0.99, {1.0: 1.0, float("inf"): 5.0}) == 1.0  # in +Inf: the highest finite bound
+    assert histogram_quantile(0.5, {1.0: 0.0, float("inf"): 0.0}) is None
+
+
+def test_history_charts_rates_gauges_and_percentiles_over_the_window() -> None:
+    from pagefleet.gateway.history import FleetHistory, Snapshot
+
+    registry = ReplicaRegistry(None, 0.2, 3.0, 30.0)  # type: ignore[arg-type]  # never refreshed here
+    history = FleetHistory(registry, GatewayMetrics().registry, interval=1.0, span=60.0, window=2.0)
+    for second, tokens, ttft_fast in [(0, 0, 0), (1, 10, 1), (2, 30, 2), (3, 30, 2), (4, 0, 0)]:  # restarted at 4
+        snapshot = Snapshot(1000.0 + second)
+        snapshot.add(("m", "kv_usage", "r1"), 10.0 * second)
+        snapshot.add(("m", "output_tokens", "r1"), tokens)
+        snapshot.add_buckets(("m", "ttft", ""), 0.1, ttft_fast)
+        snapshot.add_buckets(("m", "ttft", ""), float("inf"), ttft_fast)
+        history.snapshots.append(snapshot)
+    charts = {chart["id"]: chart["series"] for chart in history.charts("m")}
+    assert charts["kv_usage"] == [{"name": "r1", "points": [[1000.0 + s, 10.0 * s] for s in range(5)]}]
+    # rate over 2 s: (10-0)/1 at t=1 (only one earlier sample), (30-0)/2, (30-10)/2, then a reset: 0/2
+    assert charts["output_tokens"] == [
+        {"name": "r1", "points": [[1001.0, 10.0], [1002.0, 15.0], [1003.0, 10.0], [1004.0, 0.0]]}
+    ]
+    ttft = {series["name"]: [value for _, value in series["points"]] for series in charts["ttft"]}
+    # one request (of 0.1 s at most) a second until t=2, none after; a gap once none is in the window
+    assert ttft["p50"] == [pytest.approx(0.05)] * 3 + [None]
+    assert charts["requests"] == [] and charts["free_blocks"] == []

@@ -5,7 +5,7 @@ KMock stores objects and merges patches; a real API server also stamps uid and g
 names objects created with generateName, keeps `.status` apart from the rest (the status
 subresource) and maps the scale subresource onto `.spec.replicas`. `Cluster` adds just
 those, logs every write so tests can assert that a reconcile made none, and can answer 503
-on demand.
+or answer late on demand.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class Cluster(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.writes: list[tuple[str, str]] = []  # (method, path) of every write
         self.failures: dict[tuple[str, str], int] = {}  # (method, path): answer 503 this many times
+        self.delays: dict[tuple[str, str], float] = {}  # (method, path): answer the next such call this late
+        self.delayed: list[tuple[str, str]] = []  # calls that were held back, once their wait began
         self.operator_calls: set[tuple[str, str, str]] = set()  # (group, resource, verb) the operator used
         self.operator_reads: list[str] = []  # path of every GET the operator made, in order
 
@@ -68,6 +70,10 @@ class Cluster(kmock.KubernetesEmulator):
                 self.operator_reads.append(request.url.path)
         if method in WRITE_METHODS:
             self.writes.append((method, request.url.path))
+        delay = self.delays.pop((method, request.url.path), None)
+        if delay is not None:  # a slow API server, once
+            self.delayed.append((method, request.url.path))
+            await asyncio.sleep(delay)
         if self.failures.get((method, request.url.path), 0) > 0:
             self.failures[(method, request.url.path)] -= 1
             raise kmock.KubernetesError(status=503, reason="ServiceUnavailable", message="injected by the test")

@@ -18,7 +18,7 @@ from pagefleet.operator.kube import PERMISSIONS
 from pagefleet.operator.main import run_operator
 from pagefleet.operator.settings import OperatorSettings
 from tests.operator.cluster import ApiServer, Cluster
-from tests.processes import RedisProcess, wait_for
+from tests.processes import RedisProcess, free_port, wait_for
 
 GROUP, VERSION, PLURAL = "pagefleet.io", "v1alpha1", "inferencedeployments"
 NAMESPACE = "models"
@@ -91,6 +91,7 @@ def operator_settings(redis_url: str) -> OperatorSettings:
         engine_image="registry.example/pagefleet-engine:test",
         reconcile_interval_s=1.0,
         health_port=None,
+        metrics_port=free_port(),
     )
 
 

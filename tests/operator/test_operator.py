@@ -6,7 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
+import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagefleet.operator.settings import OperatorSettings
 from pagefleet.protocol.replica import ReplicaRecord, record_key
@@ -230,6 +233,27 @@ def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
     publish(redis_client, "busy", "busy-c", free=0, waiting=10)
     wait_for_reconciles(cluster, "busy", 2, operator)
     assert client.get("busy")["spec"]["replicas"] == 3
+    # What the autoscaler saw and did, on the operator's /metrics (the chart's ServiceMonitor scrapes it).
+    figures = operator_metrics(operator)
+    busy = {"namespace": NAMESPACE, "name": "busy"}
+    assert figures["pagefleet_operator:desired_replicas", frozenset({**busy, "pool": ""}.items())] == 3
+    utilization = figures["pagefleet_operator:kv_utilization", frozenset({**busy, "pool": ""}.items())]
+    assert utilization == pytest.approx((0.95 + 1 + 1) / 3)
+    scaled_up = frozenset({**busy, "pool": "", "reason": "ScaledUp"}.items())
+    assert figures["pagefleet_operator:scaling_events_total", scaled_up] == 2
+    assert figures["pagefleet_operator:reconciles_total", frozenset({**busy, "result": "ok"}.items())] >= 3
+    client.delete("busy")
+    eventually(lambda: not any(("name", "busy") in labels for _, labels in operator_metrics(operator)))
+
+
+def operator_metrics(operator: OperatorSettings) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """(name, labels) -> value, from the operator's Prometheus endpoint."""
+    text = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics").text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_without_autoscaling_the_operator_never_writes_replicas(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,6 @@ import httpx
 import pytest
 import redis
 
-from pagefleet.cli.web import make_server
 from pagefleet.engine import AsyncEngine
 from pagefleet.engine.server.app import EXIT_ENGINE_DEAD, create_app
 from pagefleet.engine.server.settings import ServerSettings
@@ -28,6 +26,7 @@ from pagefleet.protocol.replica import record_key
 from tests.processes import (
     EngineServer,
     RedisProcess,
+    ServerThread,
     free_port,
     idle_with_every_block_free,
     leave_a_stream_after_a_few_events,
@@ -134,24 +133,6 @@ def test_tokenize_without_messages_is_a_400_and_the_connection_stays_usable(slow
         connection.close()
 
 
-class _ServerThread:
-    """A uvicorn server in a thread of this process, so that a test can reach its app."""
-
-    def __init__(self, app: object, port: int) -> None:
-        self.server = make_server(app, "127.0.0.1", port, "WARNING")
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def __enter__(self) -> _ServerThread:
-        self.thread.start()
-        wait_for(lambda: self.server.started, timeout=60)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 def test_an_unexpected_exception_is_a_json_500_with_a_request_id() -> None:
     async def broken_app(scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] == "http" and scope["path"] == "/boom":
@@ -159,7 +140,7 @@ def test_an_unexpected_exception_is_a_json_500_with_a_request_id() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    with _ServerThread(ErrorGuard(broken_app), free_port()) as running, httpx.Client() as client:
+    with ServerThread(ErrorGuard(broken_app), free_port()) as running, httpx.Client() as client:
         for _ in range(2):  # the same connection serves on after the failure
             failed = client.get(f"{running.url}/boom", headers={"x-request-id": "req-42"})
             assert failed.status_code == 500
@@ -175,14 +156,14 @@ def test_a_dead_engine_leaves_redis_fails_health_and_stops_the_server(
         model=str(tiny_llama), port=free_port(), redis_url=redis_server.url, replica_id="doomed", exit_grace=0.5
     )
     engine = AsyncEngine(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=64)
-    running: _ServerThread | None = None
+    running: ServerThread | None = None
 
     def stop_server() -> None:
         assert running is not None
         running.server.should_exit = True
 
     app = create_app(settings, engine=engine, stop_server=stop_server)
-    running = _ServerThread(app, settings.port)
+    running = ServerThread(app, settings.port)
     store = redis.Redis.from_url(redis_server.url)
     key = record_key(settings.model_name, "doomed")
     with running:

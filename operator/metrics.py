@@ -1,0 +1,48 @@
+"""The operator's Prometheus metrics (`pagefleet_operator:*`), served on their own port for
+a ServiceMonitor: how reconciles go, and what the autoscaler sees and decides, per resource
+and pool (`pool` is "" for a model with one pool, else "prefill" or "decode")."""
+
+from __future__ import annotations
+
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.reconciles = Counter(
+            "pagefleet_operator:reconciles", "Reconciles of InferenceDeployments, by result (ok, error).",
+            ["namespace", "name", "result"], registry=self.registry,
+        )  # fmt: skip
+        pool = ["namespace", "name", "pool"]
+        self.replicas = Gauge(
+            "pagefleet_operator:desired_replicas", "Engine replicas the resource asks for.", pool,
+            registry=self.registry,
+        )  # fmt: skip
+        self.kv_utilization = Gauge(
+            "pagefleet_operator:kv_utilization", "Mean KV-cache utilization of the live replicas, as the "
+            "autoscaler sees it (0-1).", pool, registry=self.registry,
+        )  # fmt: skip
+        self.scaling_events = Counter(
+            "pagefleet_operator:scaling_events", "Autoscaler decisions that changed the replica count, by reason.",
+            [*pool, "reason"], registry=self.registry,
+        )  # fmt: skip
+        self._server: WSGIServer | None = None
+
+    def serve(self, port: int) -> None:
+        self._server, _ = start_http_server(port, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop a deleted resource's series, so its last figures do not linger."""
+        for metric in (self.reconciles, self.replicas, self.kv_utilization, self.scaling_events):
+            for labels in list(metric._metrics):  # noqa: SLF001 - prometheus_client has no public listing
+                if labels[:2] == (namespace, name):
+                    metric.remove(*labels)
