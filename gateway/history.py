@@ -42,7 +42,7 @@ class Chart:
     per: Literal["replica", "model"]
 
 
-# The dashboard's charts, in page order; docs/dashboard.md and the Grafana dashboard (in the
+# The dashboard's charts, in page order; docs/observability.md and the Grafana dashboard (in the
 # Helm chart) show the same figures.
 CHARTS = (
     Chart("kv_usage", "KV cache usage", "%", "gauge", "replica"),
@@ -87,6 +87,7 @@ class FleetHistory:
         self.interval, self.span, self.window = interval, span, window
         self.snapshots: deque[Snapshot] = deque(maxlen=max(2, int(span / interval) + 1))
         self._client = httpx.AsyncClient(timeout=max(0.5, interval / 2))
+        self._last_scraped: dict[str, list[MetricSample]] = {}  # replica url -> its last good scrape
 
     async def run(self) -> None:
         """Sample until cancelled."""
@@ -104,6 +105,8 @@ class FleetHistory:
         snapshot = Snapshot(time.time())
         records = [(model, r) for model, replicas in self.registry.by_model.items() for r in replicas]
         scraped = await asyncio.gather(*(self._scrape(record.url) for _, record in records))
+        live = {record.url for _, record in records}
+        self._last_scraped = {url: samples for url, samples in self._last_scraped.items() if url in live}
         for (model, record), samples in zip(records, scraped, strict=True):
             replica = record.replica_id
             snapshot.add((model, "kv_usage", replica), 100.0 * record.kv_usage)
@@ -118,12 +121,16 @@ class FleetHistory:
         return snapshot
 
     async def _scrape(self, url: str) -> list[MetricSample]:
+        """The replica's samples; if it does not answer, its last ones (its rates read 0 for
+        the moment rather than jumping when it answers again)."""
         try:
             response = await self._client.get(f"{url.rstrip('/')}/metrics")
             response.raise_for_status()
         except httpx.HTTPError:
-            return []  # the record's gauges still chart; its counters resume next time
-        return [sample for family in text_string_to_metric_families(response.text) for sample in family.samples]
+            return self._last_scraped.get(url, [])
+        samples = [sample for family in text_string_to_metric_families(response.text) for sample in family.samples]
+        self._last_scraped[url] = samples
+        return samples
 
     def charts(self, model: str) -> list[dict[str, Any]]:
         """The model's charts over the kept span: `{id, title, unit, series: [{name, points}]}`,
@@ -155,7 +162,9 @@ class FleetHistory:
             elif before is None:
                 continue
             elif chart.kind == "rate":
-                figures = _rates(now, before, model, chart.id)
+                # A replica's counter needs two samples (it may have run long before it
+                # appeared here); a gateway counter missing before was 0 (made at its first use).
+                figures = _rates(now, before, model, chart.id, missing_is_zero=chart.per == "model")
             else:
                 figures = _quantiles(now, before, model, chart.id)
             for name, value in figures.items():
@@ -198,12 +207,16 @@ def _add_gateway_sample(snapshot: Snapshot, sample: MetricSample) -> None:
         snapshot.add((labels["model"], "routing", labels["replica"]), sample.value)
 
 
-def _rates(now: Snapshot, before: Snapshot, model: str, chart: str) -> dict[str, float | None]:
+def _rates(
+    now: Snapshot, before: Snapshot, model: str, chart: str, missing_is_zero: bool
+) -> dict[str, float | None]:
     elapsed = now.time - before.time
     rates: dict[str, float | None] = {}
     for key, value in now.values.items():
         if key[:2] == (model, chart):
-            previous = before.values.get(key, 0.0)
+            previous = before.values.get(key, 0.0 if missing_is_zero else None)
+            if previous is None:
+                continue
             increase = value - previous if value >= previous else value  # a restart resets counters
             rates[key[2]] = increase / elapsed
     return rates

@@ -377,14 +377,20 @@ def test_history_charts_rates_gauges_and_percentiles_over_the_window() -> None:
         snapshot.add(("m", "output_tokens", "r1"), tokens)
         snapshot.add_buckets(("m", "ttft", ""), 0.1, ttft_fast)
         snapshot.add_buckets(("m", "ttft", ""), float("inf"), ttft_fast)
+        if second >= 2:  # a replica that ran long before it appeared, and a gateway counter made at t=3
+            snapshot.add(("m", "output_tokens", "r2"), 500.0 + 10 * (second - 2))
+        if second >= 3:
+            snapshot.add(("m", "requests", "requests"), 2.0 * (second - 2))
         history.snapshots.append(snapshot)
     charts = {chart["id"]: chart["series"] for chart in history.charts("m")}
     assert charts["kv_usage"] == [{"name": "r1", "points": [[1000.0 + s, 10.0 * s] for s in range(5)]}]
     # rate over 2 s: (10-0)/1 at t=1 (only one earlier sample), (30-0)/2, (30-10)/2, then a reset: 0/2
     assert charts["output_tokens"] == [
-        {"name": "r1", "points": [[1001.0, 10.0], [1002.0, 15.0], [1003.0, 10.0], [1004.0, 0.0]]}
+        {"name": "r1", "points": [[1001.0, 10.0], [1002.0, 15.0], [1003.0, 10.0], [1004.0, 0.0]]},
+        {"name": "r2", "points": [[1004.0, 10.0]]},  # a rate once two of its samples are in the window
     ]
+    assert charts["requests"] == [{"name": "requests", "points": [[1003.0, 1.0], [1004.0, 2.0]]}]  # from 0
     ttft = {series["name"]: [value for _, value in series["points"]] for series in charts["ttft"]}
     # one request (of 0.1 s at most) a second until t=2, none after; a gap once none is in the window
     assert ttft["p50"] == [pytest.approx(0.05)] * 3 + [None]
-    assert charts["requests"] == [] and charts["free_blocks"] == []
+    assert charts["free_blocks"] == []
