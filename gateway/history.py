@@ -207,9 +207,7 @@ def _add_gateway_sample(snapshot: Snapshot, sample: MetricSample) -> None:
         snapshot.add((labels["model"], "routing", labels["replica"]), sample.value)
 
 
-def _rates(
-    now: Snapshot, before: Snapshot, model: str, chart: str, missing_is_zero: bool
-) -> dict[str, float | None]:
+def _rates(now: Snapshot, before: Snapshot, model: str, chart: str, missing_is_zero: bool) -> dict[str, float | None]:
     elapsed = now.time - before.time
     rates: dict[str, float | None] = {}
     for key, value in now.values.items():

@@ -75,6 +75,8 @@ class _SamplingFields(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     # vLLM's prefill/decode disaggregation handshake (see docs/disaggregation.md).
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: the id the response and the engine's logs and traces carry (an x-request-id header wins).
+    request_id: str | None = None
 
     @field_validator("logit_bias")
     @classmethod

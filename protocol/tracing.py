@@ -41,9 +41,18 @@ def tracer_provider(service_name: str, endpoint: str | None) -> TracerProvider |
     """A provider exporting to `endpoint` in batches; None (tracing off) without one."""
     if not endpoint:
         return None
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(resource=_resource(service_name))
     provider.add_span_processor(BatchSpanProcessor(otlp_exporter(endpoint)))
     return provider
+
+
+def _resource(service_name: str) -> Resource:
+    """`service_name` unless the environment names the service (`OTEL_SERVICE_NAME`, or
+    `service.name` in `OTEL_RESOURCE_ATTRIBUTES`), as every OpenTelemetry SDK lets it."""
+    resource = Resource.create()
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": service_name}))
+    return resource
 
 
 def trace_headers() -> list[tuple[bytes, bytes]]:

@@ -261,11 +261,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await cancel_on_disconnect(request, create_completion(state, body))
+        header_id = request.headers.get("x-request-id")
+        return await cancel_on_disconnect(request, create_completion(state, body, header_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await cancel_on_disconnect(request, create_chat_completion(state, body))
+        header_id = request.headers.get("x-request-id")
+        return await cancel_on_disconnect(request, create_chat_completion(state, body, header_id))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

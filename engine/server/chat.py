@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -15,7 +14,14 @@ from pagefleet.engine.chat_template import apply_chat_template, template_takes_t
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.events import ChunkWriter, finish_reason, sse, usage
-from pagefleet.engine.server.generation import DeltaTracker, Outputs, first_and_rest, generate, last_output
+from pagefleet.engine.server.generation import (
+    DeltaTracker,
+    Outputs,
+    first_and_rest,
+    generate,
+    last_output,
+    response_id_for,
+)
 from pagefleet.engine.server.params import sampling_params
 from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import EventStreamResponse
@@ -48,7 +54,7 @@ def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput, start: 
     return {"content": content}
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest) -> Any:
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, header_id: str | None = None) -> Any:
     engine = state.ready_engine(body.model)
     state.admit(engine)
     extra: dict[str, Any] = {}
@@ -66,8 +72,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         extra["structured_outputs"] = constraint
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
     lora = state.adapters.request_for(body.model)
-    stream = await first_and_rest(generate(state, engine, chat_prompt(engine, body), params, lora, "chat"))
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    response_id = response_id_for("chatcmpl", header_id, body.request_id)
+    prompt = chat_prompt(engine, body)
+    stream = await first_and_rest(generate(state, engine, prompt, params, lora, "chat", response_id))
     calling = tools if tools is not None and tools.parses_calls else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +13,15 @@ from pagefleet.engine.outputs import CompletionOutput, PositionLogprobs, Request
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.events import ChunkWriter, finish_reason, sse, usage
-from pagefleet.engine.server.generation import DeltaTracker, Outputs, generate, last_output, merge, start_all
+from pagefleet.engine.server.generation import (
+    DeltaTracker,
+    Outputs,
+    generate,
+    last_output,
+    merge,
+    response_id_for,
+    start_all,
+)
 from pagefleet.engine.server.params import sampling_params
 from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import EventStreamResponse
@@ -84,7 +91,7 @@ def _choice_logprobs(
     return builder.value
 
 
-async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
+async def create_completion(state: ServerState, body: CompletionRequest, header_id: str | None = None) -> Any:
     engine = state.ready_engine(body.model)
     if body.stream and body.best_of is not None and body.best_of > body.n:
         raise OpenAIError(400, "best_of: cannot be used with stream (the best are known only at the end)", "best_of")
@@ -94,8 +101,13 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
     if body.kv_transfer_params and len(prompts) > 1:
         raise OpenAIError(400, "kv_transfer_params: a disaggregated request has one prompt", "kv_transfer_params")
     lora = state.adapters.request_for(body.model)
-    streams = await start_all([generate(state, engine, prompt, params, lora, "text_completion") for prompt in prompts])
-    response_id = f"cmpl-{uuid.uuid4().hex}"
+    response_id = response_id_for("cmpl", header_id, body.request_id)
+    streams = await start_all(
+        [
+            generate(state, engine, prompt, params, lora, "text_completion", response_id, index)
+            for index, prompt in enumerate(prompts)
+        ]
+    )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(state, body, response_id, streams, include_usage)

@@ -22,6 +22,12 @@ from pagefleet.engine.server.state import ServerState
 Outputs = AsyncGenerator[RequestOutput, None]
 
 
+def response_id_for(prefix: str, header_id: str | None, body_id: str | None) -> str:
+    """vLLM's response id: `prefix` and the caller's `x-request-id` header, else the body's
+    `request_id`, else a new one; so the gateway's request id names the replica's work too."""
+    return f"{prefix}-{header_id or body_id or uuid.uuid4().hex}"
+
+
 async def generate(
     state: ServerState,
     engine: AsyncEngine,
@@ -29,18 +35,21 @@ async def generate(
     params: SamplingParams,
     lora_request: LoRARequest | None,
     operation: str,
+    response_id: str,
+    prompt_index: int = 0,
 ) -> Outputs:
-    """The engine's outputs for one prompt, with latency metrics and, if tracing is on, its
-    span (`operation`: "chat" or "text_completion"). Closing the generator early (a client
-    gone) aborts the request and frees its blocks. A decode request's prompt KV is pulled
-    first (kv_transfer.py)."""
+    """The engine's outputs for one prompt (`prompt_index` of the response `response_id`),
+    with latency metrics and, if tracing is on, its span (`operation`: "chat" or
+    "text_completion"). Closing the generator early (a client gone) aborts the request and
+    frees its blocks. A decode request's prompt KV is pulled first (kv_transfer.py)."""
     metrics = state.metrics
     started = last = time.monotonic()
     parent = otel_context.get_current()  # the HTTP request's span, when traced
     tokens_seen = 0
     output: RequestOutput | None = None
     error: BaseException | None = None
-    request_id = f"req-{uuid.uuid4().hex}"
+    # Its id in the engine's logs: unique even when a caller reuses its x-request-id.
+    request_id = f"{response_id}-{prompt_index}-{uuid.uuid4().hex[:8]}"
     try:
         prompt, remote_kv = await state.transfers.prepare(engine, prompt, params)  # type: ignore[assignment]
         async with aclosing(engine.generate(prompt, params, request_id, remote_kv, lora_request)) as outputs:
@@ -59,7 +68,8 @@ async def generate(
     finally:
         if state.tracing is not None:
             model = lora_request.lora_name if lora_request is not None else state.settings.model_name
-            state.tracing.record(parent, operation, model, request_id, params, output, started, error)
+            ids = (response_id, request_id)
+            state.tracing.record(parent, operation, model, ids, params, output, started, error)
 
 
 async def first_and_rest(stream: Outputs) -> Outputs:

@@ -114,6 +114,11 @@ def test_one_request_through_the_gateway_is_one_trace_linking_gateway_and_replic
     attributes = request.attributes
     assert attributes["gen_ai.request.model"] == "tiny" and attributes["gen_ai.operation.name"] == "chat"
     assert attributes["gen_ai.request.max_tokens"] == 5
+    # One request id from the gateway to the engine: the response's id and the engine's log id.
+    gateway_id = gateway_server.attributes["pagefleet.request_id"]
+    assert answer.headers["x-request-id"] == gateway_id
+    assert attributes["gen_ai.response.id"] == answer.json()["id"] == f"chatcmpl-{gateway_id}"
+    assert attributes["pagefleet.request_id"].startswith(f"chatcmpl-{gateway_id}-0-")
     usage = answer.json()["usage"]
     assert attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] > 32
     assert attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 5
@@ -192,3 +197,28 @@ def test_the_otlp_flag_sends_the_gateway_and_replica_spans_to_a_collector(
         stop_process(gateway.process)
         stop_server(replica)
         server.stop(grace=None)
+
+
+@pytest.mark.parametrize(
+    ("environment", "expected"),
+    [
+        ({}, "pagefleet-gateway"),
+        ({"OTEL_SERVICE_NAME": "edge-gateway"}, "edge-gateway"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=eu-gateway,deployment.environment=prod"}, "eu-gateway"),
+    ],
+)
+def test_the_service_name_is_ours_unless_the_environment_names_one(
+    environment: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagefleet.protocol.tracing import tracer_provider
+
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    provider = tracer_provider("pagefleet-gateway", "http://127.0.0.1:4317")
+    assert provider is not None
+    try:
+        assert provider.resource.attributes["service.name"] == expected
+    finally:
+        provider.shutdown()

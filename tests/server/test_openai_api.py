@@ -67,6 +67,25 @@ def test_chat_stream_order_and_usage(tiny_server: EngineServer, client: openai.O
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_the_callers_request_id_names_the_response_as_vllm_does(tiny_server: EngineServer) -> None:
+    """The x-request-id header (the gateway always sends one), else the body's `request_id`,
+    is the response's id; two requests under one id at once still both complete."""
+    url = tiny_server.url
+    body = {"model": tiny_server.model, "prompt": "Hello", "max_tokens": 3, "request_id": "from-the-body"}
+    assert httpx.post(f"{url}/v1/completions", json=body).json()["id"] == "cmpl-from-the-body"
+    headers = {"x-request-id": "req-42"}
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=headers).json()["id"] == "cmpl-req-42"
+    chat = {"model": tiny_server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat, headers=headers).json()["id"] == "chatcmpl-req-42"
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat).json()["id"].startswith("chatcmpl-")
+    several = {"model": tiny_server.model, "prompt": ["a", "b"], "max_tokens": 8}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=several, headers=headers), range(3)))
+    assert [answer.status_code for answer in answers] == [200] * 3
+    assert all(len(answer.json()["choices"]) == 2 for answer in answers)
+    wait_for(lambda: idle_with_every_block_free(tiny_server))
+
+
 def test_n_seed_stop_and_chat_logprobs(tiny_server: EngineServer, client: openai.OpenAI) -> None:
     model = tiny_server.model
     sampled = dict(model=model, prompt="Paris is", max_tokens=8, temperature=1.0, seed=11, n=2)
