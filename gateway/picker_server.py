@@ -16,7 +16,6 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import add_ExternalPr
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import start_http_server
 
 from pagefleet.gateway.core import RoutingCore
 from pagefleet.gateway.metrics import GatewayMetrics
@@ -24,6 +23,7 @@ from pagefleet.gateway.picker import EndpointPicker
 from pagefleet.gateway.proxy import OutlierDetector, Proxy
 from pagefleet.gateway.settings import PickerSettings
 from pagefleet.gateway.upstream import UpstreamPool
+from pagefleet.protocol.metrics_http import serve_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ async def serve(settings: PickerSettings, started: asyncio.Event | None = None) 
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
+    metrics_server = (
+        serve_metrics(metrics.registry, settings.metrics_port, settings.host) if settings.metrics_port else None
+    )
     await server.start()
     logger.info("picker listening on %s:%d", settings.host, settings.port)
     stop = asyncio.Event()
@@ -65,6 +66,9 @@ async def serve(settings: PickerSettings, started: asyncio.Event | None = None) 
         await server.stop(grace=5)
         pool.close()
         await core.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
 
 
 async def _report_health(health: health_aio.HealthServicer, core: RoutingCore) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from pagefleet.protocol.metrics_http import serve_metrics
 
 
 class OperatorMetrics:
@@ -32,7 +34,7 @@ class OperatorMetrics:
         self._server: WSGIServer | None = None
 
     def serve(self, port: int) -> None:
-        self._server, _ = start_http_server(port, registry=self.registry)
+        self._server = serve_metrics(self.registry, port)
 
     def close(self) -> None:
         if self._server is not None:

@@ -4,11 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# The dashboard test drives a real headless Chromium (Debian's, with its chromedriver).
-if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
-  echo "[test] installing chromium and chromium-driver (apt)"
+# The dashboard tests drive a real headless Chromium (Debian's, with its chromedriver) and
+# run the Grafana dashboard's queries on a real Prometheus (Debian's).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null || [[ ! -x /usr/bin/prometheus ]]; then
+  echo "[test] installing chromium, chromium-driver and prometheus (apt)"
   SUDO=$([[ $(id -u) -eq 0 ]] && echo "" || echo "sudo")
-  $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium chromium-driver >/dev/null
+  $SUDO apt-get update -q >/dev/null
+  $SUDO apt-get install -y -q chromium chromium-driver prometheus >/dev/null
+  # Debian starts a system-wide Prometheus where systemd runs; the tests start their own.
+  $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
 fi
 bash scripts/fetch-helm.sh  # the chart's tests run a real helm
 # Two shared cores: one OpenMP thread per process, and no spin-waiting.

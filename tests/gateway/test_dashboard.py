@@ -3,7 +3,9 @@ its charts fill while the fleet is under load."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -12,7 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagefleet.operator.metrics import OperatorMetrics
 from tests.gateway.conftest import Fleet
+from tests.processes import free_port, running_prometheus, wait_for
 
 
 @pytest.fixture
@@ -123,23 +127,73 @@ def exported_names(text: str) -> set[str]:
     return names
 
 
+DASHBOARD = Path(__file__).parents[2] / "charts/pagefleet/dashboards/pagefleet-fleet.json"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of the chart's Grafana dashboard."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel.get("targets", [])]
+
+
 def test_every_metric_in_the_grafana_dashboard_is_exported(fleet: Fleet) -> None:
     """The Helm chart's Grafana dashboard names only metrics a replica, the gateway or the
     operator export, so renaming one fails here rather than blanking a panel."""
-    import json
-    import re
-
     from prometheus_client import generate_latest
-
-    from pagefleet.operator.metrics import OperatorMetrics
 
     replica = fleet.replicas["tiny-a"]
     exported = exported_names(httpx.get(f"{replica.url}/metrics").text)
     exported |= exported_names(httpx.get(f"{fleet.gateway.url}/metrics").text)
     exported |= exported_names(generate_latest(OperatorMetrics().registry).decode())
-    dashboard = json.loads((Path(__file__).parents[2] / "charts/pagefleet/dashboards/pagefleet-fleet.json").read_text())
-    queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
-    queries.append(dashboard["templating"]["list"][1]["query"]["query"])
+    queries = [expr for _, expr in dashboard_queries()]
+    queries.append(json.loads(DASHBOARD.read_text())["templating"]["list"][1]["query"]["query"])
     used = {name for query in queries for name in re.findall(r"\bpagefleet[a-z_]*:[a-zA-Z0-9_:]+", query)}
     assert len(used) >= 15
     assert used <= exported, f"not exported: {sorted(used - exported)}"
+
+
+def test_every_grafana_panel_shows_data_from_a_real_prometheus_scraping_the_fleet(
+    fleet: Fleet, load: None, tmp_path: Path
+) -> None:
+    """Debian's Prometheus scrapes the replicas, the gateway and an operator's metrics as the
+    chart's monitors would; every query of the Grafana dashboard parses, and every panel but
+    failovers (there are none) has data while the fleet is under load."""
+    operator, operator_port = OperatorMetrics(), free_port()
+    operator.serve(operator_port)
+    operator.replicas.labels("models", "smol", "").set(2)
+    operator.kv_utilization.labels("models", "smol", "").set(0.4)
+    operator.scaling_events.labels("models", "smol", "", "ScaleUp").inc()
+    address = lambda url: url.split("://", 1)[1]  # noqa: E731
+    jobs = {
+        "engines": [address(replica.url) for replica in fleet.replicas.values()],
+        "gateway": [address(fleet.gateway.url)],
+        "operator": [f"127.0.0.1:{operator_port}"],
+    }
+    # Grafana's variables as a user would set them: one model, a rate window of a few scrapes.
+    queries = [
+        (title, expr.replace("$model", "tiny").replace("$__rate_interval", "15s"))
+        for title, expr in dashboard_queries()
+    ]
+    try:
+        with running_prometheus(jobs, tmp_path) as prometheus:
+
+            def panels_without_data() -> set[str]:
+                httpx.post(
+                    f"{fleet.gateway.url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 0}
+                )  # a 400
+                filled = set()
+                for title, expr in queries:
+                    answer = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}).json()
+                    if answer["status"] != "success":
+                        pytest.fail(f"{title}: {expr} does not run: {answer}")
+                    if answer["data"]["result"]:
+                        filled.add(title)
+                empty = {title for title, _ in queries} - filled
+                assert empty == {"Failovers/s"}, f"no data yet: {sorted(empty)}"
+                return empty
+
+            wait_for(panels_without_data, timeout=60, interval=1.0)
+            models = httpx.get(f"{prometheus}/api/v1/label/model_name/values").json()["data"]
+            assert "tiny" in models  # the dashboard's model selector
+    finally:
+        operator.close()

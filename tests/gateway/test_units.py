@@ -394,3 +394,25 @@ def test_history_charts_rates_gauges_and_percentiles_over_the_window() -> None:
     # one request (of 0.1 s at most) a second until t=2, none after; a gap once none is in the window
     assert ttft["p50"] == [pytest.approx(0.05)] * 3 + [None]
     assert charts["free_blocks"] == []
+
+
+def test_metrics_on_their_own_port_keep_their_names_whatever_format_the_scraper_asks() -> None:
+    """Prometheus asks for OpenMetrics, in which prometheus_client would escape the `:` of
+    `pagefleet_picker:requests_total`; the picker's and the operator's port answer in the
+    text format, as the gateway's and the engine's /metrics do."""
+    import httpx
+
+    from pagefleet.protocol.metrics_http import serve_metrics
+    from tests.processes import free_port
+
+    metrics, port = GatewayMetrics("pagefleet_picker"), free_port()
+    metrics.requests.labels("m", "r1", "200").inc()
+    server = serve_metrics(metrics.registry, port, "127.0.0.1")
+    try:
+        for accept in ("application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5", "*/*", ""):
+            answer = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"accept": accept})
+            assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+            assert 'pagefleet_picker:requests_total{model="m",replica="r1",status="200"} 1.0' in answer.text
+    finally:
+        server.shutdown()
+        server.server_close()
