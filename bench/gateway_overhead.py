@@ -3,7 +3,7 @@
 `pagefleet picker` as its Endpoint Picker, in one run.
 
     python bench/gateway_overhead.py [--requests 300] [--clients 16] [--policy kv]
-                                     [--replicas 1] [--no-router] [--no-envoy]
+                                     [--replicas 1] [--no-router] [--no-envoy] [--traced]
 
 One replica (or `--replicas N`) of the small random-weight Llama of bench/routing.py
 (float32, one thread; a one-token answer takes a few ms, so a hop's share stands out from
@@ -20,7 +20,8 @@ the same round, which cancels drift; target for the gateway: at most 1 ms and at
 vllm-router's); p99 is reported beside it. Then the CPU each process spends per request
 through each path (where the added latency goes). Throughput: `--clients` concurrent
 streams of 32 tokens per path; the ratio of output tokens/s to direct (target: at least
-0.95).
+0.95). `--traced` adds a second gateway with OpenTelemetry tracing on (`--otlp-traces-endpoint`,
+exporting to bench/otlp_sink.py), so that what tracing costs is measured in the same run.
 """
 
 from __future__ import annotations
@@ -91,6 +92,19 @@ def start_envoy_and_picker(fleet: Fleet, log_dir: Path) -> str:
     fleet.children.append(Child("envoy", [], {}, envoy.process))
     wait_serving(envoy.url, fleet)
     return envoy.url
+
+
+def start_traced_gateway(fleet: Fleet) -> tuple[str, Path]:
+    """A second gateway on the same Redis, tracing every request to an OTLP sink (both
+    children of the fleet); its URL, and the sink's log (its span count)."""
+    sink_port, port = free_port(), free_port()
+    fleet.spawn("otlp-sink", [sys.executable, str(Path(__file__).with_name("otlp_sink.py")), str(sink_port)])
+    command = [sys.executable, "-m", "pagefleet.cli.main", "gateway", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--redis-url", fleet.redis_url, "--otlp-traces-endpoint", f"http://127.0.0.1:{sink_port}"]
+    fleet.spawn("gateway-traced", command)
+    url = f"http://127.0.0.1:{port}"
+    wait_serving(url, fleet)
+    return url, fleet.spec.log_dir / "otlp-sink.log"
 
 
 def wait_serving(url: str, fleet: Fleet, timeout: float = 120) -> None:
@@ -178,6 +192,8 @@ def report(times: dict[str, list[float]], rates: dict[str, float], cpu: dict[str
         figures = [statistics.median(values) * 1e3, percentile(values, 99) * 1e3, added[name] * 1e3]
         figures += [p99_added * 1e3, rates[name], rates[name] / rates["direct"]]
         print(f"{name:<14}" + "".join(f"{f:>{len(c) + 2}.2f}" for c, f in zip(columns, figures, strict=True)))
+    if "gateway traced" in added:
+        print(f"tracing adds {(added['gateway traced'] - added['gateway']) * 1e3:.3f} ms to the gateway's p50")
     if "vllm-router" in added and added["vllm-router"] > 0:
         for name in times.keys() - {"direct", "vllm-router"}:
             print(f"added p50, {name} / vllm-router: {added[name] / added['vllm-router']:.2f}x")
@@ -193,6 +209,7 @@ def main() -> None:
     parser.add_argument("--policy", default="kv", help="the gateway's routing policy")
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
     parser.add_argument("--no-envoy", action="store_true", help="leave Envoy + pagefleet picker out")
+    parser.add_argument("--traced", action="store_true", help="add a gateway that traces (OpenTelemetry)")
     parser.add_argument(
         "--replicas", type=int, default=1, help="engines behind the routers (direct calls go to the first)"
     )
@@ -202,6 +219,10 @@ def main() -> None:
         fleet, replicas = start_fleet(Path(logs), args.policy, build_model(Path(logs) / "small"), args.replicas)
         try:
             paths = {"direct": replicas[0], "gateway": fleet.gateway_url}
+            sink_log = None
+            if args.traced:
+                progress("starting a second gateway with tracing on, exporting to an OTLP sink")
+                paths["gateway traced"], sink_log = start_traced_gateway(fleet)
             if not args.no_router:
                 progress("starting vllm-router in front of the same replicas")
                 paths["vllm-router"] = start_router(fleet, replicas)
@@ -217,6 +238,10 @@ def main() -> None:
             for name, url in paths.items():
                 progress(f"throughput: {args.clients} concurrent streams through {name}")
                 rates[name] = asyncio.run(throughput(url, args.clients, args.rounds))
+            if sink_log is not None:
+                time.sleep(6)  # the exporter's last batch (every 5 s)
+                exported = sink_log.read_text().split()
+                progress(f"the traced gateway exported {exported[-1] if exported else 0} spans")
         finally:
             fleet.stop()
     report(times, rates, cpu)
