@@ -76,7 +76,7 @@ function chart(spec, start, end) {
   return `<figure><figcaption>${spec.title} <span>${spec.unit}</span></figcaption>
     <svg class="chart" data-chart="${spec.id}" data-points="${points}" viewBox="0 0 ${W} ${H}"
       preserveAspectRatio="none">${svg}</svg>
-    <div class="legend">${legend || "no data yet"}</div></figure>`;
+    <div class="legend">${legend || "none yet"}</div></figure>`;
 }
 function row(replica) {
   const used = Math.round(100 * (1 - replica.free_blocks / replica.total_blocks));
@@ -97,8 +97,8 @@ async function refresh() {
     const start = Math.min(data.history.since, data.time - 10);  // the kept history, at least 10 s of axis
     let html = "";
     for (const model of data.models) {
-      html += `<h2 class="model">${model.name} <span class="muted">${model.replicas.length} replicas,
-        ${requestRate(model)} requests/s</span></h2><table><tr><th>replica</th><th>KV cache</th><th></th>
+      html += `<h2 class="model">${model.name} <span class="muted">${model.replicas.length} replica${model.replicas.length === 1 ? "" : "s"},
+        ${requestRate(model)} requests/s over the last ${data.history.window_s} s</span></h2><table><tr><th>replica</th><th>KV cache</th><th></th>
         <th>running</th><th>waiting</th><th>restarts</th><th>url</th></tr>${model.replicas.map(row).join("")}</table>
         <div class="charts">${model.charts.map(c => chart(c, start, data.time)).join("")}</div>`;
     }
