@@ -97,8 +97,10 @@ async function refresh() {
     const start = Math.min(data.history.since, data.time - 10);  // the kept history, at least 10 s of axis
     let html = "";
     for (const model of data.models) {
-      html += `<h2 class="model">${model.name} <span class="muted">${model.replicas.length} replica${model.replicas.length === 1 ? "" : "s"},
-        ${requestRate(model)} requests/s over the last ${data.history.window_s} s</span></h2><table><tr><th>replica</th><th>KV cache</th><th></th>
+      const replicas = model.replicas.length === 1 ? "1 replica" : `${model.replicas.length} replicas`;
+      html += `<h2 class="model">${model.name} <span class="muted">${replicas},
+        ${requestRate(model)} requests/s over the last ${data.history.window_s} s</span></h2>
+        <table><tr><th>replica</th><th>KV cache</th><th></th>
         <th>running</th><th>waiting</th><th>restarts</th><th>url</th></tr>${model.replicas.map(row).join("")}</table>
         <div class="charts">${model.charts.map(c => chart(c, start, data.time)).join("")}</div>`;
     }

@@ -58,6 +58,17 @@ CHARTS = (
     Chart("routing", "Routing decisions/s by replica", "1/s", "rate", "model"),
 )
 QUANTILES = (0.5, 0.99)
+# What the charts read from a replica's /metrics: counter samples and histogram buckets, by
+# the chart they feed. Only these lines are parsed (a quarter of the page), on the gateway's loop.
+REPLICA_COUNTERS = {
+    "pagefleet:generation_tokens_total": "output_tokens",
+    "pagefleet:num_preemptions_total": "preemptions",
+}
+REPLICA_BUCKETS = {
+    "pagefleet:time_to_first_token_seconds_bucket": "ttft",
+    "pagefleet:inter_token_latency_seconds_bucket": "itl",
+}
+_CHARTED_PREFIXES = tuple(REPLICA_COUNTERS) + tuple(REPLICA_BUCKETS)
 
 
 @dataclass
@@ -128,7 +139,8 @@ class FleetHistory:
             response.raise_for_status()
         except httpx.HTTPError:
             return self._last_scraped.get(url, [])
-        samples = [sample for family in text_string_to_metric_families(response.text) for sample in family.samples]
+        charted = "\n".join(line for line in response.text.splitlines() if line.startswith(_CHARTED_PREFIXES))
+        samples = [sample for family in text_string_to_metric_families(charted) for sample in family.samples]
         self._last_scraped[url] = samples
         return samples
 
@@ -183,14 +195,10 @@ class FleetHistory:
 
 
 def _add_replica_sample(snapshot: Snapshot, model: str, replica: str, sample: MetricSample) -> None:
-    if sample.name == "pagefleet:generation_tokens_total":
-        snapshot.add((model, "output_tokens", replica), sample.value)
-    elif sample.name == "pagefleet:num_preemptions_total":
-        snapshot.add((model, "preemptions", replica), sample.value)
-    elif sample.name == "pagefleet:time_to_first_token_seconds_bucket":
-        snapshot.add_buckets((model, "ttft", ""), float(sample.labels["le"]), sample.value)
-    elif sample.name == "pagefleet:inter_token_latency_seconds_bucket":
-        snapshot.add_buckets((model, "itl", ""), float(sample.labels["le"]), sample.value)
+    if sample.name in REPLICA_COUNTERS:
+        snapshot.add((model, REPLICA_COUNTERS[sample.name], replica), sample.value)
+    elif sample.name in REPLICA_BUCKETS:
+        snapshot.add_buckets((model, REPLICA_BUCKETS[sample.name], ""), float(sample.labels["le"]), sample.value)
 
 
 def _add_gateway_sample(snapshot: Snapshot, sample: MetricSample) -> None:

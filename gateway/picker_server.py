@@ -67,8 +67,7 @@ async def serve(settings: PickerSettings, started: asyncio.Event | None = None) 
         pool.close()
         await core.close()
         if metrics_server is not None:
-            metrics_server.shutdown()
-            metrics_server.server_close()
+            metrics_server.close()
 
 
 async def _report_health(health: health_aio.HealthServicer, core: RoutingCore) -> None:

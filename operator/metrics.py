@@ -4,11 +4,9 @@ and pool (`pool` is "" for a model with one pool, else "prefill" or "decode").""
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
-
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pagefleet.protocol.metrics_http import serve_metrics
+from pagefleet.protocol.metrics_http import MetricsServer, serve_metrics
 
 
 class OperatorMetrics:
@@ -31,15 +29,14 @@ class OperatorMetrics:
             "pagefleet_operator:scaling_events", "Autoscaler decisions that changed the replica count, by reason.",
             [*pool, "reason"], registry=self.registry,
         )  # fmt: skip
-        self._server: WSGIServer | None = None
+        self._server: MetricsServer | None = None
 
     def serve(self, port: int) -> None:
         self._server = serve_metrics(self.registry, port)
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
 
     def forget(self, namespace: str, name: str) -> None:

@@ -12,20 +12,23 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 TEXT_FORMAT = "text/plain; version=0.0.4"
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a scrape in flight does not hold the process at exit
+class MetricsServer(ThreadingWSGIServer):
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        self.shutdown()
+        self.server_close()
 
 
-class _IPv6ThreadingServer(_ThreadingServer):
+class _IPv6MetricsServer(MetricsServer):
     address_family = socket.AF_INET6
 
 
@@ -34,16 +37,15 @@ class _QuietHandler(WSGIRequestHandler):
         """One line per scrape is noise; the scrapers keep their own record."""
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> WSGIServer:
-    """Serve `registry` on `host:port` (any path) from a daemon thread; `shutdown()` and
-    `server_close()` the server returned to stop."""
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve `registry` on `host:port` (any path) from a daemon thread until `close()`."""
     metrics_app = make_wsgi_app(registry)
 
     def text_format_only(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         environ["HTTP_ACCEPT"] = TEXT_FORMAT
         return metrics_app(environ, start_response)  # type: ignore[no-any-return]
 
-    server_class = _IPv6ThreadingServer if ":" in host else _ThreadingServer
+    server_class = _IPv6MetricsServer if ":" in host else MetricsServer
     server = make_server(host, port, text_format_only, server_class, _QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

@@ -68,8 +68,7 @@ async def generate(
     finally:
         if state.tracing is not None:
             model = lora_request.lora_name if lora_request is not None else state.settings.model_name
-            ids = (response_id, request_id)
-            state.tracing.record(parent, operation, model, ids, params, output, started, error)
+            state.tracing.record(parent, operation, model, response_id, request_id, params, output, started, error)
 
 
 async def first_and_rest(stream: Outputs) -> Outputs:

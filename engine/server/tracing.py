@@ -28,15 +28,16 @@ class RequestTracing:
         parent: context.Context,
         operation: str,
         model: str,
-        ids: tuple[str, str],
+        response_id: str,
+        request_id: str,
         params: SamplingParams,
         output: RequestOutput | None,
         started: float,
         error: BaseException | None = None,
     ) -> None:
-        """Write the span of a request that ended now (`ids`: the response's id and the
-        request's in the engine; `started`: when the server took it, `time.monotonic()`);
-        `output` is its last, None if it ended before any."""
+        """Write the span of a request that ended now (`request_id`: its id in the engine,
+        within the response `response_id`; `started`: when the server took it,
+        `time.monotonic()`); `output` is its last, None if it ended before any."""
         now_mono, now_ns = time.monotonic(), time.time_ns()
 
         def wall(moment: float) -> int:
@@ -49,7 +50,11 @@ class RequestTracing:
             context=parent,
             kind=trace.SpanKind.INTERNAL,
             start_time=wall(min(started, arrival)),
-            attributes=_request_attributes(operation, model, ids, params),
+            attributes=_request_attributes(operation, model, params)
+            | {
+                "gen_ai.response.id": response_id,
+                "pagefleet.request_id": request_id,
+            },
         )
         events = list(output.events) if output is not None else []
         for event in events:
@@ -83,14 +88,12 @@ class RequestTracing:
         span.end(end_time=now_ns)
 
 
-def _request_attributes(operation: str, model: str, ids: tuple[str, str], params: SamplingParams) -> dict[str, Any]:
+def _request_attributes(operation: str, model: str, params: SamplingParams) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": "pagefleet",
         "gen_ai.request.model": model,
         "gen_ai.response.model": model,
-        "gen_ai.response.id": ids[0],
-        "pagefleet.request_id": ids[1],
         "gen_ai.request.max_tokens": params.max_tokens,
         "gen_ai.request.temperature": params.temperature,
         "gen_ai.request.top_p": params.top_p,

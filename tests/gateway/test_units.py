@@ -414,5 +414,4 @@ def test_metrics_on_their_own_port_keep_their_names_whatever_format_the_scraper_
             assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
             assert 'pagefleet_picker:requests_total{model="m",replica="r1",status="200"} 1.0' in answer.text
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
