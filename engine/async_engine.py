@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from pagefleet.engine.block_pool import KVEvent, take_events
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineDeadError, RequestFailedError
 from pagefleet.engine.inputs import PromptType
@@ -135,6 +136,16 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The stats after the latest step, add or abort (never waits for a step)."""
         return self._stats
+
+    def enable_kv_events(self) -> None:
+        """Start queueing prefix-cache events (`take_kv_events`), for the fleet's index."""
+        self._locked(self.engine.kv_cache.pool.enable_events)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix-cache events queued since the last call, oldest first (never waits for a
+        step: the step thread appends, this only pops)."""
+        events = self.engine.kv_cache.pool.events
+        return take_events(events) if events is not None else []
 
     def shutdown(self) -> None:
         self._stopping.set()

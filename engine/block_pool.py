@@ -4,12 +4,31 @@ Free blocks live in two queues. Blocks that hold no cached prefix are handed out
 blocks that still hold a cached prefix (hash registered, no references) are evicted only
 when the first queue is empty, least recently freed first. A freed block keeps its hash, so
 a later request with the same prefix can take it back (`touch`) until it is reallocated.
+
+With events on, every change to the set of cached hashes is queued as a `KVEvent` (stored
+when a block is registered, removed when its hash is forgotten), in order, for the server to
+publish to the fleet's prefix index off the step thread (engine/server/kv_events.py).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class KVEvent(NamedTuple):
+    block_hash: int
+    stored: bool  # True: now cached here; False: no longer
+
+
+def take_events(events: deque[KVEvent]) -> list[KVEvent]:
+    """Everything queued so far, oldest first. Safe against a step thread appending meanwhile
+    (deque.popleft and append are atomic): nothing is lost or taken twice."""
+    taken = []
+    while events:
+        taken.append(events.popleft())
+    return taken
 
 
 @dataclass(slots=True)
@@ -37,6 +56,13 @@ class BlockPool:
         self.peak_used_blocks = 0  # high-water mark of blocks taken at once
         self._num_shared = 0  # blocks with ref_count > 1
         self._num_saved = 0  # sum of (ref_count - 1) over those
+        self.events: deque[KVEvent] | None = None  # queued only once `enable_events` is called
+
+    def enable_events(self) -> None:
+        """Queue a KVEvent for every hash cached or forgotten from now on (the replica
+        publishes them); the hashes cached already are reported as stored first."""
+        if self.events is None:
+            self.events = deque(KVEvent(block_hash, True) for block_hash in self._cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,6 +156,8 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         self._cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.append(KVEvent(block_hash, True))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block's contents, if no block is referenced; else False."""
@@ -147,4 +175,6 @@ class BlockPool:
     def _forget(self, block: Block) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.append(KVEvent(block.block_hash, False))
         block.block_hash, block.token_ids = None, ()

@@ -1,18 +1,21 @@
 """Conversations to prompt token ids through the tokenizer's chat template: one helper for
-`LLM.chat`, the server's chat route and its /tokenize."""
+`LLM.chat`, the server's chat route and its /tokenize. The text is rendered by
+protocol/chat_prompt.py, which the gateway also uses to predict the same tokens."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.protocol.chat_prompt import ChatTemplateError, Message, render_chat
+from pagefleet.protocol.chat_prompt import template_takes_tools as _takes_tools
 
-Message = dict[str, Any]  # {"role": ..., "content": ...}
+__all__ = ["Message", "apply_chat_template", "template_takes_tools"]
 
 
 def template_takes_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template renders a `tools` argument itself."""
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+    return _takes_tools(getattr(tokenizer, "chat_template", None))
 
 
 def apply_chat_template(
@@ -22,11 +25,14 @@ def apply_chat_template(
     model expects them.
 
     Raises:
-        InvalidParameterError: (ValueError) on "messages" if the tokenizer has no template.
+        InvalidParameterError: (ValueError) on "messages" if the tokenizer has no template
+            or the template refuses the conversation.
     """
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if not template:
         raise InvalidParameterError("messages", "this model's tokenizer has no chat template; use a plain prompt")
-    extra = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
-    # transformers returns a BatchEncoding (a dict) or a plain list, depending on version.
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    try:
+        text = render_chat(template, messages, tokenizer.special_tokens_map, add_generation_prompt, tools or None)
+    except ChatTemplateError as error:
+        raise InvalidParameterError("messages", f"the chat template refused the conversation: {error}") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -9,12 +9,14 @@ from typing import Any, TypeAlias, TypedDict
 from pagefleet.engine.errors import InvalidParameterError
 
 
-class TextPrompt(TypedDict):
-    prompt: str
+class TextPrompt(TypedDict, total=False):
+    prompt: str  # required
+    cache_salt: str  # vLLM's: requests with different salts never share prefix-cache blocks
 
 
-class TokensPrompt(TypedDict):
-    prompt_token_ids: list[int]
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]  # required
+    cache_salt: str
 
 
 PromptType: TypeAlias = str | list[int] | TextPrompt | TokensPrompt
@@ -33,13 +35,27 @@ def parse_prompt(prompt: Any) -> str | list[int]:
     """
     if not isinstance(prompt, dict):
         return prompt  # type: ignore[no-any-return]
-    keys = set(prompt)
+    keys = set(prompt) - {"cache_salt"}
     if keys == {"prompt"} and isinstance(prompt["prompt"], str):
         return str(prompt["prompt"])
     if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
         return list(prompt["prompt_token_ids"])
     raise InvalidParameterError(
         "prompt",
-        'a prompt dict holds either "prompt" (a string) or "prompt_token_ids" (a list of ints); '
-        f"got keys {sorted(keys)}",
+        'a prompt dict holds either "prompt" (a string) or "prompt_token_ids" (a list of ints), and '
+        f'optionally "cache_salt"; got keys {sorted(prompt)}',
     )
+
+
+def prompt_cache_salt(prompt: Any) -> str | None:
+    """The `cache_salt` of a prompt dict (None for other shapes or without one).
+
+    Raises:
+        InvalidParameterError: for a salt that is not a non-empty string.
+    """
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise InvalidParameterError("cache_salt", "must be a non-empty string")
+    return salt

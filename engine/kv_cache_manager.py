@@ -15,6 +15,7 @@ from typing import NamedTuple
 from pagefleet.engine.block_pool import BlockPool
 from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.request import Request, Sequence
+from pagefleet.protocol.block_hash import block_hashes
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
 
@@ -272,10 +273,9 @@ class KVCacheManager:
         record.num_registered_blocks = max(record.num_registered_blocks, num_full)
 
     def _extend_hashes(self, seq: Sequence, record: SequenceBlocks, num_blocks: int) -> None:
-        while len(record.block_hashes) < num_blocks:
-            index = len(record.block_hashes)
-            parent = record.block_hashes[-1] if record.block_hashes else seq.cache_salt
-            record.block_hashes.append(hash((parent, self._block_tokens(seq, index))))
+        if len(record.block_hashes) < num_blocks:
+            tokens = seq.token_ids[: num_blocks * self.block_size]
+            record.block_hashes = block_hashes(tokens, self.block_size, seq.hash_root, record.block_hashes)
 
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])

@@ -19,7 +19,7 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.engine_setup import build_engine_parts
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
-from pagefleet.engine.inputs import PromptType, parse_prompt
+from pagefleet.engine.inputs import PromptType, parse_prompt, prompt_cache_salt
 from pagefleet.engine.kv_transfer.connector import KVConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.kv_transfer.pins import PinnedPrompt, PinnedPrompts
@@ -33,8 +33,11 @@ from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
 from pagefleet.engine.stats import EngineStats
 from pagefleet.engine.structured_outputs import GrammarCompiler
+from pagefleet.protocol.block_hash import chain_root
 
 logger = logging.getLogger(__name__)
+
+_MIN_MEASURED_PREFILL_TOKENS = 64
 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
@@ -47,12 +50,6 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
             if ids and ids not in variants:
                 variants.append(ids)
     return variants
-
-
-def lora_cache_salt(lora_request: LoRARequest) -> int:
-    """The first link of an adapter's prefix-cache hash chains: two adapters (or an adapter
-    and the base model) never share KV blocks."""
-    return hash(("lora", lora_request.lora_name))
 
 
 def worst_case_blocks(num_prompt_tokens: int, max_tokens: int, num_sequences: int, block_size: int) -> int:
@@ -97,6 +94,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._prefill_tokens_per_s = 0.0  # measured (_measure_prefill); 0 until a prefill ran
         # Prefill/decode disaggregation: prompts kept for decode replicas to pull, and how
         # they reach this replica (set by the server; without one, answers name no address).
         self.pins = PinnedPrompts(self.kv_cache.pool.free, config.kv_pin_timeout)
@@ -124,6 +122,7 @@ class LLMEngine:
         """
         if request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
+        cache_salt = prompt_cache_salt(prompt)
         prompt = parse_prompt(prompt)
         text = prompt if isinstance(prompt, str) else None
         if self.tokenizer is None and params.stop:
@@ -148,8 +147,11 @@ class LLMEngine:
         )
         if lora_request is not None:
             request.lora_request = lora_request
+        if lora_request is not None or cache_salt is not None:
+            # An adapter's KV, or a salted request's, is its own: its hash chain starts apart.
+            root = chain_root(lora_request.lora_name if lora_request is not None else None, cache_salt)
             for seq in request.sequences:
-                seq.cache_salt = lora_cache_salt(lora_request)
+                seq.hash_root = root
         if remote_kv is not None and request.prompt_logprobs is None:
             request.remote_kv = remote_kv  # prompt logprobs need the prompt computed here
         if params.use_beam_search:
@@ -369,9 +371,11 @@ class LLMEngine:
         chunks = sorted(plan.chunks, key=lambda c: (c.num_new_tokens != 1, c.request.lora_slot_index))
         samples = self._plan_samples(chunks)
         prompt_chunks = [i for i, c in enumerate(chunks) if c.request.wants_prompt_logprobs]
+        started = time.monotonic()
         results = self.runner.execute(chunks, samples, prompt_chunks, plan.copies)
         touched = self._advance(chunks)
         now = time.monotonic()
+        self._measure_prefill(sum(c.num_new_tokens for c in chunks if c.num_new_tokens > 1), now - started)
         outputs = []
         for request in touched:
             # Each request's own work runs apart: if it raises, that request fails alone.
@@ -383,6 +387,17 @@ class LLMEngine:
             except Exception as error:  # a per-request boundary: fail it, free its blocks
                 outputs.append(self._fail_request(request, error))
         return outputs
+
+    def _measure_prefill(self, num_prompt_tokens: int, seconds: float) -> None:
+        """Keep a moving average of prompt tokens computed per second (the fleet's routers
+        judge how long this replica's queue of prompts takes from it). Steps with few prompt
+        tokens say more about decoding than prefill and are left out."""
+        if num_prompt_tokens < _MIN_MEASURED_PREFILL_TOKENS or seconds <= 0:
+            return
+        rate = num_prompt_tokens / seconds
+        self._prefill_tokens_per_s = (
+            rate if not self._prefill_tokens_per_s else 0.8 * self._prefill_tokens_per_s + 0.2 * rate
+        )
 
     def _apply_results(self, request: Request, results: RequestResults, now: float) -> None:
         """This request's part of the step: prompt logprobs, then its new tokens or beams."""
@@ -451,7 +466,7 @@ class LLMEngine:
         for continuation in continuations:
             parent = beams[continuation.parent]
             if any(child is parent for child in children):
-                child = Sequence(0, list(parent.token_ids), parent.num_prompt_tokens, cache_salt=parent.cache_salt)
+                child = Sequence(0, list(parent.token_ids), parent.num_prompt_tokens, hash_root=parent.hash_root)
                 child.grammar = parent.grammar.fork() if parent.grammar is not None else None
                 self.kv_cache.fork(parent, child)
             else:
@@ -533,4 +548,5 @@ class LLMEngine:
             num_pinned_blocks=self.pins.num_blocks,
             num_pinned_requests=len(self.pins),
             num_pin_timeouts=self.pins.num_timeouts,
+            prefill_tokens_per_s=self._prefill_tokens_per_s,
         )

@@ -31,6 +31,7 @@ from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import PositionLogprobs
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.protocol.block_hash import chain_root
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -57,6 +58,7 @@ class RequestStatus(enum.Enum):
 
 
 _sequence_ids = itertools.count()
+DEFAULT_ROOT = chain_root()  # no adapter, no cache_salt
 
 
 @dataclass(slots=True)
@@ -71,7 +73,7 @@ class Sequence:
     text: str = ""
     generator: torch.Generator | None = None
     grammar: Any = None  # its structured-output matcher (xgrammar), if the request has a constraint
-    cache_salt: int = 0  # starts its prefix-cache hash chain: an adapter's KV is its own
+    hash_root: int = DEFAULT_ROOT  # its prefix-cache hash chain's first link (protocol/block_hash.py)
     # Incremental detokenizer cursors into token_ids (see detokenizer.py).
     prefix_offset: int = 0
     read_offset: int = 0

@@ -31,6 +31,7 @@ class EngineStats:
     num_pinned_blocks: int = 0  # blocks of finished prompts waiting for a decode replica's pull
     num_pinned_requests: int = 0
     num_pin_timeouts: int = 0  # pinned prompts freed because nobody pulled them in time
+    prefill_tokens_per_s: float = 0.0  # prompt tokens computed per second, a moving average
 
     @property
     def kv_usage(self) -> float:

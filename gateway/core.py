@@ -1,5 +1,6 @@
 """The parts every router of the fleet runs, the gateway and the picker alike: one Redis
-client, the registry of replicas refreshed in the background, admission and routing."""
+client, the registry of replicas and the fleet's prefix index followed in the background,
+admission and routing."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from redis.exceptions import RedisError
 from pagefleet.gateway.admission import Admission
 from pagefleet.gateway.limits import RateLimiter
 from pagefleet.gateway.metrics import GatewayMetrics
+from pagefleet.gateway.prefix_index import PrefixIndex
+from pagefleet.gateway.prompt_hashes import PromptHashers
 from pagefleet.gateway.registry import ReplicaRegistry
-from pagefleet.gateway.routing import Router
+from pagefleet.gateway.routing import PrefixRouting, Router
 from pagefleet.gateway.settings import RoutingSettings
 
 logger = logging.getLogger(__name__)
@@ -31,8 +34,13 @@ class RoutingCore:
         )
         limiter = RateLimiter(self.client, settings.requests_per_minute, settings.tokens_per_minute)
         self.admission = Admission(settings.keys(), self.registry, limiter, metrics)
-        self.router = Router.from_names(self.registry, self.client, settings.policy, settings.model_policies, metrics)
-        self._refreshing: asyncio.Task[None] | None = None
+        self.prefix_index = PrefixIndex(self.client, self.registry)
+        self.hashers = PromptHashers()
+        prefixes = PrefixRouting(self.hashers, self.prefix_index, settings.saturation_s)
+        self.router = Router.from_names(
+            self.registry, self.client, settings.policy, settings.model_policies, metrics, prefixes
+        )
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """A first view of the replicas if Redis is up (else the registry keeps trying), then
@@ -41,10 +49,13 @@ class RoutingCore:
             await self.registry.refresh()
         except (RedisError, OSError) as error:
             logger.warning("no view of the replicas yet (%s); the registry retries in the background", error)
-        self._refreshing = asyncio.create_task(self.registry.run())
+        self._tasks = [asyncio.create_task(self.registry.run())]
+        if self.router.uses_prefixes:
+            self._tasks.append(asyncio.create_task(self.prefix_index.run()))
 
     async def close(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-            await asyncio.gather(self._refreshing, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.hashers.close()
         await self.client.aclose()

@@ -14,6 +14,7 @@ from pagefleet.gateway.admission import Admission
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import Proxy, forwarded_headers
+from pagefleet.gateway.shape import SESSION_HEADER
 from pagefleet.protocol.http import until_disconnected
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
@@ -41,6 +42,9 @@ class ProxiedRoutes:
             body = await self._read_body(receive, values.get(b"content-length"))
             authorization = values.get(b"authorization", b"").decode("latin-1")
             shape = await self.admission.admit(authorization, body, chat=path == CHAT_COMPLETIONS)
+            session = values.get(SESSION_HEADER.encode())
+            if session:
+                shape.session = session.decode("latin-1")
         except Refusal as refusal:
             await refusal.response()(scope, receive, send)
             return

@@ -3,7 +3,7 @@ gateway, `pagefleet_picker:*` for the picker (the same families)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagefleet.gateway.errors import Refusal
 
@@ -28,6 +28,23 @@ class GatewayMetrics:
         self.routing_decisions = Counter(
             f"{namespace}:routing_decisions", "Replicas chosen, by policy.", ["model", "replica", "policy"],
             registry=self.registry,
+        )  # fmt: skip
+        self.routing_reasons = Counter(
+            f"{namespace}:routing_reasons", "Decisions of the affinity policy, by reason (affinity, saturated, "
+            "session, load).", ["model", "reason"], registry=self.registry,
+        )  # fmt: skip
+        self.predicted_cached_tokens = Counter(
+            f"{namespace}:predicted_cached_prompt_tokens", "Prompt tokens the affinity policy expected the chosen "
+            "replica to serve from its prefix cache.", ["model"], registry=self.registry,
+        )  # fmt: skip
+        self.cached_prompt_tokens = Counter(
+            f"{namespace}:cached_prompt_tokens", "Prompt tokens replicas served from their prefix cache, from the "
+            "responses' usage (routing accuracy: this over the predicted).", ["model", "replica"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.prefix_index_blocks = Gauge(
+            f"{namespace}:prefix_index_blocks", "Distinct prefix-cache blocks the fleet's index knows, by model.",
+            ["model"], registry=self.registry,
         )  # fmt: skip
         self.disaggregated = Counter(
             f"{namespace}:disaggregated_requests", "Requests of models with prefill and decode replicas, by how "

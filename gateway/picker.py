@@ -41,8 +41,8 @@ from pagefleet.gateway.disaggregation import PREFILL_REPLICA_HEADER, decode_body
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import Proxy, forwarded_headers
-from pagefleet.gateway.routing import Route, serves
-from pagefleet.gateway.shape import RequestShape
+from pagefleet.gateway.routing import Route
+from pagefleet.gateway.shape import SESSION_HEADER, RequestShape
 from pagefleet.protocol.replica import ReplicaRecord
 
 logger = logging.getLogger(__name__)
@@ -192,14 +192,14 @@ class EndpointPicker(ExternalProcessorServicer):
                     exchange.headers.get("authorization", ""), body, chat=path == CHAT_PATH
                 )
                 exchange.shape = shape
+                shape.session = exchange.headers.get(SESSION_HEADER) or shape.session
                 phase = "whole"
                 if self.prefiller is not None:
                     await self.prefiller.ensure_adapter(shape, self._forwarded(exchange))
                 if self.prefiller is not None and self.core.router.is_disaggregated(shape.model):
                     sent_body, phase = await self._prefill(exchange, path, body, shape)
                 exchange.route = await self._route(shape, self._subset(message), phase)
-                fallbacks = self._fallbacks(shape, exchange.route.replica, phase)
-                exchange.endpoints = [exchange.route.replica, *fallbacks]
+                exchange.endpoints = [exchange.route.replica, *exchange.route.fallbacks[: self.fallbacks]]
         except Refusal as refusal:  # admission and routing have counted it already
             return [refusal_response(refusal)]
         exchange.picked_at = time.monotonic()
@@ -262,16 +262,6 @@ class EndpointPicker(ExternalProcessorServicer):
         if route is None:
             raise self.metrics.refused(errors.no_replica(shape.model))
         return route
-
-    def _fallbacks(self, shape: RequestShape, chosen: ReplicaRecord, phase: str) -> list[ReplicaRecord]:
-        """The next best replicas of the model by free blocks that take this phase, for a
-        proxy that retries."""
-        if not self.fallbacks:
-            return []
-        others = [
-            r for r in self.core.registry.candidates(shape.model) if r.url != chosen.url and serves(r.role, phase)
-        ]
-        return sorted(others, key=lambda r: (-r.free_blocks, r.waiting))[: self.fallbacks]
 
     def _any_replica(self, subset: set[str] | None) -> list[ReplicaRecord]:
         """For a request without a body (no model named): the emptiest live replica."""

@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.trace import Span
@@ -59,6 +61,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 def forwarded_headers(headers: list[tuple[bytes, bytes]], request_id: bytes, traced: bool = False) -> bytes:
@@ -170,7 +173,8 @@ class Proxy:
             headers_out = [(b"x-request-id", request_id), (b"x-pagefleet-replica", replica.replica_id.encode())]
             if span is not None:
                 ProxyTracing.answered(span, upstream.status)
-            return Relay(upstream, request_id.decode("latin-1"), [*headers_out, *extra], span)
+            counter = self.metrics.cached_prompt_tokens.labels(model, replica.replica_id)
+            return Relay(upstream, request_id.decode("latin-1"), [*headers_out, *extra], span, counter.inc)
         return None
 
     async def _pick(self, shape: RequestShape, tried: set[str], phase: str) -> Route | None:
@@ -262,8 +266,10 @@ class Relay:
         request_id: str,
         extra: list[tuple[bytes, bytes]],
         span: Span | None = None,
+        count_cached: Callable[[int], None] | None = None,
     ) -> None:
         self.upstream, self.request_id, self.span = upstream, request_id, span  # span: the call, ended when relayed
+        self.count_cached = count_cached  # the usage's cached prompt tokens, as the replica reports them
         kept = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _NOT_FORWARDED]
         self.headers = kept + extra
         self.streaming = upstream.header(b"content-type").startswith(b"text/event-stream")
@@ -275,6 +281,7 @@ class Relay:
                 await self._relay(send)
             else:
                 body = await self.upstream.read()
+                self._count_cached(body)
                 headers = self.headers + [(b"content-length", str(len(body)).encode())]
                 await send({"type": "http.response.start", "status": self.upstream.status, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
@@ -286,11 +293,18 @@ class Relay:
             if self.span is not None:
                 self.span.end()
 
+    def _count_cached(self, data: bytes) -> None:
+        if self.count_cached is not None and b'"cached_tokens"' in data:
+            found = _CACHED_TOKENS.search(data)
+            if found is not None:
+                self.count_cached(int(found.group(1)))
+
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.upstream.status, "headers": self.headers})
         try:
             async for chunk in self.upstream.chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._count_cached(chunk)  # a stream's usage comes last, when the client asked for it
         except (UpstreamError, TimeoutError) as exc:  # after the first byte: say so in the stream
             logger.warning("request %s: the replica failed mid-response: %r", self.request_id, exc)
             message = error_response(502, "The replica failed during the response.")

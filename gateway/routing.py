@@ -1,10 +1,13 @@
 """Routing policies: which replica of a model serves a request.
 
-A policy is anything with `async choose(candidates, request) -> Route | None`. The default,
-`kv`, takes the replica with the most free KV blocks after subtracting the blocks this
-gateway and its peers have already promised to requests sent there since the replica last
-reported (ties: fewer waiting requests). Promises live in Redis and are taken by one Lua
-script, so several gateways never stampede the same replica before its next report.
+A policy is anything with `async choose(candidates, request) -> Route | None` (route.py).
+The default, `affinity` (affinity.py), sends a request where its prompt's prefix is cached
+until that replica is saturated, else where there is the most KV room. The others stay
+selectable: `kv` takes the replica with the most free KV blocks after subtracting the
+blocks this gateway and its peers have already promised to requests sent there since the
+replica last reported (ties: fewer waiting requests; promises live in Redis, taken by one
+Lua script, so several gateways never stampede one replica), `round_robin`,
+`least_requests`, and `prefix` (rendezvous hashing on the prompt's first characters).
 """
 
 from __future__ import annotations
@@ -14,50 +17,22 @@ import functools
 import hashlib
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
+from pagefleet.gateway.affinity import AffinityPolicy
 from pagefleet.gateway.metrics import GatewayMetrics
+from pagefleet.gateway.prefix_index import PrefixIndex
+from pagefleet.gateway.prompt_hashes import PromptHashers
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.reservations import Promise, Reservations
+from pagefleet.gateway.route import Route, RoutedRequest, RoutingPolicy
 from pagefleet.gateway.shape import RequestShape
 from pagefleet.protocol.replica import ReplicaRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RoutedRequest:
-    model: str
-    estimated_blocks: int  # what the request may take on the replica it goes to
-    prefix: str  # the start of the prompt, for prefix affinity
-    prefill: bool = False  # only its prompt runs there (prefill/decode disaggregation)
-
-
-Release = Callable[[], Awaitable[None]]
-
-
-async def _nothing() -> None:
-    return None
-
-
-@dataclass(slots=True)
-class Route:
-    replica: ReplicaRecord
-    release: Release = field(default=_nothing)  # drop the promise (the replica failed)
-    reserved_blocks: int = 0  # the KV blocks promised on the replica for this request
-    policy: str = ""  # the policy that chose it (set by the Router)
-    candidates: int = 0  # how many replicas it was chosen from
-
-
-class RoutingPolicy(Protocol):
-    name: str
-
-    async def choose(self, candidates: list[ReplicaRecord], request: RoutedRequest) -> Route | None: ...
 
 
 class KVPolicy:
@@ -144,7 +119,7 @@ class PrefixPolicy:
             return None
 
         def affinity(record: ReplicaRecord) -> bytes:
-            return hashlib.blake2b(f"{request.prefix}\0{record.replica_id}".encode(), digest_size=8).digest()
+            return hashlib.blake2b(f"{request.shape.prefix}\0{record.replica_id}".encode(), digest_size=8).digest()
 
         preferred = max(candidates, key=affinity)
         emptiest = max(candidates, key=lambda r: r.free_blocks)
@@ -153,15 +128,32 @@ class PrefixPolicy:
         return Route(preferred)
 
 
+def fallbacks(candidates: list[ReplicaRecord], chosen: ReplicaRecord) -> list[ReplicaRecord]:
+    """The other replicas by free blocks, best first, for a policy that names none itself."""
+    others = [r for r in candidates if r.url != chosen.url]
+    return sorted(others, key=lambda r: (-r.free_blocks, r.waiting))
+
+
 def serves(role: str, phase: str) -> bool:
     """Whether a replica of `role` takes requests of `phase` (prefill, decode or whole)."""
     return role == "prefill" if phase == "prefill" else role != "prefill"
 
 
-POLICY_NAMES = ("kv", "round_robin", "least_requests", "prefix")
+POLICY_NAMES = ("affinity", "kv", "round_robin", "least_requests", "prefix")
 
 
-def make_policy(name: str, client: redis.Redis) -> RoutingPolicy:
+@dataclass(slots=True)
+class PrefixRouting:
+    """What the `affinity` policy reads: prompt hashers and the fleet's prefix index."""
+
+    hashers: PromptHashers
+    index: PrefixIndex
+    saturation_s: float
+
+
+def make_policy(name: str, client: redis.Redis, prefixes: PrefixRouting, metrics: GatewayMetrics) -> RoutingPolicy:
+    if name == "affinity":
+        return AffinityPolicy(prefixes.hashers, prefixes.index, metrics, prefixes.saturation_s)
     if name == "kv":
         return KVPolicy(client)
     if name == "round_robin":
@@ -195,9 +187,15 @@ class Router:
         policy: str,
         model_policies: dict[str, str],
         metrics: GatewayMetrics,
+        prefixes: PrefixRouting,
     ) -> Router:
-        policies = {model: make_policy(name, client) for model, name in model_policies.items()}
-        return cls(registry, make_policy(policy, client), policies, metrics)
+        policies = {model: make_policy(name, client, prefixes, metrics) for model, name in model_policies.items()}
+        return cls(registry, make_policy(policy, client, prefixes, metrics), policies, metrics)
+
+    @property
+    def uses_prefixes(self) -> bool:
+        """Whether any model is routed by `affinity` (which needs the prefix index)."""
+        return any(p.name == "affinity" for p in [self.default_policy, *self.model_policies.values()])
 
     def is_disaggregated(self, model: str) -> bool:
         """Whether the model's live replicas include prefill and decode ones: its requests
@@ -218,11 +216,13 @@ class Router:
         policy = self.model_policies.get(shape.model, self.default_policy)
         block_size = candidates[0].block_size
         if phase == "prefill":
-            routed = RoutedRequest(shape.model, shape.prompt_blocks(block_size), shape.prefix, prefill=True)
+            routed = RoutedRequest(shape, shape.prompt_blocks(block_size), prefill=True)
         else:
-            routed = RoutedRequest(shape.model, shape.blocks(block_size), shape.prefix)
+            routed = RoutedRequest(shape, shape.blocks(block_size))
         route = await policy.choose(candidates, routed)
         if route is not None:
             route.policy, route.candidates = policy.name, len(candidates)
+            if not route.fallbacks:
+                route.fallbacks = fallbacks(candidates, route.replica)
             self.metrics.routing_decisions.labels(shape.model, route.replica.replica_id, policy.name).inc()
         return route

@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagefleet.protocol.replica import RECORD_TTL_S
 
-Policy = Literal["kv", "round_robin", "least_requests", "prefix"]
+Policy = Literal["affinity", "kv", "round_robin", "least_requests", "prefix"]
 
 
 def seconds(default: float, description: str) -> Any:
@@ -28,7 +28,9 @@ class RoutingSettings(BaseSettings):
     }
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    policy: Policy = Field("kv", description="kv, round_robin, least_requests or prefix")
+    policy: Policy = Field(
+        "affinity", description="affinity (docs/routing.md), kv, round_robin, least_requests or prefix"
+    )
     model_policies: dict[str, Policy] = Field(default_factory=dict, description='per model, e.g. {"m": "prefix"}')
     api_keys: list[str] = Field(default_factory=list, description="accepted Bearer keys; none: no auth")
     api_keys_file: Path | None = Field(None, description="one key per line (a mounted Secret)")
@@ -38,6 +40,12 @@ class RoutingSettings(BaseSettings):
     record_ttl_s: float = seconds(RECORD_TTL_S, "a replica's record lives unless refreshed")
     redis_grace_s: float = seconds(30.0, "to keep routing on the last registry without Redis")
     forget_model_after_s: float = seconds(600.0, "a model with no live replica stays known (503 retry, not 404)")
+    saturation_s: float = Field(
+        1.0,
+        gt=0,
+        description="seconds of queued prompt prefill beyond which `affinity` stops sending a prefix to the "
+        "replica that caches it and picks the best by load",
+    )
     log_level: str = "INFO"
 
     def keys(self) -> set[str]:

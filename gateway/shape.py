@@ -1,12 +1,13 @@
 """What routing needs to know of an OpenAI request body, read without validating it all
 (the replica validates): the model, an estimate of the tokens and KV blocks it may take,
-and the start of its prompt for prefix affinity."""
+the start of its prompt for the `prefix` policy, and the parsed body and session for the
+`affinity` policy (which hashes the prompt exactly, gateway/prompt_hashes.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagefleet.gateway.errors import bad_request
@@ -15,6 +16,7 @@ _CHARS_PER_TOKEN = 4  # a rough estimate of a prompt's tokens from its text
 _DEFAULT_CHAT_TOKENS = 256  # what a chat request without max_tokens is assumed to take
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
 PREFIX_CHARS = 256
+SESSION_HEADER = "x-session-id"  # a routing hint: a session's requests go where it went before
 
 
 @dataclass(slots=True)
@@ -24,6 +26,9 @@ class RequestShape:
     max_tokens: int
     num_sequences: int
     prefix: str
+    payload: dict[str, Any] = field(default_factory=dict)  # the parsed body
+    chat: bool = False  # a chat completions body (else completions)
+    session: str | None = None  # `x-session-id`, else the body's `user`: a routing hint
 
     @property
     def tokens(self) -> int:
@@ -71,4 +76,6 @@ def describe(body: bytes, chat: bool) -> RequestShape:
     num = payload.get("best_of") or payload.get("n") or 1
     if not isinstance(max_tokens, int) or not isinstance(num, int):
         raise bad_request("max_tokens and n must be integers", "max_tokens")
-    return RequestShape(model, prompt_tokens, max(1, max_tokens), max(1, num), prefix)
+    user = payload.get("user")
+    session = user if isinstance(user, str) and user else None
+    return RequestShape(model, prompt_tokens, max(1, max_tokens), max(1, num), prefix, payload, chat, session)

@@ -77,6 +77,8 @@ class _SamplingFields(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: the id the response and the engine's logs and traces carry (an x-request-id header wins).
     request_id: str | None = None
+    # vLLM's: requests with different salts never share prefix-cache blocks (nor are routed on them).
+    cache_salt: str | None = Field(None, min_length=1)
 
     @field_validator("logit_bias")
     @classmethod

@@ -34,6 +34,9 @@ class ReplicaRecord(BaseModel):
         "both", description="prefill/decode disaggregation: what this replica does (docs/disaggregation.md)"
     )
     waiting_prompt_tokens: int = Field(0, ge=0, description="prompt tokens of its queued requests")
+    prefill_tokens_per_s: float = Field(
+        0.0, ge=0, description="prompt tokens it computes per second (a moving average; 0 until measured)"
+    )
     adapters: list[str] = Field(default_factory=list, description="LoRA adapters it serves now, by name")
     timestamp: float = Field(default_factory=time.time, description="Unix time of this report")
 

@@ -38,6 +38,7 @@ from pagefleet.engine.server.publisher import CapacityPublisher
 from pagefleet.engine.server.settings import ServerSettings
 from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import cancel_on_disconnect
+from pagefleet.engine.server.tokenizer_info import add_tokenizer_route
 from pagefleet.engine.server.tracing import RequestTracing
 from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol import tracing
@@ -185,6 +186,7 @@ def create_app(
             state.engine.add_death_callback(lambda _: loop.call_soon_threadsafe(engine_died.set))
             tasks.append(asyncio.create_task(withdraw_when_dead()))
             if settings.redis_url:
+                state.engine.enable_kv_events()  # the fleet's prefix index (kv_events.py)
                 publisher = CapacityPublisher(
                     settings.redis_url,
                     settings.model_name,
@@ -197,6 +199,7 @@ def create_app(
                     settings.restarts,
                     settings.role,
                     state.adapters.paths,
+                    state.engine.take_kv_events,
                 )
                 publishing = asyncio.create_task(publisher.run())
                 tasks.append(publishing)
@@ -222,6 +225,7 @@ def create_app(
     _add_routes(app, state)
     add_kv_routes(app, state.transfers, lambda: state.ready_engine(None))
     add_lora_routes(app, state.adapters, lambda: state.ready_engine(None))
+    add_tokenizer_route(app, settings.model_name, lambda: state.ready_engine(None))
     if tracer is not None:
         app.add_middleware(ServerSpans, tracer=tracer, paths=TRACED_PATHS)
     return app

@@ -25,14 +25,15 @@ from pagefleet.engine.server.generation import (
 from pagefleet.engine.server.params import sampling_params
 from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import EventStreamResponse
-from pagefleet.engine.server.tools import ParsedCall, ToolPlan, chat_messages
+from pagefleet.engine.server.tools import ParsedCall, ToolPlan
+from pagefleet.protocol.chat_prompt import chat_messages, template_tools
 from pagefleet.protocol.openai import ChatCompletionRequest
 
 
 def chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
     takes_tools = template_takes_tools(engine.tokenizer)
     messages = chat_messages(body, takes_tools)
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] if takes_tools else None
+    tools = template_tools(body, takes_tools)
     return apply_chat_template(engine.tokenizer, messages, body.add_generation_prompt, tools)
 
 
@@ -74,7 +75,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     lora = state.adapters.request_for(body.model)
     response_id = response_id_for("chatcmpl", header_id, body.request_id)
     prompt = chat_prompt(engine, body)
-    stream = await first_and_rest(generate(state, engine, prompt, params, lora, "chat", response_id))
+    outputs = generate(state, engine, prompt, params, lora, "chat", response_id, cache_salt=body.cache_salt)
+    stream = await first_and_rest(outputs)
     calling = tools if tools is not None and tools.parses_calls else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -104,7 +104,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, header_
     response_id = response_id_for("cmpl", header_id, body.request_id)
     streams = await start_all(
         [
-            generate(state, engine, prompt, params, lora, "text_completion", response_id, index)
+            generate(state, engine, prompt, params, lora, "text_completion", response_id, index, body.cache_salt)
             for index, prompt in enumerate(prompts)
         ]
     )

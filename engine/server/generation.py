@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from opentelemetry import context as otel_context
 
 from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.inputs import TextPrompt, TokensPrompt
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
@@ -28,6 +29,13 @@ def response_id_for(prefix: str, header_id: str | None, body_id: str | None) -> 
     return f"{prefix}-{header_id or body_id or uuid.uuid4().hex}"
 
 
+def salted(prompt: str | list[int], cache_salt: str) -> TextPrompt | TokensPrompt:
+    """The prompt with vLLM's `cache_salt`, in the engine's dict shapes."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": cache_salt}
+    return {"prompt_token_ids": prompt, "cache_salt": cache_salt}
+
+
 async def generate(
     state: ServerState,
     engine: AsyncEngine,
@@ -37,6 +45,7 @@ async def generate(
     operation: str,
     response_id: str,
     prompt_index: int = 0,
+    cache_salt: str | None = None,
 ) -> Outputs:
     """The engine's outputs for one prompt (`prompt_index` of the response `response_id`),
     with latency metrics and, if tracing is on, its span (`operation`: "chat" or
@@ -52,6 +61,8 @@ async def generate(
     request_id = f"{response_id}-{prompt_index}-{uuid.uuid4().hex[:8]}"
     try:
         prompt, remote_kv = await state.transfers.prepare(engine, prompt, params)  # type: ignore[assignment]
+        if cache_salt is not None:
+            prompt = salted(prompt, cache_salt)  # type: ignore[assignment]
         async with aclosing(engine.generate(prompt, params, request_id, remote_kv, lora_request)) as outputs:
             async for output in outputs:
                 tokens = sum(len(c.token_ids) for c in output.outputs)

@@ -1,7 +1,8 @@
 """Publishes this replica's KV capacity to Redis (the record of protocol/replica.py).
 
 The record is refreshed every `publish_interval` seconds, and at once when free blocks or
-the queue move a lot, with a TTL so that a dead replica vanishes by itself. Redis being
+the queue move a lot, with a TTL so that a dead replica vanishes by itself. The prefix
+cache's changes go to the fleet's index (kv_events.py) at every poll, within `_POLL_S`. Redis being
 down never stops serving: the failure is logged once, and publication resumes by itself.
 """
 
@@ -10,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
+from pagefleet.engine.block_pool import KVEvent
+from pagefleet.engine.server.kv_events import KVEventPublisher
 from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol.replica import ReplicaRecord, catalog_key, record_key
 
@@ -39,8 +42,12 @@ class CapacityPublisher:
         restarts: int = 0,
         role: str = "both",
         adapters: Callable[[], dict[str, str]] = dict,
+        take_kv_events: Callable[[], list[KVEvent]] | None = None,
     ) -> None:
         self.client = redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.kv_events = (
+            KVEventPublisher(self.client, model_name, replica_id, take_kv_events, ttl) if take_kv_events else None
+        )
         self.key = record_key(model_name, replica_id)
         self.model_name, self.replica_id, self.url = model_name, replica_id, url
         self.max_model_len = max_model_len
@@ -68,6 +75,7 @@ class CapacityPublisher:
             restarts=self.restarts,
             role=self.role,
             waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
+            prefill_tokens_per_s=round(stats.prefill_tokens_per_s, 1),
             adapters=sorted(self.adapters()),
         )
 
@@ -77,6 +85,8 @@ class CapacityPublisher:
             stats = self.read_stats()
             if time.monotonic() - self._last_time >= self.interval or self._changed_a_lot(stats):
                 await self.publish(stats)
+            elif self.kv_events is not None and not self._redis_down:
+                await self._write(self.kv_events.flush(refresh_ttl=False))
             await asyncio.sleep(_POLL_S)
 
     def _changed_a_lot(self, stats: EngineStats) -> bool:
@@ -90,9 +100,18 @@ class CapacityPublisher:
 
     async def publish(self, stats: EngineStats) -> None:
         self._last, self._last_time = stats, time.monotonic()
+        await self._write(self._publish(stats))
+
+    async def _publish(self, stats: EngineStats) -> None:
+        await self.client.set(self.key, self.record(stats).model_dump_json(), px=int(self.ttl * 1000))
+        if self.kv_events is not None:
+            await self.kv_events.flush(refresh_ttl=True)
+        await self._catalogue()
+
+    async def _write(self, writing: Awaitable[None]) -> None:
+        """Run one write to Redis; a failure is logged once per outage, never raised."""
         try:
-            await self.client.set(self.key, self.record(stats).model_dump_json(), px=int(self.ttl * 1000))
-            await self._catalogue()
+            await writing
         except (RedisError, OSError) as error:
             if not self._redis_down:
                 logger.warning("cannot publish to Redis (%s); serving on, will retry", error)
@@ -112,9 +131,11 @@ class CapacityPublisher:
             self._catalogued.update(new)
 
     async def remove(self) -> None:
-        """Delete the record (graceful shutdown); best effort."""
+        """Delete the record and the prefix index entries (graceful shutdown); best effort."""
         try:
             await self.client.delete(self.key)
+            if self.kv_events is not None:
+                await self.kv_events.remove()
         except (RedisError, OSError) as error:
             logger.warning("could not remove %s from Redis: %s", self.key, error)
         finally:

@@ -1,11 +1,10 @@
 """Tool calling on `/v1/chat/completions`: the tools into the prompt, `tool_choice` into a
 constraint, and the model's answer back into OpenAI's `tool_calls`.
 
-- Prompt: a chat template that knows tools gets them as `tools=`; one that does not (such
-  as SmolLM2's) gets them in the system message, in the format SmolLM2 was tuned on: the
-  definitions inside `<tools></tools>`, calls answered as
-  `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`. Earlier assistant calls are
-  written back in that same format.
+- Prompt (protocol/chat_prompt.py, shared with the gateway): a chat template that knows
+  tools gets them as `tools=`; one that does not (such as SmolLM2's) gets them in the
+  system message, in the format SmolLM2 was tuned on, calls answered as
+  `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`.
 - `tool_choice`: `none` leaves the output alone; `auto` (the default with tools) parses
   what the model wrote, in SmolLM2's list format or Hermes' one-object-per-tag format;
   `required` constrains the output to a JSON list of calls of the given functions (one
@@ -23,18 +22,10 @@ from typing import Any
 
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.structured_outputs import StructuredOutputsParams
-from pagefleet.protocol.openai import ChatCompletionRequest, ChatMessage, Tool
+from pagefleet.protocol.openai import ChatCompletionRequest, Tool
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}
-_SYSTEM_PROMPT = (
-    "You are an expert in composing functions. You are given a question and a set of possible functions. "
-    "Based on the question, you will need to make one or more function/tool calls to achieve the purpose. "
-    "If none of the functions can be used, answer in plain text.\n\n"
-    "You have access to the following tools:\n<tools>{tools}</tools>\n\n"
-    "To call tools, answer with\n"
-    '<tool_call>[{{"name": "func_name1", "arguments": {{"argument1": "value1"}}}}]</tool_call>'
-)
 
 
 @dataclass(slots=True)
@@ -143,37 +134,5 @@ def _calls(value: Any) -> list[ParsedCall]:
 def _compact(text: str) -> str:
     try:
         return json.dumps(json.loads(text))
-    except ValueError:
-        return text
-
-
-def chat_messages(body: ChatCompletionRequest, template_takes_tools: bool) -> list[dict[str, Any]]:
-    """The request's messages for the chat template: earlier calls written out as the model
-    writes them, and the tools in the system message when the template cannot take them."""
-    messages = [_message(message) for message in body.messages]
-    if not body.tools or template_takes_tools or body.tool_choice == "none":
-        return messages
-    definitions = json.dumps([tool.function.model_dump(exclude_none=True) for tool in body.tools])
-    system = _SYSTEM_PROMPT.format(tools=definitions)
-    if messages and messages[0]["role"] == "system":
-        messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + system}
-    else:
-        messages.insert(0, {"role": "system", "content": system})
-    return messages
-
-
-def _message(message: ChatMessage) -> dict[str, Any]:
-    content = message.text()
-    if message.tool_calls:
-        calls = [
-            {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)} for c in message.tool_calls
-        ]
-        content = (content + "\n" if content else "") + f"<tool_call>{json.dumps(calls)}</tool_call>"
-    return {"role": message.role, "content": content}
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
     except ValueError:
         return text

@@ -67,15 +67,17 @@ def test_streaming_through_the_gateway_is_token_identical(fleet: Fleet) -> None:
     assert tokens(fleet.gateway.url) == direct
 
 
-def test_kv_routing_prefers_the_replica_with_more_free_blocks(fleet: Fleet, tiny_llama: Path) -> None:
-    """A replica with three times the free blocks of the others takes the requests."""
+def test_routing_by_load_prefers_the_replica_with_more_free_blocks(fleet: Fleet, tiny_llama: Path) -> None:
+    """With no cached prefix to follow, a replica with three times the free blocks of the
+    others takes the requests."""
     big = start_replica(tiny_llama, fleet.logs, fleet.redis, "tiny-big", "--num-kv-blocks", "600")
     try:
         wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 3)
         served = [_complete(fleet.gateway.url).headers["x-pagefleet-replica"] for _ in range(4)]
         assert served == ["tiny-big"] * 4
         decisions = httpx.get(f"{fleet.gateway.url}/metrics").text
-        assert 'pagefleet_gateway:routing_decisions_total{model="tiny",policy="kv",replica="tiny-big"} 4.0' in decisions
+        assert 'routing_decisions_total{model="tiny",policy="affinity",replica="tiny-big"} 4.0' in decisions
+        assert 'pagefleet_gateway:routing_reasons_total{model="tiny",reason="load"}' in decisions
     finally:
         stop_server(big)
     wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 2)
@@ -92,23 +94,24 @@ def _reported_idle(redis_url: str, names: list[str]) -> bool:
     return len(records) == len(names) and all(r.free_blocks == r.total_blocks for r in records)
 
 
-def test_two_gateways_share_reservations(fleet: Fleet, tmp_path: Path) -> None:
-    """Bursts through two gateways spread over both replicas: each promise made in Redis is
-    seen by the other gateway before either replica reports again."""
-    second = start_gateway(fleet.redis.url, tmp_path / "gateway-2.log")
+def test_two_gateways_share_kv_reservations(fleet: Fleet, tmp_path: Path) -> None:
+    """Bursts through two gateways routing by `kv` spread over both replicas: each promise
+    made in Redis is seen by the other gateway before either replica reports again."""
+    first, second = (start_gateway(fleet.redis.url, tmp_path / f"kv-{i}.log", "--policy", "kv") for i in range(2))
     try:
-        wait_for(lambda: _models(second.url).get("tiny") == 2)
+        wait_for(lambda: _models(first.url).get("tiny") == 2 and _models(second.url).get("tiny") == 2)
         # Both replicas start alike (the earlier tests' requests all done), and have said so.
         for replica in fleet.replicas.values():
             wait_for(lambda replica=replica: idle_with_every_block_free(replica))  # type: ignore[misc]
         wait_for(lambda: _reported_idle(fleet.redis.url, list(fleet.replicas)))
         body = {"prompt": list(range(1, 100)), "max_tokens": 60, "ignore_eos": True}
-        urls = [fleet.gateway.url, second.url] * 4
+        urls = [first.url, second.url] * 4
         with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
             replicas = [r.headers["x-pagefleet-replica"] for r in pool.map(lambda u: _complete(u, **body), urls)]
         assert sorted(set(replicas)) == ["tiny-a", "tiny-b"]
         assert min(replicas.count("tiny-a"), replicas.count("tiny-b")) >= 3, replicas
     finally:
+        stop_process(first.process)
         stop_process(second.process)
 
 

@@ -83,20 +83,25 @@ def test_requests_through_envoy_land_on_the_replica_with_more_free_blocks(envoy_
     direct = _complete(envoy_fleet.large.url)
     assert answers[0].json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
     metrics = httpx.get(envoy_fleet.picker.metrics_url).text
-    assert 'pagefleet_picker:routing_decisions_total{model="tiny",policy="kv",replica="tiny-large"}' in metrics
+    assert 'pagefleet_picker:routing_decisions_total{model="tiny",policy="affinity",replica="tiny-large"}' in metrics
+    assert 'pagefleet_picker:routing_reasons_total{model="tiny",reason="load"} 4.0' in metrics, "no prefix to follow"
     assert 'pagefleet_picker:requests_total{model="tiny",replica="tiny-large",status="200"}' in metrics
 
 
-def test_the_reservation_is_released_when_the_response_ends(envoy_fleet: EnvoyFleet) -> None:
-    assert _complete(envoy_fleet.envoy.url, max_tokens=8).status_code == 200
+def test_the_kv_policy_releases_its_reservation_when_the_response_ends(envoy_fleet: EnvoyFleet, tmp_path: Path) -> None:
+    picker = start_picker(envoy_fleet.redis.url, tmp_path / "picker.log", "--policy", "kv")
+    envoy = envoy_fleet.envoy_with(tmp_path, int(picker.address.split(":")[1]))
     store = redis_sync.Redis.from_url(envoy_fleet.redis.url)
     try:
+        assert _complete(envoy.url, max_tokens=8).status_code == 200
         record = ReplicaRecord.model_validate_json(store.get(record_key("tiny", "tiny-large")))  # type: ignore[arg-type]
         promises, total = promise_keys(record)
         # Released by the picker at the end of the exchange, before any report would drop it.
         wait_for(lambda: store.zcard(promises) == 0 and int(store.get(total) or 0) == 0, timeout=5)
     finally:
         store.close()
+        stop_process(envoy.process)
+        stop_process(picker.process)
 
 
 def test_streaming_passes_through_envoy_unchanged(envoy_fleet: EnvoyFleet) -> None:

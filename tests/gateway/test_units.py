@@ -24,7 +24,7 @@ from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.reservations import Reservations, promise_keys
 from pagefleet.gateway.routing import LeastRequestsPolicy, PrefixPolicy, RoundRobinPolicy, RoutedRequest
 from pagefleet.gateway.settings import PickerSettings
-from pagefleet.gateway.shape import describe
+from pagefleet.gateway.shape import RequestShape, describe
 from pagefleet.gateway.upstream import UpstreamError, UpstreamPool
 from pagefleet.protocol.replica import ReplicaRecord, record_key
 from tests.processes import RedisProcess
@@ -49,7 +49,8 @@ def _replica(
 
 
 def _choose(policy, candidates: list[ReplicaRecord], prefix: str = "", model: str = "m") -> str | None:  # type: ignore[no-untyped-def]
-    route = asyncio.run(policy.choose(candidates, RoutedRequest(model, 1, prefix)))
+    shape = RequestShape(model, prompt_tokens=1, max_tokens=1, num_sequences=1, prefix=prefix)
+    route = asyncio.run(policy.choose(candidates, RoutedRequest(shape, 1)))
     return None if route is None else route.replica.replica_id
 
 

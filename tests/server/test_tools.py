@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 from pagefleet.engine.server.errors import OpenAIError
-from pagefleet.engine.server.tools import ToolPlan, chat_messages
+from pagefleet.engine.server.tools import ToolPlan
+from pagefleet.protocol.chat_prompt import chat_messages
 from pagefleet.protocol.openai import ChatCompletionRequest
 
 WEATHER = {
@@ -110,9 +111,9 @@ def test_the_prompt_carries_the_tools_and_earlier_calls() -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
     ]
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": history, "tools": [WEATHER]})
-    messages = chat_messages(body, template_takes_tools=False)
+    messages = chat_messages(body, takes_tools=False)
     assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
     assert "<tools>" in messages[0]["content"] and '"get_weather"' in messages[0]["content"]
     assert messages[2]["content"] == '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
     assert messages[3] == {"role": "tool", "content": '{"sky": "clear"}'}
-    assert "<tools>" not in chat_messages(body, template_takes_tools=True)[0]["content"]
+    assert "<tools>" not in chat_messages(body, takes_tools=True)[0]["content"]

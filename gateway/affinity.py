@@ -1,0 +1,92 @@
+"""The default routing policy, `affinity`: the request's prompt hashed exactly as the engine
+will hash it (prompt_hashes.py), looked up in the fleet's prefix index (prefix_index.py) and
+in what this router sent lately (inflight.py), then one pure decision (decision.py).
+
+Tokenizing costs gateway CPU, so it is done only when more than one replica could serve
+the request. Without a tokenizer yet, with Redis down or the index empty, every replica
+holds nothing of the prompt and the decision is by load: never an error for that alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+
+from pagefleet.gateway.decision import Candidate, decide
+from pagefleet.gateway.inflight import InFlight, Sent
+from pagefleet.gateway.metrics import GatewayMetrics
+from pagefleet.gateway.prefix_index import PrefixIndex
+from pagefleet.gateway.prompt_hashes import PromptHashers
+from pagefleet.gateway.route import Route, RoutedRequest
+from pagefleet.protocol.replica import ReplicaRecord
+
+_SESSIONS_KEPT = 100_000
+
+
+class AffinityPolicy:
+    """Args:
+    hashers, index: the request's block hashes, and who holds them.
+    metrics: decisions by reason, predicted cached tokens.
+    saturation_s: decision.decide's threshold.
+    """
+
+    name = "affinity"
+
+    def __init__(
+        self,
+        hashers: PromptHashers,
+        index: PrefixIndex,
+        metrics: GatewayMetrics,
+        saturation_s: float,
+    ) -> None:
+        self.hashers, self.index, self.metrics = hashers, index, metrics
+        self.saturation_s = saturation_s
+        self.inflight = InFlight()
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> replica id it went to
+
+    async def choose(self, candidates: list[ReplicaRecord], request: RoutedRequest) -> Route | None:
+        if not candidates:
+            return None
+        shape = request.shape
+        base = candidates[0].model
+        prompt_tokens, block_hashes = shape.prompt_tokens, []
+        hasher = self.hashers.try_get(base, candidates[0].url) if len(candidates) > 1 else None
+        adapter = shape.model if shape.model != base else None
+        hashed = hasher.hashes(shape.payload, shape.chat, adapter) if hasher is not None else None
+        if hashed is not None:
+            prompt_tokens, block_hashes = hashed
+        replica_ids = [r.replica_id for r in candidates]
+        cached = self.index.matched_blocks(base, block_hashes, replica_ids)
+        sent_lately = self.inflight.matched_blocks(block_hashes, replica_ids)
+        views = [
+            Candidate(r, max(cached[r.replica_id], sent_lately[r.replica_id]), *self.inflight.promised(r))
+            for r in candidates
+        ]
+        session_replica = self._sessions.get(shape.session) if shape.session else None
+        decision = decide(views, self.saturation_s, session_replica)
+        block_size = decision.replica.block_size
+        uncached_tokens = max(0, prompt_tokens - decision.cached_blocks * block_size)
+        blocks = max(0, request.estimated_blocks - decision.cached_blocks)
+        sent = self.inflight.record(decision.replica, blocks, uncached_tokens, block_hashes)
+        if shape.session:
+            self._remember_session(shape.session, decision.replica.replica_id)
+        self.metrics.routing_reasons.labels(shape.model, decision.reason).inc()
+        self.metrics.predicted_cached_tokens.labels(shape.model).inc(decision.cached_blocks * block_size)
+        self.metrics.prefix_index_blocks.labels(base).set(self.index.num_blocks(base))
+        return Route(
+            decision.replica,
+            functools.partial(self._cancel, sent),
+            blocks,
+            fallbacks=decision.fallbacks,
+            reason=decision.reason,
+            cached_blocks=decision.cached_blocks,
+        )
+
+    async def _cancel(self, sent: Sent) -> None:
+        self.inflight.cancel(sent)
+
+    def _remember_session(self, session: str, replica_id: str) -> None:
+        self._sessions[session] = replica_id
+        self._sessions.move_to_end(session)
+        if len(self._sessions) > _SESSIONS_KEPT:
+            self._sessions.popitem(last=False)

@@ -1,0 +1,88 @@
+"""The routing decision of the default policy, `affinity`: one pure function, run for every
+request by the gateway's proxy and the Envoy picker (through routing.Router), and by
+bench/fleet_sim.py over simulated replicas.
+
+The rule keeps the fleet's design, that work lands where there is the most KV room, and
+makes it exact per request: a replica that already holds the request's prefix needs neither
+the blocks nor the prefill for it. So:
+
+1. affinity: the replica holding the longest cached prefix of the prompt, unless it is
+   saturated;
+2. saturated: if it is, the best by load among those that are not;
+3. session: with no cached prefix anywhere, the replica the same session (`x-session-id`,
+   else the body's `user`) went to last, unless it is saturated;
+4. load: otherwise the best by load.
+
+Load ranks by free blocks net of blocks promised to requests in flight, counting the
+request's cached blocks as free (it will not need them), then by fewer queued prompt
+tokens. A replica is saturated when its queued uncached prompt tokens (its report's, plus
+those sent to it since) would take it longer than `saturation_s` to prefill at its measured
+rate, as llm-d's sticky-until-saturated routing calibrates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagefleet.protocol.replica import ReplicaRecord
+
+# A replica's prefill rate before it has measured one: SmolLM2-135M on 2 CPU cores computes
+# about 2,000 prompt tokens a second (docs/benchmarks.md); a GPU replica soon reports its own.
+DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
+REASONS = ("affinity", "saturated", "session", "load")
+
+
+@dataclass(slots=True, frozen=True)
+class Candidate:
+    """A replica as one request sees it."""
+
+    replica: ReplicaRecord
+    cached_blocks: int = 0  # of this request's prompt, in its prefix cache
+    promised_blocks: int = 0  # sent to it since its last report, not yet in its figures
+    promised_prompt_tokens: int = 0  # uncached prompt tokens sent to it since its last report
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        return self.replica.waiting_prompt_tokens + self.promised_prompt_tokens
+
+    def queue_s(self) -> float:
+        """Seconds its queued prompts take to prefill."""
+        return self.queued_prompt_tokens / (self.replica.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S)
+
+    def load_rank(self) -> tuple[int, int]:
+        """Higher is better: KV room for this request, then a shorter prompt queue."""
+        room = self.replica.free_blocks - self.promised_blocks + self.cached_blocks
+        return room, -self.queued_prompt_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    replica: ReplicaRecord
+    fallbacks: list[ReplicaRecord]  # every other candidate, best first
+    reason: str  # one of REASONS
+    cached_blocks: int  # predicted prefix-cache hit on the chosen replica
+
+
+def decide(candidates: list[Candidate], saturation_s: float, session_replica_id: str | None = None) -> Decision:
+    """The replica for one request, from at least one candidate.
+
+    Args:
+        candidates: the live replicas that may serve it, with what it has cached of the prompt.
+        saturation_s: a replica whose queued prompts take longer than this to prefill is not
+            chosen for affinity (nor for a session) while another is not saturated.
+        session_replica_id: where the request's session went last, if it has one.
+    """
+    assert candidates, "decide() needs a candidate; the Router returns None without one"
+    by_load = sorted(candidates, key=Candidate.load_rank, reverse=True)
+    holder = max(candidates, key=lambda c: (c.cached_blocks, c.load_rank()))
+    open_ = [c for c in by_load if c.queue_s() <= saturation_s]
+    if holder.cached_blocks > 0:
+        if holder.queue_s() <= saturation_s:
+            chosen, reason = holder, "affinity"
+        else:
+            chosen, reason = (open_ or by_load)[0], "saturated"
+    else:
+        session = next((c for c in open_ if c.replica.replica_id == session_replica_id), None)
+        chosen, reason = (session, "session") if session is not None else (by_load[0], "load")
+    fallbacks = [c.replica for c in by_load if c is not chosen]
+    return Decision(chosen.replica, fallbacks, reason, chosen.cached_blocks)

@@ -1,0 +1,160 @@
+"""A request's prefix-cache block hashes, computed in the gateway exactly as the engine will
+compute them, so routing can look them up in the fleet's index (prefix_index.py).
+
+Per model, the tokenizer and chat template come from a replica's `GET /tokenizer_info`
+(protocol/tokenizer_info.py), fetched once in the background; until it has arrived a request
+has no hashes and is routed by load. Chat prompts are rendered by protocol/chat_prompt.py,
+the engine's own renderer, and hashed by protocol/block_hash.py, the engine's own hash.
+
+Speed: the tokenizer splits text at its added tokens (`<|im_start|>` and the like) before
+anything else, so the pieces between them are tokenized independently of each other. The
+gateway does the same split and remembers each piece's token ids: a system prompt or an
+earlier turn that comes again costs a dictionary lookup, and only the new text is tokenized.
+This is exact only while no added token strips the spaces around it or must stand alone as
+a word; for such a tokenizer every prompt is tokenized whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections import OrderedDict
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+from tokenizers import Tokenizer
+
+from pagefleet.protocol.block_hash import VERSION, block_hashes, chain_root
+from pagefleet.protocol.chat_prompt import (
+    ChatTemplateError,
+    chat_messages,
+    render_chat,
+    template_takes_tools,
+    template_tools,
+)
+from pagefleet.protocol.openai import ChatCompletionRequest
+from pagefleet.protocol.tokenizer_info import TokenizerInfo
+
+logger = logging.getLogger(__name__)
+
+_PIECES_CACHED = 4096  # distinct texts between added tokens remembered per model
+_FETCH_RETRY_S = 5.0
+
+
+class PromptHasher:
+    """One model's tokenizer, chat template and block size, as its replicas have them."""
+
+    def __init__(self, info: TokenizerInfo) -> None:
+        self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
+        self.chat_template, self.special_tokens = info.chat_template, info.special_tokens
+        self.block_size = info.block_size
+        self.takes_tools = template_takes_tools(info.chat_template)
+        added = self.tokenizer.get_added_tokens_decoder()
+        self._added_ids = {token.content: token_id for token_id, token in added.items()}
+        splittable = all(not (t.lstrip or t.rstrip or t.single_word) for t in added.values())
+        contents = sorted(self._added_ids, key=len, reverse=True)
+        self._splitter = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if splittable and contents else None
+        self._prefix_ids = self.tokenizer.encode("", add_special_tokens=True).ids  # e.g. a BOS token
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+
+    def token_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`text` tokenized as the engine's tokenizer does it."""
+        if self._splitter is None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = list(self._prefix_ids) if add_special_tokens else []
+        for index, piece in enumerate(self._splitter.split(text)):
+            if index % 2:  # an added token
+                ids.append(self._added_ids[piece])
+            elif piece:
+                ids += self._piece_ids(piece)
+        return ids
+
+    def _piece_ids(self, piece: str) -> list[int]:
+        cached = self._pieces.get(piece)
+        if cached is not None:
+            self._pieces.move_to_end(piece)
+            return cached
+        ids = self.tokenizer.encode(piece, add_special_tokens=False).ids
+        self._pieces[piece] = ids
+        if len(self._pieces) > _PIECES_CACHED:
+            self._pieces.popitem(last=False)
+        return ids
+
+    def prompt_token_ids(self, payload: dict[str, Any], chat: bool) -> list[int] | None:
+        """The prompt's token ids (the first prompt of a batch), or None when the body is
+        not one the engine would take (the replica will say why)."""
+        if chat:
+            if not self.chat_template:
+                return None
+            try:
+                body = ChatCompletionRequest.model_validate(payload)
+                messages = chat_messages(body, self.takes_tools)
+                tools = template_tools(body, self.takes_tools)
+                text = render_chat(self.chat_template, messages, self.special_tokens, body.add_generation_prompt, tools)
+            except (ValidationError, ChatTemplateError):
+                return None
+            return self.token_ids(text, add_special_tokens=False)
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch: its first prompt decides
+        if isinstance(prompt, str):
+            return self.token_ids(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        return None
+
+    def hashes(self, payload: dict[str, Any], chat: bool, adapter: str | None) -> tuple[int, list[int]] | None:
+        """The prompt's length in tokens and the hashes of the blocks the engine could take
+        from its prefix cache for it: every full block before the last token (whose logits
+        the engine computes in any case), as the engine registers them."""
+        token_ids = self.prompt_token_ids(payload, chat)
+        if not token_ids:
+            return None
+        salt = payload.get("cache_salt")
+        root = chain_root(adapter, salt if isinstance(salt, str) and salt else None)
+        return len(token_ids), block_hashes(token_ids[:-1], self.block_size, root)
+
+
+class PromptHashers:
+    """Each model's PromptHasher, fetched from one of its replicas the first time a request
+    of the model needs one (in the background: that request is routed without)."""
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._hashers: dict[str, PromptHasher] = {}
+        self._fetching: dict[str, asyncio.Task[None]] = {}
+        self._failed_at: dict[str, float] = {}
+
+    def try_get(self, model: str, replica_url: str) -> PromptHasher | None:
+        """The model's hasher, or None while it is being fetched from `replica_url`."""
+        hasher = self._hashers.get(model)
+        if hasher is not None or model in self._fetching:
+            return hasher
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._failed_at.get(model, -_FETCH_RETRY_S) < _FETCH_RETRY_S:
+            return None
+        task = loop.create_task(self._fetch(model, replica_url))
+        self._fetching[model] = task
+        task.add_done_callback(lambda _: self._fetching.pop(model, None))
+        return None
+
+    async def _fetch(self, model: str, replica_url: str) -> None:
+        try:
+            response = await self._client.get(f"{replica_url}/tokenizer_info")
+            response.raise_for_status()
+            info = TokenizerInfo.model_validate_json(response.content)
+            if info.hash_version != VERSION.decode():
+                raise ValueError(f"its replicas hash prefixes as {info.hash_version}, not {VERSION.decode()}")
+            self._hashers[model] = await asyncio.to_thread(PromptHasher, info)
+            logger.info("prefix-aware routing for %s: tokenizer read from %s", model, replica_url)
+        except (httpx.HTTPError, ValidationError, ValueError) as error:
+            self._failed_at[model] = asyncio.get_running_loop().time()
+            logger.warning("cannot read %s's tokenizer from %s (%s); routing it by load", model, replica_url, error)
+
+    async def close(self) -> None:
+        for task in list(self._fetching.values()):
+            task.cancel()
+        await asyncio.gather(*self._fetching.values(), return_exceptions=True)
+        await self._client.aclose()

@@ -1,0 +1,75 @@
+"""Prefix-cache block hashes that are the same in every process and on every machine.
+
+The engine keys its prefix cache by these hashes, replicas publish them to the fleet's
+index in Redis, and the gateway computes them for a request before it routes it: all three
+must agree bit for bit, so there is exactly one definition, here (docs/redis-protocol.md).
+
+    root    = blake2b-64("pagefleet-kv-v1" 0 adapter 0 cache_salt)
+    hash[0] = blake2b-64(root    as 8 bytes LE || token ids of block 0 as uint32 LE)
+    hash[i] = blake2b-64(hash[i-1] as 8 bytes LE || token ids of block i as uint32 LE)
+
+Only full blocks have a hash. The model is not hashed: one engine serves one model, and the
+fleet's index is keyed by model. Python's `hash()` is not used anywhere in the chain: it is
+salted per process for strings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+VERSION = b"pagefleet-kv-v1"
+HASH_BYTES = 8
+
+_TOKEN_BYTES = 4
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=HASH_BYTES).digest(), "little")
+
+
+def chain_root(adapter: str | None = None, cache_salt: str | None = None) -> int:
+    """The first link of a request's chain: requests of different LoRA adapters, or with
+    different `cache_salt` values (vLLM's request field), never share a block."""
+    return _digest(b"\0".join((VERSION, (adapter or "").encode(), (cache_salt or "").encode())))
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, root: int, parents: Sequence[int] = ()) -> list[int]:
+    """The chained hashes of every full block of `token_ids`.
+
+    Args:
+        token_ids: the sequence's tokens from its first on.
+        block_size: token slots per block.
+        root: the chain's first link (`chain_root`).
+        parents: hashes already known for the first blocks; they are kept, not recomputed.
+    Returns:
+        one hash per full block, `parents` first.
+    """
+    hashes = list(parents)
+    num_full = len(token_ids) // block_size
+    if len(hashes) >= num_full:
+        return hashes[:num_full]
+    start = len(hashes) * block_size
+    tokens = array("I", token_ids[start : num_full * block_size])
+    assert tokens.itemsize == _TOKEN_BYTES, "token ids must pack as uint32"
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    packed = tokens.tobytes()
+    parent = hashes[-1] if hashes else root
+    stride = block_size * _TOKEN_BYTES
+    for offset in range(0, len(packed), stride):
+        parent = _digest(parent.to_bytes(HASH_BYTES, "little") + packed[offset : offset + stride])
+        hashes.append(parent)
+    return hashes
+
+
+def pack(hashes: Sequence[int]) -> bytes:
+    """Hashes as one byte string (8 bytes each, little-endian), as they are stored in Redis."""
+    return b"".join(h.to_bytes(HASH_BYTES, "little") for h in hashes)
+
+
+def unpack(data: bytes) -> list[int]:
+    """The inverse of `pack`."""
+    return [int.from_bytes(data[i : i + HASH_BYTES], "little") for i in range(0, len(data), HASH_BYTES)]
