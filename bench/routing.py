@@ -1,15 +1,20 @@
-"""Routing policies compared on one bursty workload, replayed against each in one run.
+"""Routers compared on the workload shapes where routing matters, in front of the same replicas.
 
-    python bench/routing.py [--plot ../docs/routing-ttft.png]
+    python bench/routing.py [--workloads shared,sessions,decode] [--routers ...] [--runs 1]
+                            [--json results.json] [--plot docs/routing-goodput.png]
 
-Three replicas of a small random-weight Llama (SmolLM2's tokenizer; 4 layers) with small KV
-budgets (96 blocks of 16 tokens each) behind the gateway, a fresh fleet per policy (kv,
-round_robin, least_requests, prefix). The same arrival schedule each time: bursts of 12
-streaming requests every 2 s, 12 bursts; one in five is long (1000-token prompt, 64 new tokens), the
-rest short (a 40-token system prefix out of three, then 10..60 tokens; 32 new tokens).
-Reports TTFT p50/p99, end-to-end p99, output tokens/s, preemptions per replica, and each
-policy's ratio to round robin (target: kv's p99 TTFT at most 0.7x round robin's, with fewer
-preemptions); plots the TTFT distributions.
+Three `pagefleet serve` replicas of SmolLM2-135M-Instruct (float32, each at its defaults but
+for a small KV budget: 250 blocks of 16 tokens, 4,000 token slots), one Redis. In front of
+the same replicas, one router at a time: pagefleet's gateway with `affinity` (its default),
+`kv` and `round_robin`; vLLM's router (PyPI `vllm-router`, installed into `.peers/`) with
+`cache_aware` (its default), `sticky_least_loaded`, `consistent_hash`, `power_of_two` and
+`round_robin`. Every router replays the same arrival schedule at each rate, on replicas
+whose prefix caches were emptied first (`POST /reset_prefix_cache`).
+
+Reported per workload, router and rate: goodput (requests whose TTFT met the SLO, per
+second of the run), TTFT p50/p90/p99, inter-token latency p50/p99, the share of prompt
+tokens served from cache, preemptions per replica; then, per router, its goodput at the
+knee (the best over the rates) and the ratios the issue's targets name.
 """
 
 from __future__ import annotations
@@ -17,181 +22,235 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
+import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from common import free_port, progress
+from peers import vllm_router_binary
+from routing_workloads import WORKLOADS, Outcome, replay
 
 from pagefleet.cli.up import Fleet, FleetSpec, ModelSpec
 
-POLICIES = ["round_robin", "kv", "least_requests", "prefix"]
+MODEL = "smollm2-135m-instruct"
 REPLICAS = 3
-ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "96", "--block-size", "16", "--max-num-batched-tokens", "512"]
+ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "250"]
+PAGEFLEET_POLICIES = ["affinity", "kv", "round_robin"]
+VLLM_ROUTER_POLICIES = ["cache_aware", "sticky_least_loaded", "consistent_hash", "power_of_two", "round_robin"]
+ROUTERS = [f"pagefleet:{p}" for p in PAGEFLEET_POLICIES] + [f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES]
+RATES = {"shared": [0.5, 1.0, 2.0], "sessions": [0.2, 0.4, 0.8], "decode": [0.5, 1.0, 2.0]}
+REQUESTS = {"shared": 40, "sessions": 32, "decode": 24}
 
 
-@dataclass(slots=True)
-class Arrival:
-    at: float
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass(slots=True)
-class Outcome:
-    ttft: float
-    e2e: float
-    tokens: int
-
-
-def build_model(directory: Path) -> Path:
-    """A 4-layer random Llama with SmolLM2's tokenizer, so the replicas are quick but real."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from pagefleet.engine.loader import resolve_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-def schedule(seed: int = 0, bursts: int = 12, per_burst: int = 12, gap: float = 2.0) -> list[Arrival]:
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(100, 40000) for _ in range(40)] for _ in range(3)]
-    arrivals = []
-    for burst in range(bursts):
-        for _ in range(per_burst):
-            if rng.random() < 0.2:
-                prompt, max_tokens = [rng.randrange(100, 40000) for _ in range(1000)], 64
-            else:
-                tail = [rng.randrange(100, 40000) for _ in range(rng.randint(10, 60))]
-                prompt, max_tokens = rng.choice(prefixes) + tail, 32
-            arrivals.append(Arrival(burst * gap + rng.random() * 0.2, prompt, max_tokens))
-    return sorted(arrivals, key=lambda a: a.at)
-
-
-async def replay(url: str, arrivals: list[Arrival]) -> tuple[list[Outcome], float]:
-    async def one(client: httpx.AsyncClient, arrival: Arrival, start: float) -> Outcome:
-        await asyncio.sleep(max(0.0, start + arrival.at - time.perf_counter()))
-        body = {"model": "tiny", "prompt": arrival.prompt, "max_tokens": arrival.max_tokens, "ignore_eos": True}
-        sent = time.perf_counter()
-        first, tokens = 0.0, 0
-        async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                    tokens += 1
-                    first = first or time.perf_counter() - sent
-        return Outcome(first, time.perf_counter() - sent, tokens)
-
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=200)) as client:
-        start = time.perf_counter()
-        outcomes = await asyncio.gather(*(one(client, a, start) for a in arrivals))
-        return list(outcomes), time.perf_counter() - start
-
-
-def preemptions(url: str) -> int:
-    text = httpx.get(f"{url}/metrics").text
-    return int(
-        sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("pagefleet:num_preemptions_total"))
-    )
-
-
-def run_policy(policy: str, model_dir: Path, arrivals: list[Arrival], logs: Path) -> dict[str, object]:
+def start_fleet(log_dir: Path) -> tuple[Fleet, list[str]]:
     spec = FleetSpec(
         redis_port=free_port(),
         gateway_port=free_port(),
         first_engine_port=free_port(),
-        log_dir=logs / policy,
-        gateway_flags=["--policy", policy],
-        models=[ModelSpec(name="tiny", model=str(model_dir), replicas=REPLICAS, flags=ENGINE_FLAGS)],
+        log_dir=log_dir,
+        models=[ModelSpec(name=MODEL, model=MODEL, replicas=REPLICAS, flags=ENGINE_FLAGS)],
     )
     fleet = Fleet(spec)
+    deadline = time.monotonic() + 600
+    fleet.start_redis()
+    urls = [fleet.start_engine(spec.models[0], i, free_port()) for i in range(REPLICAS)]
+    for url in urls:
+        fleet.wait_healthy(url, deadline)
+    return fleet, urls
+
+
+def start_router(fleet: Fleet, router: str, replicas: list[str]) -> str:
+    """One router in front of the replicas, as a child of the fleet; its URL once it serves."""
+    kind, policy = router.split(":")
+    port = free_port()
+    if kind == "pagefleet":
+        command = [sys.executable, "-m", "pagefleet.cli.main", "gateway", "--host", "127.0.0.1", "--port", str(port)]
+        command += ["--redis-url", fleet.redis_url, "--policy", policy, "--log-level", "WARNING"]
+    else:
+        command = [str(vllm_router_binary()), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *replicas]
+        command += ["--policy", policy, "--log-level", "warning", "--prometheus-port", str(free_port())]
+    fleet.spawn(router.replace(":", "-"), command)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        fleet.check_alive()
+        try:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code == 200:
+                time.sleep(2.0)  # pagefleet's gateway reads the tokenizer once it sees replicas
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{router} did not serve in time")
+
+
+def stop_router(fleet: Fleet, router: str) -> None:
+    name = router.replace(":", "-")
+    for child in [c for c in fleet.children if c.name == name]:
+        child.process.terminate()
+        child.process.wait(timeout=30)
+        fleet.children.remove(child)
+
+
+def reset_caches(replicas: list[str]) -> None:
+    """Wait until every replica is idle, then empty its prefix cache."""
     deadline = time.monotonic() + 300
-    try:
-        fleet.start_redis()
-        fleet.start_gateway()
-        urls = [fleet.start_engine(spec.models[0], i, spec.first_engine_port + i) for i in range(REPLICAS)]
-        for url in urls:
-            fleet.wait_healthy(url, deadline)
-        fleet.wait_healthy(fleet.gateway_url, deadline)
-        fleet.wait_models({"tiny"}, deadline)
-        time.sleep(1.0)
-        outcomes, seconds = asyncio.run(replay(fleet.gateway_url, arrivals))
-        per_replica = [preemptions(url) for url in urls]
-    finally:
-        fleet.stop()
-    ttft = sorted(o.ttft for o in outcomes)
-    e2e = sorted(o.e2e for o in outcomes)
+    pending = list(replicas)
+    while pending and time.monotonic() < deadline:
+        pending = [url for url in pending if httpx.post(f"{url}/reset_prefix_cache", timeout=10).status_code != 200]
+        if pending:
+            time.sleep(0.5)
+    if pending:
+        raise SystemExit(f"replicas still busy after 300 s: {pending}")
 
-    def pct(values: list[float], q: float) -> float:
-        return values[min(len(values) - 1, int(q * len(values)))]
 
+def preemptions(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("pagefleet:num_preemptions_total")
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(outcomes: list[Outcome], seconds: float, slo_s: float, preempted: list[float]) -> dict[str, object]:
+    ok = [o for o in outcomes if o.ok]
+    ttft = [o.ttft for o in ok]
+    gaps = [g for o in ok for g in o.gaps]
+    prompt = sum(o.prompt_tokens for o in ok)
     return {
-        "ttft": ttft,
-        "ttft_p50": pct(ttft, 0.5),
-        "ttft_p99": pct(ttft, 0.99),
-        "e2e_p99": pct(e2e, 0.99),
-        "tokens_per_s": sum(o.tokens for o in outcomes) / seconds,
-        "preemptions": per_replica,
+        "requests": len(outcomes),
+        "failed": len(outcomes) - len(ok),
+        "goodput": sum(1 for t in ttft if t <= slo_s) / seconds,
+        "ttft_p50": percentile(ttft, 0.5),
+        "ttft_p90": percentile(ttft, 0.9),
+        "ttft_p99": percentile(ttft, 0.99),
+        "itl_p50": percentile(gaps, 0.5),
+        "itl_p99": percentile(gaps, 0.99),
+        "cached": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
+        "preemptions": preempted,
+        "seconds": seconds,
     }
+
+
+def run_cell(
+    url: str, replicas: list[str], workload: str, rate: float, seed: int, slo_s: float, requests: int
+) -> dict[str, object]:
+    reset_caches(replicas)
+    before = [preemptions(r) for r in replicas]
+    turns = WORKLOADS[workload](rate, requests or REQUESTS[workload], seed)
+    outcomes, seconds = asyncio.run(replay(url, MODEL, turns))
+    after = [preemptions(r) for r in replicas]
+    return summarize(outcomes, seconds, slo_s, [a - b for a, b in zip(after, before, strict=True)])
+
+
+def report(workload: str, cells: dict[str, dict[float, dict[str, object]]]) -> list[str]:
+    lines = [
+        f"## {workload}",
+        "",
+        "| router | rate/s | goodput/s | TTFT p50 | p90 | p99 | ITL p50 | p99 | cached | preemptions | failed |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for router, by_rate in cells.items():
+        for rate, c in by_rate.items():
+            lines.append(
+                f"| {router} | {rate:g} | {c['goodput']:.3f} | {c['ttft_p50']:.2f} | {c['ttft_p90']:.2f} | "
+                f"{c['ttft_p99']:.2f} | {c['itl_p50'] * 1000:.0f} ms | {c['itl_p99'] * 1000:.0f} ms | "
+                f"{c['cached']:.0%} | {c['preemptions']} | {c['failed']} |"
+            )
+    knee = {router: max(float(c["goodput"]) for c in by_rate.values()) for router, by_rate in cells.items()}
+    lines += ["", "Goodput at the knee (best over the rates):", ""]
+    lines += [f"- {router}: {value:.3f}/s" for router, value in knee.items()]
+    ours = knee.get("pagefleet:affinity")
+    peers = {r: v for r, v in knee.items() if r.startswith("vllm-router")}
+    if ours is not None:
+        lines.append("")
+        if knee.get("pagefleet:round_robin"):
+            lines.append(f"- affinity / round robin: {ours / knee['pagefleet:round_robin']:.2f}x (target >= 2.0x)")
+        if peers:
+            best = max(peers, key=peers.__getitem__)
+            lines.append(f"- affinity / best vllm-router ({best}): {ours / peers[best]:.2f}x (target >= 1.25x)")
+        aware = cells.get("vllm-router:cache_aware", {})
+        for rate, cell in cells["pagefleet:affinity"].items():
+            if rate in aware and aware[rate]["ttft_p90"]:
+                ratio = float(cell["ttft_p90"]) / float(aware[rate]["ttft_p90"])
+                lines.append(
+                    f"- p90 TTFT at {rate:g}/s, affinity / vllm-router cache_aware: {ratio:.2f}x (target <= 0.5x)"
+                )
+    return lines
+
+
+def plot(results: dict[str, dict[str, dict[float, dict[str, object]]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for axis, (workload, cells) in zip(axes[0], results.items(), strict=True):
+        for router, by_rate in cells.items():
+            rates = sorted(by_rate)
+            style = "-" if router.startswith("pagefleet") else "--"
+            axis.plot(rates, [by_rate[r]["goodput"] for r in rates], style, marker="o", label=router)
+        axis.set_title(f"{workload}: goodput by offered load")
+        axis.set_xlabel("requests (sessions) per second offered")
+        axis.set_ylabel("requests meeting the TTFT SLO per second")
+        axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    progress(f"plot written to {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plot", type=Path, default=None, help="write the TTFT distributions here (PNG)")
+    parser.add_argument("--workloads", default="shared,sessions,decode")
+    parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--rates", default="", help="override every workload's rates, e.g. 0.5,1,2")
+    parser.add_argument("--requests", type=int, default=0, help="requests per cell (default: per workload)")
+    parser.add_argument("--runs", type=int, default=1, help="repeat with other seeds; each run is reported")
+    parser.add_argument("--slo-s", type=float, default=1.0, help="the TTFT objective of goodput")
+    parser.add_argument("--json", type=Path, default=None, help="append the results here")
+    parser.add_argument("--plot", type=Path, default=None, help="goodput by load, per workload (PNG)")
     args = parser.parse_args()
-    arrivals = schedule()
-    results = {}
+    routers = args.routers.split(",")
+    results: dict[str, dict[str, dict[float, dict[str, object]]]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        progress("building the small model")
-        model_dir = build_model(Path(scratch) / "tiny")
-        for policy in POLICIES:
-            progress(f"{policy}: {len(arrivals)} requests")
-            results[policy] = run_policy(policy, model_dir, arrivals, Path(scratch))
-    base = results["round_robin"]
-    for policy, result in results.items():
-        print(
-            f"{policy:15s} TTFT p50 {result['ttft_p50']:.2f}s p99 {result['ttft_p99']:.2f}s "
-            f"(x{result['ttft_p99'] / base['ttft_p99']:.2f} of round robin) | e2e p99 {result['e2e_p99']:.2f}s "
-            f"(x{result['e2e_p99'] / base['e2e_p99']:.2f}) | {result['tokens_per_s']:.0f} tok/s "
-            f"(x{result['tokens_per_s'] / base['tokens_per_s']:.2f}) | preemptions per replica {result['preemptions']}",
-            flush=True,
+        fleet, replicas = start_fleet(Path(scratch) / "fleet")
+        try:
+            for run in range(args.runs):
+                for workload in args.workloads.split(","):
+                    rates = [float(r) for r in args.rates.split(",")] if args.rates else RATES[workload]
+                    cells = results.setdefault(f"{workload} (run {run + 1})", {})
+                    for router in routers:
+                        url = start_router(fleet, router, replicas)
+                        try:
+                            for rate in rates:
+                                progress(f"run {run + 1}, {workload}, {router}, {rate:g}/s")
+                                cells.setdefault(router, {})[rate] = run_cell(
+                                    url, replicas, workload, rate, run, args.slo_s
+                                )
+                        finally:
+                            stop_router(fleet, router)
+                    print("\n".join(report(f"{workload} (run {run + 1})", cells)), flush=True)
+        finally:
+            fleet.stop()
+    if args.json:
+        existing = json.loads(args.json.read_text()) if args.json.exists() else {}
+        existing.update(
+            {w: {r: {str(k): v for k, v in c.items()} for r, c in cells.items()} for w, cells in results.items()}
         )
+        args.json.write_text(json.dumps(existing, indent=1))
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        figure, axis = plt.subplots(figsize=(7, 4))
-        for policy, result in results.items():
-            ttft = result["ttft"]
-            axis.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=policy)
-        axis.set_xlabel("time to first token (s)")
-        axis.set_ylabel("fraction of requests")
-        axis.set_title("TTFT by routing policy (3 replicas, bursty mixed workload)")
-        axis.legend()
-        axis.grid(alpha=0.3)
-        figure.tight_layout()
-        figure.savefig(args.plot, dpi=120)
-        progress(f"plot written to {args.plot}")
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

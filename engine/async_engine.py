@@ -137,6 +137,10 @@ class AsyncEngine:
         """The stats after the latest step, add or abort (never waits for a step)."""
         return self._stats
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while any block is in use."""
+        return bool(await asyncio.to_thread(self._locked, self.engine.reset_prefix_cache))
+
     def enable_kv_events(self) -> None:
         """Start queueing prefix-cache events (`take_kv_events`), for the fleet's index."""
         self._locked(self.engine.kv_cache.pool.enable_events)

@@ -52,6 +52,12 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return variants
 
 
+def prefix_hash_root(lora_request: LoRARequest | None, cache_salt: str | None) -> int:
+    """The first link of a request's prefix-cache hash chain: an adapter's KV, or a salted
+    request's, is its own (protocol/block_hash.py; routers compute the same)."""
+    return chain_root(lora_request.lora_name if lora_request is not None else None, cache_salt)
+
+
 def worst_case_blocks(num_prompt_tokens: int, max_tokens: int, num_sequences: int, block_size: int) -> int:
     """The most KV blocks a request can ever hold at once: its prompt's blocks (shared by
     every sample) plus, per sample, the blocks of `max_tokens` outputs and one copy of the
@@ -148,10 +154,8 @@ class LLMEngine:
         if lora_request is not None:
             request.lora_request = lora_request
         if lora_request is not None or cache_salt is not None:
-            # An adapter's KV, or a salted request's, is its own: its hash chain starts apart.
-            root = chain_root(lora_request.lora_name if lora_request is not None else None, cache_salt)
             for seq in request.sequences:
-                seq.hash_root = root
+                seq.hash_root = prefix_hash_root(lora_request, cache_salt)
         if remote_kv is not None and request.prompt_logprobs is None:
             request.remote_kv = remote_kv  # prompt logprobs need the prompt computed here
         if params.use_beam_search:
@@ -159,6 +163,9 @@ class LLMEngine:
         if grammar is not None:
             for seq in request.sequences:
                 seq.grammar = self._grammars.matcher(grammar)  # type: ignore[union-attr]
+        if request.remote_kv is None:
+            hits, _ = self.kv_cache.find_prefix_hits(request.sequences[0], len(token_ids))
+            request.num_expected_prefill_tokens = len(token_ids) - len(hits) * self.kv_cache.block_size
         self.outputs.start(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -543,7 +550,7 @@ class LLMEngine:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             num_waiting_prompt_tokens=sum(
-                r.num_prompt_tokens for r in scheduler.waiting if r.status == RequestStatus.WAITING
+                r.num_expected_prefill_tokens for r in scheduler.waiting if r.status == RequestStatus.WAITING
             ),
             num_pinned_blocks=self.pins.num_blocks,
             num_pinned_requests=len(self.pins),

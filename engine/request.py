@@ -110,6 +110,9 @@ class Request:
     # False only with block sharing off: every sequence then computes its own prompt.
     shares_prompt: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Prompt tokens not in the prefix cache when it arrived (LLMEngine.add_request): what
+    # its prefill is expected to compute, the queue the fleet's routers judge a replica by.
+    num_expected_prefill_tokens: int = 0
     is_prefix_counted: bool = False  # the prompt entered the prefix-cache statistics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)

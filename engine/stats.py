@@ -27,7 +27,7 @@ class EngineStats:
     peak_used_blocks: int  # most blocks ever in use at once
     num_prompt_tokens: int
     num_generation_tokens: int
-    num_waiting_prompt_tokens: int = 0  # prompt tokens of queued requests (prefill pressure)
+    num_waiting_prompt_tokens: int = 0  # uncached prompt tokens of queued requests (prefill pressure)
     num_pinned_blocks: int = 0  # blocks of finished prompts waiting for a decode replica's pull
     num_pinned_requests: int = 0
     num_pin_timeouts: int = 0  # pinned prompts freed because nobody pulled them in time

@@ -10,6 +10,7 @@ holds nothing of the prompt and the decision is by load: never an error for that
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 
 from pagefleet.gateway.decision import Candidate, decide
@@ -19,6 +20,8 @@ from pagefleet.gateway.prefix_index import PrefixIndex
 from pagefleet.gateway.prompt_hashes import PromptHashers
 from pagefleet.gateway.route import Route, RoutedRequest
 from pagefleet.protocol.replica import ReplicaRecord
+
+logger = logging.getLogger(__name__)
 
 _SESSIONS_KEPT = 100_000
 
@@ -52,7 +55,11 @@ class AffinityPolicy:
         prompt_tokens, block_hashes = shape.prompt_tokens, []
         hasher = self.hashers.try_get(base, candidates[0].url) if len(candidates) > 1 else None
         adapter = shape.model if shape.model != base else None
-        hashed = hasher.hashes(shape.payload, shape.chat, adapter) if hasher is not None else None
+        hashed = None
+        try:
+            hashed = hasher.hashes(shape.payload, shape.chat, adapter) if hasher is not None else None
+        except (ValueError, TypeError, OverflowError) as error:  # a body the replica will refuse
+            logger.debug("cannot hash a request's prompt (%s); routing it by load", error)
         if hashed is not None:
             prompt_tokens, block_hashes = hashed
         replica_ids = [r.replica_id for r in candidates]
@@ -63,13 +70,21 @@ class AffinityPolicy:
             for r in candidates
         ]
         session_replica = self._sessions.get(shape.session) if shape.session else None
-        decision = decide(views, self.saturation_s, session_replica)
+        decision = decide(views, prompt_tokens, self.saturation_s, session_replica)
         block_size = decision.replica.block_size
         uncached_tokens = max(0, prompt_tokens - decision.cached_blocks * block_size)
         blocks = max(0, request.estimated_blocks - decision.cached_blocks)
         sent = self.inflight.record(decision.replica, blocks, uncached_tokens, block_hashes)
         if shape.session:
             self._remember_session(shape.session, decision.replica.replica_id)
+        logger.debug(
+            "routed to %s (%s): %d prompt tokens, %d cached blocks there; cached elsewhere %s",
+            decision.replica.replica_id,
+            decision.reason,
+            prompt_tokens,
+            decision.cached_blocks,
+            {c.replica.replica_id: c.cached_blocks for c in views},
+        )
         self.metrics.routing_reasons.labels(shape.model, decision.reason).inc()
         self.metrics.predicted_cached_tokens.labels(shape.model).inc(decision.cached_blocks * block_size)
         self.metrics.prefix_index_blocks.labels(base).set(self.index.num_blocks(base))

@@ -35,7 +35,7 @@ class RoutingCore:
         limiter = RateLimiter(self.client, settings.requests_per_minute, settings.tokens_per_minute)
         self.admission = Admission(settings.keys(), self.registry, limiter, metrics)
         self.prefix_index = PrefixIndex(self.client, self.registry)
-        self.hashers = PromptHashers()
+        self.hashers = PromptHashers(on_ready=lambda model: metrics.prefix_routing_ready.labels(model).set(1))
         prefixes = PrefixRouting(self.hashers, self.prefix_index, settings.saturation_s)
         self.router = Router.from_names(
             self.registry, self.client, settings.policy, settings.model_policies, metrics, prefixes
@@ -52,6 +52,9 @@ class RoutingCore:
         self._tasks = [asyncio.create_task(self.registry.run())]
         if self.router.uses_prefixes:
             self._tasks.append(asyncio.create_task(self.prefix_index.run()))
+            self._tasks.append(
+                asyncio.create_task(self.hashers.prefetch(self.registry, self.registry.refresh_interval))
+            )
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -8,7 +8,10 @@ the blocks nor the prefill for it. So:
 
 1. affinity: the replica holding the longest cached prefix of the prompt, unless it is
    saturated;
-2. saturated: if it is, the best by load among those that are not;
+2. saturated: if it is, the replica where it costs least: its prompt queue plus the part
+   of this prompt it would have to prefill, weighted by `COLD_PREFILL_WEIGHT`, both at its
+   measured rate. A request leaves a busy holder only for a replica that is sooner by
+   several times the prefill it would cost there;
 3. session: with no cached prefix anywhere, the replica the same session (`x-session-id`,
    else the body's `user`) went to last, unless it is saturated;
 4. load: otherwise the best by load.
@@ -30,6 +33,12 @@ from pagefleet.protocol.replica import ReplicaRecord
 # about 2,000 prompt tokens a second (docs/benchmarks.md); a GPU replica soon reports its own.
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 REASONS = ("affinity", "saturated", "session", "load")
+# Prefilling the prompt on a replica that does not hold it costs more than this request's
+# wait: it delays every request queued behind it there, and it copies a prefix the fleet
+# already holds into a second cache, evicting others. Counting that prefill 4 times kept
+# bench/fleet_sim.py's goodput highest among 1, 2, 4 and 8 on llm-d's b2b-saas shape short of
+# deep overload, while a hot prefix still gets a second home once its holder's queue is long.
+COLD_PREFILL_WEIGHT = 4.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,6 +58,13 @@ class Candidate:
         """Seconds its queued prompts take to prefill."""
         return self.queued_prompt_tokens / (self.replica.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S)
 
+    def cost_s(self, prompt_tokens: int) -> float:
+        """Seconds of prefill that sending this request here costs: its queue, then the
+        part of the prompt it does not hold, weighted by COLD_PREFILL_WEIGHT."""
+        uncached = max(0, prompt_tokens - self.cached_blocks * self.replica.block_size)
+        tokens = self.queued_prompt_tokens + COLD_PREFILL_WEIGHT * uncached
+        return tokens / (self.replica.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S)
+
     def load_rank(self) -> tuple[int, int]:
         """Higher is better: KV room for this request, then a shorter prompt queue."""
         room = self.replica.free_blocks - self.promised_blocks + self.cached_blocks
@@ -63,11 +79,14 @@ class Decision:
     cached_blocks: int  # predicted prefix-cache hit on the chosen replica
 
 
-def decide(candidates: list[Candidate], saturation_s: float, session_replica_id: str | None = None) -> Decision:
+def decide(
+    candidates: list[Candidate], prompt_tokens: int, saturation_s: float, session_replica_id: str | None = None
+) -> Decision:
     """The replica for one request, from at least one candidate.
 
     Args:
         candidates: the live replicas that may serve it, with what it has cached of the prompt.
+        prompt_tokens: the request's prompt length.
         saturation_s: a replica whose queued prompts take longer than this to prefill is not
             chosen for affinity (nor for a session) while another is not saturated.
         session_replica_id: where the request's session went last, if it has one.
@@ -77,10 +96,10 @@ def decide(candidates: list[Candidate], saturation_s: float, session_replica_id:
     holder = max(candidates, key=lambda c: (c.cached_blocks, c.load_rank()))
     open_ = [c for c in by_load if c.queue_s() <= saturation_s]
     if holder.cached_blocks > 0:
-        if holder.queue_s() <= saturation_s:
-            chosen, reason = holder, "affinity"
-        else:
-            chosen, reason = (open_ or by_load)[0], "saturated"
+        chosen = holder
+        if holder.queue_s() > saturation_s:
+            chosen = min(by_load, key=lambda c: c.cost_s(prompt_tokens))  # by_load order breaks ties
+        reason = "affinity" if chosen is holder else "saturated"
     else:
         session = next((c for c in open_ if c.replica.replica_id == session_replica_id), None)
         chosen, reason = (session, "session") if session is not None else (by_load[0], "load")

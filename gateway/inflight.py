@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagefleet.protocol.replica import ReplicaRecord
@@ -30,18 +31,22 @@ class Sent:
 
 
 class InFlight:
-    def __init__(self) -> None:
+    """`clock`: Unix time, comparable with reports' timestamps (bench/fleet_sim.py passes a
+    simulated one)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
         self._sent: dict[str, list[Sent]] = {}  # replica id -> sends not yet reported
         self._prefixes: dict[int, dict[str, float]] = {}  # block hash -> replica id -> expiry
         self._expiries: deque[tuple[float, str, list[int]]] = deque()
 
     def record(self, replica: ReplicaRecord, blocks: int, prompt_tokens: int, block_hashes: list[int]) -> Sent:
         """Count a request sent to `replica`; the result is what `cancel` takes."""
-        now = time.time()
+        now = self.clock()
         sent = Sent(replica.replica_id, now, blocks, prompt_tokens)
         self._sent.setdefault(replica.replica_id, []).append(sent)
         if block_hashes:
-            expiry = time.monotonic() + PENDING_PREFIX_S
+            expiry = now + PENDING_PREFIX_S
             for block_hash in block_hashes:
                 self._prefixes.setdefault(block_hash, {})[replica.replica_id] = expiry
             self._expiries.append((expiry, replica.replica_id, block_hashes))
@@ -76,7 +81,7 @@ class InFlight:
         return matched
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         while self._expiries and self._expiries[0][0] <= now:
             expiry, replica_id, block_hashes = self._expiries.popleft()
             for block_hash in block_hashes:

@@ -46,6 +46,10 @@ class GatewayMetrics:
             f"{namespace}:prefix_index_blocks", "Distinct prefix-cache blocks the fleet's index knows, by model.",
             ["model"], registry=self.registry,
         )  # fmt: skip
+        self.prefix_routing_ready = Gauge(
+            f"{namespace}:prefix_routing_ready", "1 once the model's tokenizer has been read from a replica and "
+            "its requests are routed on their exact prefix hashes.", ["model"], registry=self.registry,
+        )  # fmt: skip
         self.disaggregated = Counter(
             f"{namespace}:disaggregated_requests", "Requests of models with prefill and decode replicas, by how "
             "they were served: paired (prefill then decode) or fallback (one replica ran it all).",

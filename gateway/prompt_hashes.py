@@ -20,12 +20,14 @@ import asyncio
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
+from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.protocol.block_hash import VERSION, block_hashes, chain_root
 from pagefleet.protocol.chat_prompt import (
     ChatTemplateError,
@@ -50,6 +52,7 @@ class PromptHasher:
         self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self.chat_template, self.special_tokens = info.chat_template, info.special_tokens
         self.block_size = info.block_size
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.takes_tools = template_takes_tools(info.chat_template)
         added = self.tokenizer.get_added_tokens_decoder()
         self._added_ids = {token.content: token_id for token_id, token in added.items()}
@@ -101,7 +104,7 @@ class PromptHasher:
             prompt = prompt[0]  # a batch: its first prompt decides
         if isinstance(prompt, str):
             return self.token_ids(prompt, add_special_tokens=True)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
             return prompt
         return None
 
@@ -110,6 +113,9 @@ class PromptHasher:
         from its prefix cache for it: every full block before the last token (whose logits
         the engine computes in any case), as the engine registers them."""
         token_ids = self.prompt_token_ids(payload, chat)
+        keep = payload.get("truncate_prompt_tokens")
+        if token_ids and isinstance(keep, int) and keep > 0:
+            token_ids = token_ids[-keep:]  # as the engine truncates (-1, to the context window, is rare)
         if not token_ids:
             return None
         salt = payload.get("cache_salt")
@@ -118,10 +124,12 @@ class PromptHasher:
 
 
 class PromptHashers:
-    """Each model's PromptHasher, fetched from one of its replicas the first time a request
-    of the model needs one (in the background: that request is routed without)."""
+    """Each model's PromptHasher, fetched from one of its replicas in the background: as soon
+    as the model has two replicas (`prefetch`), or when a request first needs it (that
+    request is routed without)."""
 
-    def __init__(self, timeout_s: float = 10.0) -> None:
+    def __init__(self, on_ready: Callable[[str], None] | None = None, timeout_s: float = 10.0) -> None:
+        self.on_ready = on_ready  # told each model whose hasher has arrived
         self._client = httpx.AsyncClient(timeout=timeout_s)
         self._hashers: dict[str, PromptHasher] = {}
         self._fetching: dict[str, asyncio.Task[None]] = {}
@@ -140,6 +148,14 @@ class PromptHashers:
         task.add_done_callback(lambda _: self._fetching.pop(model, None))
         return None
 
+    async def prefetch(self, registry: ReplicaRegistry, interval_s: float) -> None:
+        """Until cancelled: fetch the hasher of every model with more than one replica."""
+        while True:
+            for model, records in list(registry.by_model.items()):
+                if len(records) > 1:
+                    self.try_get(model, records[0].url)
+            await asyncio.sleep(interval_s)
+
     async def _fetch(self, model: str, replica_url: str) -> None:
         try:
             response = await self._client.get(f"{replica_url}/tokenizer_info")
@@ -149,6 +165,8 @@ class PromptHashers:
                 raise ValueError(f"its replicas hash prefixes as {info.hash_version}, not {VERSION.decode()}")
             self._hashers[model] = await asyncio.to_thread(PromptHasher, info)
             logger.info("prefix-aware routing for %s: tokenizer read from %s", model, replica_url)
+            if self.on_ready is not None:
+                self.on_ready(model)
         except (httpx.HTTPError, ValidationError, ValueError) as error:
             self._failed_at[model] = asyncio.get_running_loop().time()
             logger.warning("cannot read %s's tokenizer from %s (%s); routing it by load", model, replica_url, error)

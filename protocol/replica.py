@@ -33,7 +33,9 @@ class ReplicaRecord(BaseModel):
     role: Literal["prefill", "decode", "both"] = Field(
         "both", description="prefill/decode disaggregation: what this replica does (docs/disaggregation.md)"
     )
-    waiting_prompt_tokens: int = Field(0, ge=0, description="prompt tokens of its queued requests")
+    waiting_prompt_tokens: int = Field(
+        0, ge=0, description="prompt tokens of its queued requests that its prefix cache did not hold when they came"
+    )
     prefill_tokens_per_s: float = Field(
         0.0, ge=0, description="prompt tokens it computes per second (a moving average; 0 until measured)"
     )

@@ -273,6 +273,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         header_id = request.headers.get("x-request-id")
         return await cancel_on_disconnect(request, create_chat_completion(state, body, header_id))
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's: forget every cached prefix (benchmarks start each run cold). Refused with
+        409 while requests hold blocks."""
+        if not await state.ready_engine(None).reset_prefix_cache():
+            raise OpenAIError(409, "requests are running: the prefix cache can be reset only when idle")
+        return Response(status_code=200)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         engine = state.ready_engine(body.model)

@@ -224,7 +224,7 @@ def test_the_picker_and_an_inference_pool_per_model() -> None:
     }
     plain = {k.removeprefix("PAGEFLEET_PICKER_").lower(): v for k, v in env_of(container).items() if isinstance(v, str)}
     settings = PickerSettings(**{k: json.loads(v) if k == "model_policies" else v for k, v in plain.items()})
-    assert (settings.host, settings.port, settings.metrics_port, settings.policy) == ("0.0.0.0", 9002, 9090, "kv")
+    assert (settings.host, settings.port, settings.metrics_port, settings.policy) == ("0.0.0.0", 9002, 9090, "affinity")
     # A pool that breaks the published schema is refused by the same check.
     broken = {**pool, "spec": {**pool["spec"], "targetPorts": [{"number": 8000}, {"number": 8001}]}}
     assert not validator.is_valid(broken)

@@ -1,0 +1,189 @@
+"""Prefix-aware routing with real parts: tiny engine replicas publishing their prefix caches
+to a real Redis, the gateway's own index following them, and the gateway routing on it."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from pagefleet.gateway.prefix_index import PrefixIndex
+from pagefleet.gateway.prompt_hashes import PromptHasher
+from pagefleet.gateway.registry import ReplicaRegistry
+from pagefleet.protocol.tokenizer_info import TokenizerInfo
+from tests.gateway.conftest import start_replica
+from tests.processes import (
+    EngineServer,
+    GatewayProcess,
+    RedisProcess,
+    running_redis,
+    start_gateway,
+    stop_process,
+    stop_server,
+    wait_for,
+)
+
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}\n{% endfor %}<|assistant|>"
+SYSTEM = "You answer questions about the solar system in one short sentence, and never more. " * 3
+SMALL_CACHE = ("--num-kv-blocks", "48")  # 384 token slots: a few prompts evict the first
+
+
+@dataclass
+class AffinityFleet:
+    redis: RedisProcess
+    replicas: dict[str, EngineServer]
+    gateway: GatewayProcess
+    hasher: PromptHasher
+    logs: Path
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a chat template."""
+    directory = tmp_path_factory.mktemp("tiny-chat") / "model"
+    shutil.copytree(tiny_llama, directory)
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def affinity_fleet(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AffinityFleet]:
+    logs = tmp_path_factory.mktemp("affinity")
+    with running_redis() as redis:
+        replicas = {name: start_replica(chat_model, logs, redis, name, *SMALL_CACHE) for name in ("tiny-a", "tiny-b")}
+        gateway = start_gateway(redis.url, logs / "gateway.log")
+        wait_for(lambda: _prefix_routing_ready(gateway.url))
+        info = httpx.get(f"{replicas['tiny-a'].url}/tokenizer_info", timeout=10).json()
+        yield AffinityFleet(redis, replicas, gateway, PromptHasher(TokenizerInfo.model_validate(info)), logs)
+        stop_process(gateway.process)
+        for replica in replicas.values():
+            stop_server(replica)
+
+
+def _prefix_routing_ready(gateway_url: str) -> bool:
+    """The gateway has read the model's tokenizer (it does so once the model has two replicas)."""
+    return 'pagefleet_gateway:prefix_routing_ready{model="tiny"} 1.0' in httpx.get(f"{gateway_url}/metrics").text
+
+
+def _follow_index(redis_url: str, until: Callable[[PrefixIndex], bool], timeout: float = 1.0) -> float:
+    """Follow the fleet's index as a gateway does (its snapshot, then its stream) until
+    `until(index)` holds; the seconds that took. Fails after `timeout`."""
+
+    async def follow() -> float:
+        client = aioredis.from_url(redis_url)
+        registry = ReplicaRegistry(client, refresh_interval=0.1, ttl=1.5, grace=5.0)
+        index = PrefixIndex(client, registry)
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < timeout:
+                await registry.refresh()
+                await index.refresh()
+                if until(index):
+                    return time.monotonic() - started
+            raise AssertionError(f"the index did not get there within {timeout} s")
+        finally:
+            await client.aclose()
+
+    return asyncio.run(follow())
+
+
+def _complete(url: str, prompt: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def _chat(url: str, question: str, **extra: object) -> httpx.Response:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0.0, **extra}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+
+
+def _matched(index: PrefixIndex, hashes: list[int], replica: str) -> int:
+    return index.matched_blocks("tiny", hashes, [replica])[replica]
+
+
+def test_stored_blocks_appear_and_evicted_ones_disappear_within_a_second(affinity_fleet: AffinityFleet) -> None:
+    replica = affinity_fleet.replicas["tiny-a"]
+    prompt = "The planets of the solar system, in order: Mercury, Venus, Earth, Mars. " * 3
+    hashed = affinity_fleet.hasher.hashes({"prompt": prompt}, False, None)
+    assert hashed is not None and len(hashed[1]) >= 6
+    hashes = hashed[1]
+    assert _complete(replica.url, prompt).status_code == 200
+    _follow_index(affinity_fleet.redis.url, lambda index: _matched(index, hashes, "tiny-a") == len(hashes))
+    # Other prompts fill the small cache: the first prompt's blocks are evicted.
+    for n in range(6):
+        assert (
+            _complete(replica.url, f"Fact {n}: " + f"moon number {n} orbits a planet quietly. " * 8).status_code == 200
+        )
+    _follow_index(affinity_fleet.redis.url, lambda index: _matched(index, hashes, "tiny-a") < len(hashes))
+
+
+def test_a_killed_replicas_entries_stop_counting_when_its_record_expires(
+    affinity_fleet: AffinityFleet, chat_model: Path
+) -> None:
+    doomed = start_replica(chat_model, affinity_fleet.logs, affinity_fleet.redis, "tiny-doomed", *SMALL_CACHE)
+    try:
+        prompt = "Comets come from the Oort cloud and the Kuiper belt, far beyond Neptune. " * 3
+        hashes = affinity_fleet.hasher.hashes({"prompt": prompt}, False, None)[1]  # type: ignore[index]
+        assert _complete(doomed.url, prompt).status_code == 200
+        _follow_index(affinity_fleet.redis.url, lambda index: _matched(index, hashes, "tiny-doomed") == len(hashes))
+        doomed.kill()
+        # Its record lives 1.5 s (--record-ttl); then no router counts its blocks.
+        _follow_index(affinity_fleet.redis.url, lambda i: "tiny-doomed" not in i.models["tiny"].held, timeout=5)
+    finally:
+        stop_server(doomed)
+
+
+def test_the_same_system_prompt_lands_where_it_is_cached(affinity_fleet: AffinityFleet) -> None:
+    gateway = affinity_fleet.gateway.url
+    first = _chat(gateway, "Which planet is largest?")
+    assert first.status_code == 200 and "prompt_tokens_details" not in first.json()["usage"]
+    holder = first.headers["x-pagefleet-replica"]
+    for question in ("Which planet is smallest?", "How many moons has Mars?", "Is Pluto a planet?"):
+        answer = _chat(gateway, question)
+        assert answer.headers["x-pagefleet-replica"] == holder
+        assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM) // 8
+    metrics = httpx.get(f"{gateway}/metrics").text
+    assert 'pagefleet_gateway:routing_reasons_total{model="tiny",reason="affinity"} 3.0' in metrics
+    assert 'pagefleet_gateway:cached_prompt_tokens_total{model="tiny",replica="' + holder in metrics
+
+
+def test_a_burst_beyond_the_holders_threshold_spills_to_the_other(affinity_fleet: AffinityFleet) -> None:
+    # A threshold every queue exceeds: the prefix's holder is saturated as soon as requests
+    # are in flight to it, and a burst moves on once its queue outweighs what the whole
+    # prompt costs elsewhere (decision.COLD_PREFILL_WEIGHT times its prefill).
+    gateway = start_gateway(affinity_fleet.redis.url, affinity_fleet.logs / "eager.log", "--saturation-s", "0.000001")
+    try:
+        wait_for(lambda: _prefix_routing_ready(gateway.url))
+        system = "A new system prompt about asteroids and their orbits, long enough to fill blocks. " * 2
+        body = {"model": "tiny", "max_tokens": 2}
+
+        def ask(n: int) -> str:
+            question = f"Asteroid {n}: " + "what is its orbit, its size and its composition? " * 6
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            answer = httpx.post(f"{gateway.url}/v1/chat/completions", json={**body, "messages": messages}, timeout=60)
+            assert answer.status_code == 200
+            return answer.headers["x-pagefleet-replica"]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            served = list(pool.map(ask, range(16)))
+        assert sorted(set(served)) == ["tiny-a", "tiny-b"], served
+        assert 'reason="saturated"' in httpx.get(f"{gateway.url}/metrics").text
+    finally:
+        stop_process(gateway.process)
+
+
+def test_without_redis_requests_are_routed_by_load_and_none_fails(affinity_fleet: AffinityFleet) -> None:
+    """Last in this module: it stops the fleet's Redis."""
+    affinity_fleet.redis.process.kill()
+    affinity_fleet.redis.process.wait()
+    statuses = [_chat(affinity_fleet.gateway.url, f"Question {n} without Redis?").status_code for n in range(6)]
+    assert statuses == [200] * 6
