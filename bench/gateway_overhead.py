@@ -5,7 +5,7 @@
     python bench/gateway_overhead.py [--requests 300] [--clients 16] [--policy kv]
                                      [--replicas 1] [--no-router] [--no-envoy] [--traced]
 
-One replica (or `--replicas N`) of the small random-weight Llama of bench/routing.py
+One replica (or `--replicas N`) of the small random-weight Llama of bench/small_model.py
 (float32, one thread; a one-token answer takes a few ms, so a hop's share stands out from
 the engine's jitter), Redis and the gateway, started by the same code as `pagefleet up`;
 vllm-router (`--policy round_robin`, installed into `.peers/vllm-router` on first use) in
@@ -22,6 +22,12 @@ through each path (where the added latency goes). Throughput: `--clients` concur
 streams of 32 tokens per path; the ratio of output tokens/s to direct (target: at least
 0.95). `--traced` adds a second gateway with OpenTelemetry tracing on (`--otlp-traces-endpoint`,
 exporting to bench/otlp_sink.py), so that what tracing costs is measured in the same run.
+
+Prefix routing: the gateway CPU that `affinity` spends per request before it routes, in
+this process (no fleet needed; `--hashing-only` measures just this): a 1,000-token chat
+prompt hashed as the engine will (a system prompt seen before plus a new question, and a
+prompt entirely new), looked up in an index of 3 replicas and decided (target: at most
+0.3 ms for the 1,000-token prompt).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pathlib import Path
 import httpx
 from common import free_port, progress
 from peers import ROOT, vllm_router_binary
-from routing import build_model
+from small_model import build_model
 
 from pagefleet.cli.up import Child, Fleet, FleetSpec, ModelSpec
 
@@ -176,6 +182,52 @@ async def throughput(url: str, clients: int, rounds: int) -> float:
         return tokens / (time.perf_counter() - started)
 
 
+def prefix_routing_cpu(rounds: int = 300) -> dict[str, float]:
+    """Milliseconds of CPU per request for `affinity`'s work before routing: hashing the
+    prompt as the engine will, the index lookup and the decision, for 3 candidates."""
+    from transformers import AutoTokenizer
+
+    from pagefleet.engine.loader import resolve_model_dir
+    from pagefleet.engine.server.tokenizer_info import _describe
+    from pagefleet.gateway.decision import Candidate, decide
+    from pagefleet.gateway.prefix_index import ModelIndex
+    from pagefleet.gateway.prompt_hashes import PromptHasher
+    from pagefleet.protocol.replica import ReplicaRecord
+    from pagefleet.protocol.tokenizer_info import TokenizerInfo
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
+    hasher = PromptHasher(TokenizerInfo.model_validate_json(_describe(tokenizer, MODEL, 16)))
+    words = "account billing invoice refund order shipment contract renewal support ticket priority".split()
+
+    def text(seed: int, count: int) -> str:
+        return " ".join(words[(seed * 7 + i * 13) % len(words)] for i in range(count))
+
+    system = "Handbook: " + text(0, 740)  # about 970 tokens with the question and the template
+    replicas = [
+        ReplicaRecord(
+            replica_id=f"r{i}", model=MODEL, url=f"http://r{i}", free_blocks=200, total_blocks=250, block_size=16,
+            running=0, waiting=0, max_model_len=8192,
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    index = ModelIndex()
+    first = {"model": MODEL, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+    num_tokens, hashes = hasher.hashes(first, True, None)  # type: ignore[misc]
+    index.store("r1", hashes)
+    progress(f"prefix routing: a {num_tokens}-token chat prompt, {len(hashes)} blocks")
+    results = {}
+    for case in ("seen system prompt", "new prompt"):
+        started = time.process_time()
+        for n in range(rounds):
+            head = system if case == "seen system prompt" else f"Handbook {n}: " + text(n, 740)
+            messages = [{"role": "system", "content": head}, {"role": "user", "content": text(n + 1, 12)}]
+            tokens, block_hashes = hasher.hashes({"model": MODEL, "messages": messages}, True, None)  # type: ignore[misc]
+            matched = index.matched_blocks(block_hashes, [r.replica_id for r in replicas])
+            decide([Candidate(r, matched[r.replica_id]) for r in replicas], tokens, 1.0)
+        results[case] = (time.process_time() - started) / rounds * 1e3
+    return results
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
@@ -206,7 +258,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--policy", default="kv", help="the gateway's routing policy")
+    parser.add_argument("--policy", default="affinity", help="the gateway's routing policy")
+    parser.add_argument("--hashing-only", action="store_true", help="measure only prefix routing's CPU per request")
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
     parser.add_argument("--no-envoy", action="store_true", help="leave Envoy + pagefleet picker out")
     parser.add_argument("--traced", action="store_true", help="add a gateway that traces (OpenTelemetry)")
@@ -214,6 +267,11 @@ def main() -> None:
         "--replicas", type=int, default=1, help="engines behind the routers (direct calls go to the first)"
     )
     args = parser.parse_args()
+    hashing = prefix_routing_cpu()
+    for case, ms in hashing.items():
+        print(f"affinity's CPU before routing, 1,000-token chat prompt, {case}: {ms:.3f} ms (target <= 0.3 ms)")
+    if args.hashing_only:
+        return
     with tempfile.TemporaryDirectory() as logs:
         progress(f"building the small model; starting Redis, {args.replicas} replica(s) and the gateway")
         fleet, replicas = start_fleet(Path(logs), args.policy, build_model(Path(logs) / "small"), args.replicas)

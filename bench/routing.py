@@ -40,8 +40,8 @@ ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "250"]
 PAGEFLEET_POLICIES = ["affinity", "kv", "round_robin"]
 VLLM_ROUTER_POLICIES = ["cache_aware", "sticky_least_loaded", "consistent_hash", "power_of_two", "round_robin"]
 ROUTERS = [f"pagefleet:{p}" for p in PAGEFLEET_POLICIES] + [f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES]
-RATES = {"shared": [0.5, 1.0, 2.0], "sessions": [0.2, 0.4, 0.8], "decode": [0.5, 1.0, 2.0]}
-REQUESTS = {"shared": 40, "sessions": 32, "decode": 24}
+RATES = {"shared": [0.25, 0.5, 1.0], "sessions": [0.1, 0.2, 0.4], "decode": [0.25, 0.5, 1.0]}
+REQUESTS = {"shared": 30, "sessions": 24, "decode": 16}
 
 
 def start_fleet(log_dir: Path) -> tuple[Fleet, list[str]]:
@@ -152,6 +152,10 @@ def run_cell(
     return summarize(outcomes, seconds, slo_s, [a - b for a, b in zip(after, before, strict=True)])
 
 
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("inf")
+
+
 def report(workload: str, cells: dict[str, dict[float, dict[str, object]]]) -> list[str]:
     lines = [
         f"## {workload}",
@@ -173,17 +177,19 @@ def report(workload: str, cells: dict[str, dict[float, dict[str, object]]]) -> l
     peers = {r: v for r, v in knee.items() if r.startswith("vllm-router")}
     if ours is not None:
         lines.append("")
-        if knee.get("pagefleet:round_robin"):
-            lines.append(f"- affinity / round robin: {ours / knee['pagefleet:round_robin']:.2f}x (target >= 2.0x)")
+        if "pagefleet:round_robin" in knee:
+            lines.append(
+                f"- affinity / round robin: {ratio(ours, knee['pagefleet:round_robin']):.2f}x (target >= 2.0x)"
+            )
         if peers:
             best = max(peers, key=peers.__getitem__)
-            lines.append(f"- affinity / best vllm-router ({best}): {ours / peers[best]:.2f}x (target >= 1.25x)")
+            lines.append(f"- affinity / best vllm-router ({best}): {ratio(ours, peers[best]):.2f}x (target >= 1.25x)")
         aware = cells.get("vllm-router:cache_aware", {})
         for rate, cell in cells["pagefleet:affinity"].items():
             if rate in aware and aware[rate]["ttft_p90"]:
-                ratio = float(cell["ttft_p90"]) / float(aware[rate]["ttft_p90"])
+                p90 = ratio(float(cell["ttft_p90"]), float(aware[rate]["ttft_p90"]))
                 lines.append(
-                    f"- p90 TTFT at {rate:g}/s, affinity / vllm-router cache_aware: {ratio:.2f}x (target <= 0.5x)"
+                    f"- p90 TTFT at {rate:g}/s, affinity / vllm-router cache_aware: {p90:.2f}x (target <= 0.5x)"
                 )
     return lines
 
@@ -236,7 +242,7 @@ def main() -> None:
                             for rate in rates:
                                 progress(f"run {run + 1}, {workload}, {router}, {rate:g}/s")
                                 cells.setdefault(router, {})[rate] = run_cell(
-                                    url, replicas, workload, rate, run, args.slo_s
+                                    url, replicas, workload, rate, run, args.slo_s, args.requests
                                 )
                         finally:
                             stop_router(fleet, router)

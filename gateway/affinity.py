@@ -19,6 +19,7 @@ from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.prefix_index import PrefixIndex
 from pagefleet.gateway.prompt_hashes import PromptHashers
 from pagefleet.gateway.route import Route, RoutedRequest
+from pagefleet.gateway.shape import RequestShape
 from pagefleet.protocol.replica import ReplicaRecord
 
 logger = logging.getLogger(__name__)
@@ -50,18 +51,8 @@ class AffinityPolicy:
     async def choose(self, candidates: list[ReplicaRecord], request: RoutedRequest) -> Route | None:
         if not candidates:
             return None
-        shape = request.shape
-        base = candidates[0].model
-        prompt_tokens, block_hashes = shape.prompt_tokens, []
-        hasher = self.hashers.try_get(base, candidates[0].url) if len(candidates) > 1 else None
-        adapter = shape.model if shape.model != base else None
-        hashed = None
-        try:
-            hashed = hasher.hashes(shape.payload, shape.chat, adapter) if hasher is not None else None
-        except (ValueError, TypeError, OverflowError) as error:  # a body the replica will refuse
-            logger.debug("cannot hash a request's prompt (%s); routing it by load", error)
-        if hashed is not None:
-            prompt_tokens, block_hashes = hashed
+        shape, base = request.shape, candidates[0].model
+        prompt_tokens, block_hashes = self._hash(shape, candidates)
         replica_ids = [r.replica_id for r in candidates]
         cached = self.index.matched_blocks(base, block_hashes, replica_ids)
         sent_lately = self.inflight.matched_blocks(block_hashes, replica_ids)
@@ -71,31 +62,38 @@ class AffinityPolicy:
         ]
         session_replica = self._sessions.get(shape.session) if shape.session else None
         decision = decide(views, prompt_tokens, self.saturation_s, session_replica)
-        block_size = decision.replica.block_size
-        uncached_tokens = max(0, prompt_tokens - decision.cached_blocks * block_size)
+        cached_tokens = decision.cached_blocks * decision.replica.block_size
         blocks = max(0, request.estimated_blocks - decision.cached_blocks)
-        sent = self.inflight.record(decision.replica, blocks, uncached_tokens, block_hashes)
+        sent = self.inflight.record(decision.replica, blocks, max(0, prompt_tokens - cached_tokens), block_hashes)
         if shape.session:
             self._remember_session(shape.session, decision.replica.replica_id)
         logger.debug(
-            "routed to %s (%s): %d prompt tokens, %d cached blocks there; cached elsewhere %s",
+            "routed to %s (%s): %d prompt tokens; cached blocks per replica %s",
             decision.replica.replica_id,
             decision.reason,
             prompt_tokens,
-            decision.cached_blocks,
             {c.replica.replica_id: c.cached_blocks for c in views},
         )
         self.metrics.routing_reasons.labels(shape.model, decision.reason).inc()
-        self.metrics.predicted_cached_tokens.labels(shape.model).inc(decision.cached_blocks * block_size)
+        self.metrics.predicted_cached_tokens.labels(shape.model).inc(cached_tokens)
         self.metrics.prefix_index_blocks.labels(base).set(self.index.num_blocks(base))
-        return Route(
-            decision.replica,
-            functools.partial(self._cancel, sent),
-            blocks,
-            fallbacks=decision.fallbacks,
-            reason=decision.reason,
-            cached_blocks=decision.cached_blocks,
-        )
+        cancel = functools.partial(self._cancel, sent)
+        return Route(decision.replica, cancel, blocks, fallbacks=decision.fallbacks, reason=decision.reason)
+
+    def _hash(self, shape: RequestShape, candidates: list[ReplicaRecord]) -> tuple[int, list[int]]:
+        """The prompt's length and block hashes; no hashes (and the shape's estimate) with a
+        single candidate, before the model's tokenizer has arrived, or for a body the
+        replica will refuse."""
+        base = candidates[0].model
+        hasher = self.hashers.try_get(base, candidates[0].url) if len(candidates) > 1 else None
+        if hasher is None:
+            return shape.prompt_tokens, []
+        try:
+            hashed = hasher.hashes(shape.payload, shape.chat, shape.model if shape.model != base else None)
+        except (ValueError, TypeError, OverflowError) as error:
+            logger.debug("cannot hash a request's prompt (%s); routing it by load", error)
+            hashed = None
+        return hashed if hashed is not None else (shape.prompt_tokens, [])
 
     async def _cancel(self, sent: Sent) -> None:
         self.inflight.cancel(sent)

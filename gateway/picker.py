@@ -41,7 +41,7 @@ from pagefleet.gateway.disaggregation import PREFILL_REPLICA_HEADER, decode_body
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import Proxy, forwarded_headers
-from pagefleet.gateway.routing import Route
+from pagefleet.gateway.routing import Route, by_load
 from pagefleet.gateway.shape import SESSION_HEADER, RequestShape
 from pagefleet.protocol.replica import ReplicaRecord
 
@@ -271,7 +271,7 @@ class EndpointPicker(ExternalProcessorServicer):
         records = [r for r in records if subset is None or endpoint(r.url) in subset]
         if not records:
             raise self.metrics.refused(errors.no_replica("any model"))
-        return [max(records, key=lambda r: (r.free_blocks, -r.waiting))]
+        return by_load(records)[:1]
 
     @staticmethod
     def _subset(message: ext_proc.ProcessingRequest) -> set[str] | None:

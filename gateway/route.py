@@ -38,7 +38,6 @@ class Route:
     candidates: int = 0  # how many replicas it was chosen from (set by the Router)
     fallbacks: list[ReplicaRecord] = field(default_factory=list)  # the next best, for a proxy that retries
     reason: str = ""  # why this replica (the affinity policy: decision.REASONS)
-    cached_blocks: int = 0  # the prefix-cache hit the policy expects there
 
 
 class RoutingPolicy(Protocol):

@@ -57,9 +57,7 @@ class KVPolicy:
             return Route(candidates[0], functools.partial(self._release_once_made, reserving), request.estimated_blocks)
         promise = await self._reserve(candidates, request)
         if promise is None:  # without Redis, route on the reports alone
-            if request.prefill:
-                return Route(max(candidates, key=lambda r: (r.free_blocks, -r.waiting_prompt_tokens)))
-            return Route(max(candidates, key=lambda r: (r.free_blocks, -r.waiting)))
+            return Route(by_load(candidates)[0])
         return Route(promise.replica, functools.partial(self._release, promise), request.estimated_blocks)
 
     async def _release_once_made(self, reserving: asyncio.Future[Promise | None]) -> None:
@@ -128,10 +126,15 @@ class PrefixPolicy:
         return Route(preferred)
 
 
+def by_load(records: list[ReplicaRecord]) -> list[ReplicaRecord]:
+    """Replicas best first by their reports alone: the most free KV blocks, then the fewest
+    queued prompt tokens. (`affinity` ranks by load with what it sent since, decision.py.)"""
+    return sorted(records, key=lambda r: (-r.free_blocks, r.waiting_prompt_tokens, r.waiting))
+
+
 def fallbacks(candidates: list[ReplicaRecord], chosen: ReplicaRecord) -> list[ReplicaRecord]:
-    """The other replicas by free blocks, best first, for a policy that names none itself."""
-    others = [r for r in candidates if r.url != chosen.url]
-    return sorted(others, key=lambda r: (-r.free_blocks, r.waiting))
+    """The other replicas best first by load, for a policy that names none itself."""
+    return by_load([r for r in candidates if r.url != chosen.url])
 
 
 def serves(role: str, phase: str) -> bool:

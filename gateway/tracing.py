@@ -75,3 +75,5 @@ class RouteSpan:
                 "pagefleet.replica.free_blocks": route.replica.free_blocks,
             }
         )
+        if route.reason:
+            self.span.set_attribute("pagefleet.routing.reason", route.reason)

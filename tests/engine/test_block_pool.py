@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagefleet.engine.block_pool import BlockPool
+from pagefleet.engine.block_pool import BlockPool, KVEvent, take_events
 
 
 def test_allocate_and_free_return_every_block() -> None:
@@ -63,3 +63,21 @@ def test_duplicate_prefix_is_not_registered_twice() -> None:
     assert pool.num_cached_blocks == 1
     pool.free([b])
     assert pool.try_allocate(3) is not None, "the duplicate is an ordinary free block"
+
+
+def test_events_report_every_hash_cached_and_forgotten_in_order() -> None:
+    pool = BlockPool(3)
+    first, second = pool.try_allocate(2) or []
+    pool.register(first, 11, (1,))
+    pool.enable_events()  # what was cached before is reported first
+    pool.register(second, 22, (2,))
+    pool.register(second, 33, (3,))  # already registered: nothing changes
+    assert pool.events is not None
+    assert take_events(pool.events) == [KVEvent(11, True), KVEvent(22, True)]
+    (third,) = pool.try_allocate(1) or []
+    pool.register(third, 11, (1,))  # another copy of a cached prefix stays unregistered
+    pool.free([second, first, third])
+    assert take_events(pool.events) == [], "freed blocks stay cached (evictable)"
+    assert pool.try_allocate(3) is not None  # evicts both cached blocks, least recently freed first
+    assert take_events(pool.events) == [KVEvent(22, False), KVEvent(11, False)]
+    assert take_events(pool.events) == [], "each event is taken once"
