@@ -54,7 +54,7 @@ def fuzz_api(
     for result in schema.get_all_operations():
         operation = result.ok()
         _fuzz(operation, schemathesis.GenerationMode.POSITIVE, base_url, examples_per_operation, prepare, report)
-        if operation.method.upper() == "POST":  # a GET without parameters has nothing to break
+        if operation.method.upper() == "POST" and len(operation.body):  # nothing to break without a body
             _fuzz(operation, schemathesis.GenerationMode.NEGATIVE, base_url, examples_per_operation, prepare, report)
     return report
 

@@ -170,7 +170,8 @@ def test_a_burst_beyond_the_holders_threshold_spills_to_the_other(affinity_fleet
         body = {"model": "tiny", "max_tokens": 2}
 
         def ask(n: int) -> str:
-            question = f"Asteroid {n}: " + "what is its orbit, its size and its composition? " * 6
+            # A long question of its own: each request adds a lot to the holder's queue.
+            question = f"Asteroid {n}: " + "what is its orbit, its size and its composition? " * 4
             messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
             answer = httpx.post(f"{gateway.url}/v1/chat/completions", json={**body, "messages": messages}, timeout=60)
             assert answer.status_code == 200

@@ -105,7 +105,8 @@ def test_one_request_through_the_gateway_is_one_trace_linking_gateway_and_replic
     assert gateway_server.attributes["gen_ai.request.model"] == "tiny"
     assert gateway_server.attributes["gen_ai.operation.name"] == "chat"
     assert gateway_server.attributes["http.response.status_code"] == 200
-    assert route.attributes["pagefleet.routing.policy"] == "kv"
+    assert route.attributes["pagefleet.routing.policy"] == "affinity"
+    assert route.attributes["pagefleet.routing.reason"] in ("affinity", "saturated", "session", "load")
     assert route.attributes["pagefleet.replica.id"] == "traced-a"
     assert route.attributes["pagefleet.routing.reserved_blocks"] > 0
     assert call.attributes["pagefleet.replica.id"] == "traced-a" and call.attributes["http.response.status_code"] == 200
