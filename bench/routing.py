@@ -145,11 +145,32 @@ def run_cell(
     url: str, replicas: list[str], workload: str, rate: float, seed: int, slo_s: float, requests: int
 ) -> dict[str, object]:
     reset_caches(replicas)
-    before = [preemptions(r) for r in replicas]
+    before, reasons_before = [preemptions(r) for r in replicas], routing_reasons(url)
     turns = WORKLOADS[workload](rate, requests or REQUESTS[workload], seed)
     outcomes, seconds = asyncio.run(replay(url, MODEL, turns))
-    after = [preemptions(r) for r in replicas]
-    return summarize(outcomes, seconds, slo_s, [a - b for a, b in zip(after, before, strict=True)])
+    after, reasons_after = [preemptions(r) for r in replicas], routing_reasons(url)
+    cell = summarize(outcomes, seconds, slo_s, [a - b for a, b in zip(after, before, strict=True)])
+    cell["reasons"] = {k: v - reasons_before.get(k, 0.0) for k, v in reasons_after.items()}
+    return cell
+
+
+def routing_reasons(url: str) -> dict[str, float]:
+    """pagefleet's gateway: its affinity decisions so far, by reason (empty for other routers)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    prefix = "pagefleet_gateway:routing_reasons_total{"
+    return {
+        line.split('reason="')[1].split('"')[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+def _reasons(cell: dict[str, object]) -> str:
+    reasons = cell.get("reasons") or {}
+    return ", ".join(f"{k} {v:.0f}" for k, v in reasons.items() if v) or "-"  # type: ignore[union-attr]
 
 
 def ratio(a: float, b: float) -> float:
@@ -160,15 +181,16 @@ def report(workload: str, cells: dict[str, dict[float, dict[str, object]]]) -> l
     lines = [
         f"## {workload}",
         "",
-        "| router | rate/s | goodput/s | TTFT p50 | p90 | p99 | ITL p50 | p99 | cached | preemptions | failed |",
+        "| router | rate/s | goodput/s | TTFT p50 | p90 | p99 | ITL p50 | p99 | cached | preemptions | failed "
+        "| reasons |",
     ]
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for router, by_rate in cells.items():
         for rate, c in by_rate.items():
             lines.append(
                 f"| {router} | {rate:g} | {c['goodput']:.3f} | {c['ttft_p50']:.2f} | {c['ttft_p90']:.2f} | "
                 f"{c['ttft_p99']:.2f} | {c['itl_p50'] * 1000:.0f} ms | {c['itl_p99'] * 1000:.0f} ms | "
-                f"{c['cached']:.0%} | {c['preemptions']} | {c['failed']} |"
+                f"{c['cached']:.0%} | {c['preemptions']} | {c['failed']} | {_reasons(c)} |"
             )
     knee = {router: max(float(c["goodput"]) for c in by_rate.values()) for router, by_rate in cells.items()}
     lines += ["", "Goodput at the knee (best over the rates):", ""]
@@ -226,7 +248,18 @@ def main() -> None:
     parser.add_argument("--slo-s", type=float, default=1.0, help="the TTFT objective of goodput")
     parser.add_argument("--json", type=Path, default=None, help="append the results here")
     parser.add_argument("--plot", type=Path, default=None, help="goodput by load, per workload (PNG)")
+    parser.add_argument("--from-json", type=Path, nargs="+", help="report and plot saved results; run nothing")
     args = parser.parse_args()
+    if args.from_json:
+        saved: dict[str, dict[str, dict[float, dict[str, object]]]] = {}
+        for path in args.from_json:
+            for workload, cells in json.loads(path.read_text()).items():
+                saved[workload] = {r: {float(k): v for k, v in c.items()} for r, c in cells.items()}
+        for workload, cells in saved.items():
+            print("\n".join(report(workload, cells)), flush=True)
+        if args.plot:
+            plot(saved, args.plot)
+        return
     routers = args.routers.split(",")
     results: dict[str, dict[str, dict[float, dict[str, object]]]] = {}
     with tempfile.TemporaryDirectory() as scratch:

@@ -7,7 +7,10 @@ makes it exact per request: a replica that already holds the request's prefix ne
 the blocks nor the prefill for it. So:
 
 1. affinity: the replica holding the longest cached prefix of the prompt, unless it is
-   saturated;
+   saturated for this request: its prompt queue would take longer than `saturation_s`,
+   or longer than the prefill its cache saves this request (weighted as below), so that a
+   short prefix every prompt shares (a chat template's default system prompt) does not
+   pull every request onto one replica;
 2. saturated: if it is, the replica where it costs least: its prompt queue plus the part
    of this prompt it would have to prefill, weighted by `COLD_PREFILL_WEIGHT`, both at its
    measured rate. A request leaves a busy holder only for a replica that is sooner by
@@ -65,6 +68,12 @@ class Candidate:
         tokens = self.queued_prompt_tokens + COLD_PREFILL_WEIGHT * uncached
         return tokens / (self.replica.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S)
 
+    def is_saturated(self, saturation_s: float) -> bool:
+        """Whether its queue outweighs what its cache is worth to this request (see above)."""
+        saved_tokens = COLD_PREFILL_WEIGHT * self.cached_blocks * self.replica.block_size
+        rate = self.replica.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
+        return self.queue_s() > min(saturation_s, saved_tokens / rate)
+
     def load_rank(self) -> tuple[int, int]:
         """Higher is better: KV room for this request, then a shorter prompt queue."""
         room = self.replica.free_blocks - self.promised_blocks + self.cached_blocks
@@ -97,7 +106,7 @@ def decide(
     open_ = [c for c in by_load if c.queue_s() <= saturation_s]
     if holder.cached_blocks > 0:
         chosen = holder
-        if holder.queue_s() > saturation_s:
+        if holder.is_saturated(saturation_s):
             chosen = min(by_load, key=lambda c: c.cost_s(prompt_tokens))  # by_load order breaks ties
         reason = "affinity" if chosen is holder else "saturated"
     else:

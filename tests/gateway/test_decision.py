@@ -47,13 +47,24 @@ def test_a_saturated_holder_spills_to_where_the_request_costs_least() -> None:
     roomy, cramped = Candidate(_replica("b", free=150)), Candidate(_replica("c", free=50))
     decision = decide([holder, cramped, roomy], PROMPT, saturation_s=1.0)
     assert (decision.replica.replica_id, decision.reason) == ("b", "saturated"), "ties: the most room"
-    assert decide([holder, cramped, roomy], PROMPT, saturation_s=4.0).reason == "affinity", "below the threshold"
+    shorter_queue = Candidate(_replica("a", queued_tokens=1500), cached_blocks=30)
+    assert decide([shorter_queue, roomy], PROMPT, saturation_s=2.0).reason == "affinity", "below the threshold"
+    over = decide([shorter_queue, roomy], PROMPT, saturation_s=1.0)
+    assert over.reason == "affinity", "over the threshold, but 2 s of cold prefill elsewhere cost more than 1.5 s here"
     # Tokens this router sent since the holder's report count as queued too.
     sent = Candidate(_replica("a"), cached_blocks=30, promised_prompt_tokens=3000)
     assert decide([sent, roomy], PROMPT, saturation_s=1.0).reason == "saturated"
     # A replica that has not measured its prefill yet is judged at the default rate.
     unmeasured = Candidate(_replica("a", queued_tokens=int(DEFAULT_PREFILL_TOKENS_PER_S * 0.5), rate=0.0), 30)
     assert decide([unmeasured, roomy], PROMPT, saturation_s=1.0).reason == "affinity"
+
+
+def test_a_short_prefix_every_prompt_shares_does_not_pull_every_request_to_one_replica() -> None:
+    # Two cached blocks save 32 tokens: 0.128 s of weighted prefill, less than the queue.
+    holder = Candidate(_replica("a", queued_tokens=200), cached_blocks=2)
+    idle = Candidate(_replica("b"))
+    assert decide([holder, idle], PROMPT, saturation_s=1.0).replica.replica_id == "b"
+    assert decide([Candidate(_replica("a", queued_tokens=100), 2), idle], PROMPT, 1.0).reason == "affinity"
 
 
 def test_a_saturated_holder_keeps_a_request_moving_would_cost_more() -> None:
