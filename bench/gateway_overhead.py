@@ -202,7 +202,7 @@ def prefix_routing_cpu(rounds: int = 300) -> dict[str, float]:
     def text(seed: int, count: int) -> str:
         return " ".join(words[(seed * 7 + i * 13) % len(words)] for i in range(count))
 
-    system = "Handbook: " + text(0, 740)  # about 970 tokens with the question and the template
+    system = "Handbook: " + text(0, 975)  # about 1,000 tokens with the question and the template
     replicas = [
         ReplicaRecord(
             replica_id=f"r{i}", model=MODEL, url=f"http://r{i}", free_blocks=200, total_blocks=250, block_size=16,
@@ -219,7 +219,7 @@ def prefix_routing_cpu(rounds: int = 300) -> dict[str, float]:
     for case in ("seen system prompt", "new prompt"):
         started = time.process_time()
         for n in range(rounds):
-            head = system if case == "seen system prompt" else f"Handbook {n}: " + text(n, 740)
+            head = system if case == "seen system prompt" else f"Handbook {n}: " + text(n, 975)
             messages = [{"role": "system", "content": head}, {"role": "user", "content": text(n + 1, 12)}]
             tokens, block_hashes = hasher.hashes({"model": MODEL, "messages": messages}, True, None)  # type: ignore[misc]
             matched = index.matched_blocks(block_hashes, [r.replica_id for r in replicas])
