@@ -150,3 +150,25 @@ def test_bodies_the_engine_would_refuse_have_no_hashes(smollm2_tokenizer: Any) -
     assert hasher.hashes({"model": "m", "prompt": {"odd": 1}}, False, None) is None
     assert hasher.hashes({"model": "m", "prompt": ""}, False, None) is None
     assert hasher.hashes({"model": "m", "prompt": [5, -3, 2**40]}, False, None) is None, "ids outside the vocabulary"
+
+
+def test_the_shared_renderer_gives_transformers_tokens(smollm2_tokenizer: Any) -> None:
+    """The engine renders chat prompts with protocol/chat_prompt.py, not transformers: on
+    SmolLM2's template both give the same tokens, with and without a system prompt."""
+    from pagefleet.engine.chat_template import apply_chat_template
+
+    conversations = [
+        [{"role": "user", "content": "Hi there"}],
+        [
+            {"role": "system", "content": SYSTEM},
+            *[{"role": m["role"], "content": m["content"] or ""} for m in HISTORY[1:2]],
+        ],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+    ]
+    for conversation in conversations:
+        for generation_prompt in (True, False):
+            expected = smollm2_tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=generation_prompt, tokenize=True
+            )
+            expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+            assert apply_chat_template(smollm2_tokenizer, conversation, generation_prompt) == expected
