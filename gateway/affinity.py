@@ -68,11 +68,11 @@ class AffinityPolicy:
         if shape.session:
             self._remember_session(shape.session, decision.replica.replica_id)
         logger.debug(
-            "routed to %s (%s): %d prompt tokens; cached blocks per replica %s",
+            "routed to %s (%s): %d prompt tokens; per replica, cached blocks and queued prompt tokens %s",
             decision.replica.replica_id,
             decision.reason,
             prompt_tokens,
-            {c.replica.replica_id: c.cached_blocks for c in views},
+            {c.replica.replica_id: (c.cached_blocks, c.queued_prompt_tokens) for c in views},
         )
         self.metrics.routing_reasons.labels(shape.model, decision.reason).inc()
         self.metrics.predicted_cached_tokens.labels(shape.model).inc(cached_tokens)
