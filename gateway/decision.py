@@ -103,14 +103,15 @@ def decide(
     assert candidates, "decide() needs a candidate; the Router returns None without one"
     by_load = sorted(candidates, key=Candidate.load_rank, reverse=True)
     holder = max(candidates, key=lambda c: (c.cached_blocks, c.load_rank()))
-    open_ = [c for c in by_load if c.queue_s() <= saturation_s]
     if holder.cached_blocks > 0:
         chosen = holder
         if holder.is_saturated(saturation_s):
             chosen = min(by_load, key=lambda c: c.cost_s(prompt_tokens))  # by_load order breaks ties
         reason = "affinity" if chosen is holder else "saturated"
     else:
-        session = next((c for c in open_ if c.replica.replica_id == session_replica_id), None)
+        session = next((c for c in by_load if c.replica.replica_id == session_replica_id), None)
+        if session is not None and session.queue_s() > saturation_s:
+            session = None
         chosen, reason = (session, "session") if session is not None else (by_load[0], "load")
     fallbacks = [c.replica for c in by_load if c is not chosen]
     return Decision(chosen.replica, fallbacks, reason, chosen.cached_blocks)

@@ -23,6 +23,11 @@ from pagefleet.protocol.prefix_index import STREAM_MAX_ENTRIES, blocks_key, even
 logger = logging.getLogger(__name__)
 
 
+def set_members(hashes: set[int]) -> list[bytes]:
+    """Each hash as its own SET member (8 bytes, as protocol/block_hash.pack writes them)."""
+    return [pack([h]) for h in hashes]
+
+
 class KVEventPublisher:
     """Args:
     client: the replica's Redis client (shared with the capacity publisher).
@@ -71,19 +76,18 @@ class KVEventPublisher:
             stored, removed = set(self.held), set()
             entry["reset"] = "1"
         if stored:
-            pipe.sadd(self.set_key, *(h.to_bytes(8, "little") for h in stored))
+            pipe.sadd(self.set_key, *set_members(stored))
             entry["stored"] = pack(sorted(stored))
         if removed:
-            pipe.srem(self.set_key, *(h.to_bytes(8, "little") for h in removed))
+            pipe.srem(self.set_key, *set_members(removed))
             entry["removed"] = pack(sorted(removed))
-        pipe.pexpire(self.set_key, self.ttl_ms)
         if len(entry) > 1:
             pipe.xadd(self.stream_key, entry, maxlen=STREAM_MAX_ENTRIES, approximate=True)  # type: ignore[arg-type]
+        pipe.pexpire(self.set_key, self.ttl_ms)  # last: its answer says whether the SET still exists
         self._in_sync = False  # until the transaction is known to have gone through
-        results = await pipe.execute()
+        refreshed = (await pipe.execute())[-1]
         # The SET expired (this process stalled past its TTL): the next flush starts over.
-        expired = bool(self.held) and not results[-2 if len(entry) > 1 else -1]
-        self._in_sync = not expired
+        self._in_sync = refreshed or not self.held
 
     async def remove(self) -> None:
         """Withdraw everything this replica published (graceful shutdown); best effort."""
