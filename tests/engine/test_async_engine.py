@@ -71,3 +71,35 @@ def test_invalid_request_raises_before_streaming(engine: AsyncEngine) -> None:
     with pytest.raises(ValueError, match="prompt"):
         asyncio.run(bad())
     assert _free_equals_total(engine)
+
+
+def test_a_new_request_starts_within_a_step_or_two_of_a_running_one(engine: AsyncEngine) -> None:
+    """Adds are handed to the engine thread, not raced for a lock: a step loop that released
+    and re-took an unfair lock kept a new request waiting for dozens of steps."""
+    long_prompt, short_prompt = random_prompts([12, 6], TINY_VOCAB, seed=22)
+    long_params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def run() -> tuple[int, int]:
+        produced = 0
+        started = asyncio.Event()
+
+        async def long_stream() -> None:
+            nonlocal produced
+            async for output in engine.generate(long_prompt, long_params, request_id="long"):
+                produced = len(output.outputs[0].token_ids)
+                if produced >= 20:
+                    started.set()
+
+        task = asyncio.create_task(long_stream())
+        await asyncio.wait_for(started.wait(), timeout=30)
+        before = produced
+        async for _ in engine.generate(short_prompt, SamplingParams(temperature=0.0, max_tokens=1)):
+            pass
+        after = produced
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_for_async(lambda: _free_equals_total(engine), timeout=10.0)
+        return before, after
+
+    before, after = asyncio.run(run())
+    assert after - before <= 4, f"the running request took {after - before} steps before the new one finished"
