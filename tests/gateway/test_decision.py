@@ -13,7 +13,7 @@ PROMPT = 500  # tokens; 30 cached blocks of 16 leave 20 to compute
 
 
 def _replica(
-    name: str, free: int = 100, queued_tokens: int = 0, rate: float = 1000.0, age_s: float = 0.0
+    name: str, free: int = 100, queued_tokens: int = 0, rate: float = 1000.0, age_s: float = 0.0, running: int = 0
 ) -> ReplicaRecord:
     return ReplicaRecord(
         replica_id=name,
@@ -22,7 +22,7 @@ def _replica(
         free_blocks=free,
         total_blocks=200,
         block_size=16,
-        running=0,
+        running=running,
         waiting=1 if queued_tokens else 0,
         max_model_len=4096,
         waiting_prompt_tokens=queued_tokens,
@@ -65,6 +65,18 @@ def test_a_short_prefix_every_prompt_shares_does_not_pull_every_request_to_one_r
     idle = Candidate(_replica("b"))
     assert decide([holder, idle], PROMPT, saturation_s=1.0).replica.replica_id == "b"
     assert decide([Candidate(_replica("a", queued_tokens=100), 2), idle], PROMPT, 1.0).reason == "affinity"
+
+
+def test_running_requests_count_in_the_queue() -> None:
+    # A replica busy decoding has no waiting prompt, but each running request delays a new
+    # one: 10 running count as 160 prompt tokens, more than two cached blocks save.
+    idle = Candidate(_replica("b"))
+    decoding = Candidate(_replica("a", running=10), cached_blocks=2)
+    assert decide([decoding, idle], PROMPT, saturation_s=1.0).replica.replica_id == "b"
+    assert decide([Candidate(_replica("a", running=2), 2), idle], PROMPT, 1.0).reason == "affinity"
+    # With nothing cached, fewer running requests break a tie in free blocks.
+    busy, quiet = Candidate(_replica("a", running=6)), Candidate(_replica("c", running=1))
+    assert decide([busy, quiet], PROMPT, saturation_s=1.0).replica.replica_id == "c"
 
 
 def test_a_saturated_holder_keeps_a_request_moving_would_cost_more() -> None:
