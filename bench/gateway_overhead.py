@@ -25,9 +25,9 @@ exporting to bench/otlp_sink.py), so that what tracing costs is measured in the 
 
 Prefix routing: the gateway CPU that `affinity` spends per request before it routes, in
 this process (no fleet needed; `--hashing-only` measures just this): a 1,000-token chat
-prompt hashed as the engine will (a system prompt seen before plus a new question, and a
-prompt entirely new), looked up in an index of 3 replicas and decided (target: at most
-0.3 ms for the 1,000-token prompt).
+prompt hashed as the engine will (a system prompt seen before plus a new question; a new
+prompt of words seen before; a new prompt of words never seen), looked up in an index of
+3 replicas and decided (target: at most 0.3 ms for the 1,000-token prompt).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -202,6 +203,10 @@ def prefix_routing_cpu(rounds: int = 300) -> dict[str, float]:
     def text(seed: int, count: int) -> str:
         return " ".join(words[(seed * 7 + i * 13) % len(words)] for i in range(count))
 
+    def new_words(seed: int, count: int) -> str:
+        rng = random.Random(seed)
+        return " ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 9))) for _ in range(count))
+
     system = "Handbook: " + text(0, 975)  # about 1,000 tokens with the question and the template
     replicas = [
         ReplicaRecord(
@@ -216,10 +221,15 @@ def prefix_routing_cpu(rounds: int = 300) -> dict[str, float]:
     index.store("r1", hashes)
     progress(f"prefix routing: a {num_tokens}-token chat prompt, {len(hashes)} blocks")
     results = {}
-    for case in ("seen system prompt", "new prompt"):
+    cases = {
+        "seen system prompt": lambda n: system,
+        "new prompt, words seen before": lambda n: f"Handbook {n}: " + text(n, 975),
+        "new prompt, new words": lambda n: new_words(n, 400),  # about 1,000 tokens: ~2.5 a word
+    }
+    for case, make_head in cases.items():
+        heads = [make_head(n) for n in range(rounds)]
         started = time.process_time()
-        for n in range(rounds):
-            head = system if case == "seen system prompt" else f"Handbook {n}: " + text(n, 975)
+        for n, head in enumerate(heads):
             messages = [{"role": "system", "content": head}, {"role": "user", "content": text(n + 1, 12)}]
             tokens, block_hashes = hasher.hashes({"model": MODEL, "messages": messages}, True, None)  # type: ignore[misc]
             matched = index.matched_blocks(block_hashes, [r.replica_id for r in replicas])

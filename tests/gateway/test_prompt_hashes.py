@@ -4,6 +4,7 @@ same block hashes as the gateway's PromptHasher, fed what a replica's /tokenizer
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -172,3 +173,25 @@ def test_the_shared_renderer_gives_transformers_tokens(smollm2_tokenizer: Any) -
             )
             expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
             assert apply_chat_template(smollm2_tokenizer, conversation, generation_prompt) == expected
+
+
+@pytest.mark.parametrize("which", ["smollm2_tokenizer", "gpt2_style_tokenizer"])
+def test_text_tokenized_word_by_word_is_the_whole_texts_tokenization(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """Byte-level BPE tokenizers are tokenized a word at a time with the words' ids cached:
+    on text with every kind of word boundary (contractions, digits, runs of spaces and
+    newlines, Unicode spaces and letters, punctuation), the ids are still the whole text's."""
+    tokenizer = request.getfixturevalue(which)
+    hasher = _hasher(tokenizer)
+    assert hasher._words is not None, "SmolLM2's and GPT-2's tokenizers are split word by word"
+    rng = random.Random(7)
+    pieces = [
+        "it's", "we'll", "I'M", "don't", " 12345", "3.14", "x2", "  ", "\n", "\n\n", " \n ", "\t", "\u00a0",
+        "\u3000", "\x1c", "café", "naïve", "東京", "🙂", "--", "?!", " (a)", "$5", "hello", " world", "'", "''s",
+    ]  # fmt: skip
+    ascii_pieces = [piece for piece in pieces if piece.isascii()]
+    for choices in [pieces] * 300 + [ascii_pieces] * 300:
+        text = "".join(rng.choice(choices) + rng.choice(["", " ", "  "]) for _ in range(rng.randint(1, 30)))
+        assert hasher.token_ids(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False), text
+    assert hasher.token_ids(SYSTEM, add_special_tokens=False) == tokenizer.encode(SYSTEM, add_special_tokens=False)
