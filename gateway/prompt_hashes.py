@@ -52,7 +52,7 @@ from pagefleet.protocol.tokenizer_info import TokenizerInfo
 logger = logging.getLogger(__name__)
 
 _PIECES_CACHED = 4096  # distinct texts between added tokens remembered per model
-_WORDS_CACHED = 200_000  # distinct words remembered per model (forgotten all at once beyond)
+_WORDS_CACHED = 100_000  # distinct words remembered per model (forgotten all at once beyond)
 _FETCH_RETRY_S = 5.0
 # GPT-2's split as `tokenizers`' ByteLevel pre-tokenizer applies it (Oniguruma's `\s` is
 # Unicode's White_Space, which Python's `\s` is not quite).

@@ -163,43 +163,40 @@ async def _stream(
     include_usage: bool,
     function: str | None = None,
 ) -> AsyncIterator[str]:
-    """Per choice: the role first, then content deltas, then the finish reason; then usage
-    (if asked) and [DONE]. With `function` (a named tool choice) the text is that call's
-    arguments: the first delta opens the call, the others carry its arguments."""
+    """Per choice: the role first, then content deltas, the last with the finish reason;
+    then usage (if asked) and [DONE]. Each chunk carries one choice, as OpenAI and vLLM send
+    them: clients read `choices[0]`. With `function` (a named tool choice) the text is that
+    call's arguments: the first delta opens the call, the others carry its arguments."""
     chunk = ChunkWriter(response_id, "chat.completion.chunk", state.served_name(body.model), include_usage)
-    first: list[dict[str, Any]] = []
     for i in range(body.n):
         opening: dict[str, Any] = {"role": "assistant", "content": ""}
         if function is not None:
             call = ParsedCall(function, "").as_openai()
             opening = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **call}]}
-        first.append({"index": i, "delta": opening, "logprobs": None, "finish_reason": None})
-    yield chunk(first)
+        yield chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}])
     tracker = DeltaTracker()
     final: RequestOutput | None = None
     async with aclosing(stream):
         async for output in stream:
             final = output
-            choices = []
             for completion in output.outputs:
                 i = completion.index
                 delta = tracker.delta(i, completion)
                 if delta is None:
                     continue
+                choice: dict[str, Any] = {"index": i, "delta": {}, "logprobs": None, "finish_reason": None}
                 logprobs = _logprobs(body, completion, delta.first_token)
                 if delta.text or (logprobs and logprobs["content"]):
-                    text: dict[str, Any] = {"content": delta.text}
+                    choice["delta"] = {"content": delta.text}
                     if function is not None:
-                        text = {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
-                    choices.append({"index": i, "delta": text, "logprobs": logprobs, "finish_reason": None})
+                        choice["delta"] = {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
+                    choice["logprobs"] = logprobs
                 tracker.sent(i, completion)
                 if delta.is_last:
                     reason = finish_reason(completion.finish_reason)
-                    if function is not None and reason == "stop":
-                        reason = "tool_calls"
-                    choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
-            if choices:
-                yield chunk(choices)
+                    choice["finish_reason"] = "tool_calls" if function is not None and reason == "stop" else reason
+                if choice["delta"] or delta.is_last:
+                    yield chunk([choice])
     if include_usage and final is not None:
         yield chunk([], usage([final]))
     yield sse("[DONE]")

@@ -157,7 +157,6 @@ async def _stream(
     finals: dict[int, RequestOutput] = {}
     chunk = ChunkWriter(response_id, "text_completion", state.served_name(body.model), include_usage)
     async for prompt_index, output in merge(streams):
-        choices = []
         for completion in output.outputs:
             index = prompt_index * body.n + completion.index
             delta = tracker.delta(index, completion)
@@ -167,14 +166,13 @@ async def _stream(
             reason = finish_reason(completion.finish_reason)
             if text or reason is not None or delta.is_first:
                 logprobs = _choice_logprobs(body, output, completion, delta.first_token)
-                choices.append(
-                    {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "stop_reason": None}
-                )
                 tracker.sent(index, completion)
+                # One choice per chunk, as OpenAI and vLLM send them: clients read `choices[0]`.
+                yield chunk(
+                    [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "stop_reason": None}]
+                )
         if output.finished:
             finals[prompt_index] = output
-        if choices:
-            yield chunk(choices)
     if include_usage:
         yield chunk([], usage([finals[i] for i in sorted(finals)]))
     yield sse("[DONE]")

@@ -67,6 +67,26 @@ def test_chat_stream_order_and_usage(tiny_server: EngineServer, client: openai.O
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_every_stream_chunk_carries_one_choice(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    """As OpenAI and vLLM frame streams: one entry per chunk, so a client reading
+    `choices[0]` sees every delta and each choice's finish reason, also with n > 1."""
+    model, seeded = tiny_server.model, dict(max_tokens=6, temperature=1.0, seed=5, n=2)
+    messages = [{"role": "user", "content": "Hello there"}]
+    for create, args, text_of in (
+        (client.chat.completions.create, dict(messages=messages), lambda c: c.message.content),
+        (client.completions.create, dict(prompt="Hello there"), lambda c: c.text),
+    ):
+        whole = create(model=model, **args, **seeded)
+        chunks = [chunk for chunk in create(model=model, **args, **seeded, stream=True) if chunk.choices]
+        assert all(len(chunk.choices) == 1 for chunk in chunks)
+        for index in (0, 1):
+            own = [chunk.choices[0] for chunk in chunks if chunk.choices[0].index == index]
+            reasons = [choice.finish_reason for choice in own]
+            assert reasons[-1] == whole.choices[index].finish_reason and not any(reasons[:-1])
+            streamed = "".join((c.delta.content or "") if hasattr(c, "delta") else c.text for c in own)
+            assert streamed == text_of(whole.choices[index]), "seeded: the stream says what the answer said"
+
+
 def test_the_callers_request_id_names_the_response_as_vllm_does(tiny_server: EngineServer) -> None:
     """The x-request-id header (the gateway always sends one), else the body's `request_id`,
     is the response's id; two requests under one id at once still both complete."""
