@@ -65,11 +65,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise OpenAIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
     tools = ToolPlan.of(body)
     constraint = tools.constraint() if tools is not None else None
-    if constraint is not None:
-        if body.structured_outputs is not None or (body.response_format and body.response_format.type != "text"):
-            raise OpenAIError(
-                400, "tool_choice: a required or named tool call cannot take a response_format too", "tool_choice"
-            )
+    if constraint is not None:  # over any response_format, as vLLM: the call must parse
         extra["structured_outputs"] = constraint
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
     lora = state.adapters.request_for(body.model)

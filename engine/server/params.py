@@ -47,8 +47,7 @@ def sampling_params(
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
-        **fields,
-        **extra,
+        **(fields | extra),  # the route's own say wins (a required tool call's constraint)
     )
 
 

@@ -80,18 +80,22 @@ class ToolPlan:
             return StructuredOutputsParams(json=self._function(self.named).parameters or _ANY_ARGUMENTS)
         if self.choice != "required":
             return None
-        one_call = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": tool.function.name},
-                    "arguments": tool.function.parameters or _ANY_ARGUMENTS,
-                },
-                "required": ["name", "arguments"],
-            }
-            for tool in self.tools
-        ]
-        calls: dict[str, Any] = {"type": "array", "items": {"anyOf": one_call}, "minItems": 1}
+        # Each function's parameters become a definition of the whole schema, with their
+        # own definitions beside them: a `$ref` (pydantic writes one for every nested model)
+        # points at the schema's root, which is now the list of calls.
+        definitions: dict[str, Any] = {}
+        one_call = []
+        for tool in self.tools:
+            name = tool.function.name
+            definitions.update(_hoisted(name, tool.function.parameters or _ANY_ARGUMENTS))
+            one_call.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{name}"}},
+                    "required": ["name", "arguments"],
+                }
+            )
+        calls: dict[str, Any] = {"type": "array", "items": {"anyOf": one_call}, "minItems": 1, "$defs": definitions}
         if not self.parallel:
             calls["maxItems"] = 1
         return StructuredOutputsParams(json=calls)
@@ -118,6 +122,32 @@ class ToolPlan:
 
     def _function(self, name: str | None) -> Any:
         return next(tool.function for tool in self.tools if tool.function.name == name)
+
+
+def _hoisted(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters as definitions of an enclosing schema: the parameters under
+    `name`, their own `$defs` (or `definitions`) under `name.<definition>`, every `$ref` to
+    them (or to the parameters' root, `#`) rewritten to match."""
+
+    def rewrite(value: Any) -> Any:
+        if isinstance(value, list):
+            return [rewrite(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        out = {key: rewrite(item) for key, item in value.items()}
+        ref = value.get("$ref")
+        if isinstance(ref, str):
+            for prefix in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(prefix):
+                    out["$ref"] = f"#/$defs/{name}.{ref[len(prefix):]}"
+            if ref == "#":
+                out["$ref"] = f"#/$defs/{name}"
+        return out
+
+    nested = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    hoisted = {name: rewrite({k: v for k, v in parameters.items() if k not in ("$defs", "definitions")})}
+    hoisted.update({f"{name}.{key}": rewrite(schema) for key, schema in nested.items()})
+    return hoisted
 
 
 def _calls(value: Any) -> list[ParsedCall]:

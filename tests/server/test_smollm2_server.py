@@ -183,3 +183,40 @@ def test_tool_calls_with_the_openai_client(smollm2_server: EngineServer) -> None
         max_tokens=40,
     ).choices[0]
     assert follow_up.message.content and not follow_up.message.tool_calls
+
+
+def test_a_required_call_of_a_tool_with_nested_models(smollm2_server: EngineServer) -> None:
+    """pydantic writes `$defs` and `$ref` for any nested model (the OpenAI Agents SDK and
+    LangChain send such schemas); with `tool_choice: "required"` the call still parses and
+    its arguments validate, and a response_format beside it gives way, as in vLLM."""
+    import json
+
+    import pydantic
+
+    class Address(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+
+    class Booking(pydantic.BaseModel):
+        guest: str = pydantic.Field(max_length=30)
+        address: Address
+
+    schema = Booking.model_json_schema()
+    assert "$defs" in schema
+    tool = {"type": "function", "function": {"name": "book_hotel", "parameters": schema}}
+    client = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "Book a hotel in Lyon, France for Ana."}],
+        tools=[tool, TIME_TOOL],
+        tool_choice="required",
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=120,
+    ).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.tool_calls
+    for call in answer.message.tool_calls:
+        if call.function.name == "book_hotel":
+            Booking.model_validate(json.loads(call.function.arguments))
+        else:
+            assert call.function.name == "get_time" and "city" in json.loads(call.function.arguments)

@@ -82,6 +82,37 @@ def test_required_and_named_choices_constrain_the_output() -> None:
     assert _plan(tool_choice="none").parses_calls is False
 
 
+def test_a_required_call_keeps_the_references_of_nested_models() -> None:
+    """Each tool's `$defs` move to the root of the list-of-calls schema, its `$ref`s with them:
+    the schema validates what it should, and the grammar engine compiles it."""
+    import xgrammar
+
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    booking = {
+        "type": "object",
+        "properties": {"address": {"$ref": "#/$defs/Address"}, "definitions": {"type": "string"}},
+        "required": ["address"],
+        "$defs": {"Address": address},
+    }
+    tools = [
+        {"type": "function", "function": {"name": "book", "parameters": booking}},
+        {"type": "function", "function": {"name": "grow", "parameters": tree}},
+    ]
+    plan = ToolPlan.of(_request(tools=tools, tool_choice="required"))
+    assert plan is not None and (constraint := plan.constraint()) is not None
+    schema = constraint.json
+    good = [
+        {"name": "book", "arguments": {"address": {"city": "Lyon"}, "definitions": "a property, kept"}},
+        {"name": "grow", "arguments": {"kids": [{"kids": []}]}},
+    ]
+    jsonschema.validate(good, schema)
+    for bad in ([{"name": "book", "arguments": {"address": {}}}], [{"name": "grow", "arguments": {"kids": [1]}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    xgrammar.Grammar.from_json_schema(json.dumps(schema))
+
+
 def test_bad_tool_choices_are_400s_naming_the_field() -> None:
     for fields in (
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
