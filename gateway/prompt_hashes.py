@@ -61,7 +61,9 @@ _GPT2_WORDS = regex.compile(
     r"|\p{White_Space}+(?!\P{White_Space})|\p{White_Space}+"
 )
 # The same for ASCII text, where it means the same; Python's own `re` is 3-4 times faster.
-_GPT2_WORDS_ASCII = re.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+", re.ASCII)
+_GPT2_WORDS_ASCII = re.compile(
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+", re.ASCII
+)
 
 
 def _tokenizes_word_by_word(tokenizer_json: str) -> bool:
@@ -140,7 +142,7 @@ class PromptHasher:
             if len(word_ends) == len(words) - 1:  # each word has its own tokens, as it should
                 bounds = [0, *word_ends, len(ids)]
                 # Tuples: a cache of many small lists would slow every garbage collection.
-                known.update(zip(words, map(tuple, map(ids.__getitem__, map(slice, bounds, bounds[1:])))))
+                known.update(zip(words, map(tuple, map(ids.__getitem__, map(slice, bounds, bounds[1:]))), strict=True))
             return ids
         if new:
             new_words = list(new)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its usage so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -79,6 +80,13 @@ class _SamplingFields(BaseModel):
     request_id: str | None = None
     # vLLM's: requests with different salts never share prefix-cache blocks (nor are routed on them).
     cache_salt: str | None = Field(None, min_length=1)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be given when stream is true")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

@@ -75,12 +75,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     stream = await first_and_rest(outputs)
     calling = tools if tools is not None and tools.parses_calls else None
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        model, force_usage = state.served_name(body.model), state.settings.enable_force_include_usage
+        chunk = ChunkWriter.for_request(response_id, "chat.completion.chunk", model, body.stream_options, force_usage)
         if calling is not None and calling.choice == "named":  # a call from the first token: streamed as one
-            return EventStreamResponse(_stream(state, body, response_id, stream, include_usage, calling.named))
+            return EventStreamResponse(_stream(body, stream, chunk, len(prompt), calling.named))
         if calling is not None:
-            return EventStreamResponse(_stream_answers(state, body, response_id, stream, calling, include_usage))
-        return EventStreamResponse(_stream(state, body, response_id, stream, include_usage))
+            return EventStreamResponse(_stream_answers(stream, chunk, calling))
+        return EventStreamResponse(_stream(body, stream, chunk, len(prompt)))
     final = await last_output(stream)
     choices = []
     for completion in final.outputs:
@@ -120,56 +121,41 @@ def _answer(completion: CompletionOutput, tools: ToolPlan | None) -> tuple[dict[
     return message, "tool_calls" if reason == "stop" else reason
 
 
-async def _stream_answers(
-    state: ServerState,
-    body: ChatCompletionRequest,
-    response_id: str,
-    stream: Outputs,
-    tools: ToolPlan,
-    include_usage: bool,
-) -> AsyncIterator[str]:
+async def _stream_answers(stream: Outputs, chunk: ChunkWriter, tools: ToolPlan) -> AsyncIterator[str]:
     """A tool-calling answer as a stream: whether the text is a call is known only at its
     end, so each choice is sent whole then (role, content or calls, finish reason)."""
-    chunk = ChunkWriter(response_id, "chat.completion.chunk", state.served_name(body.model), include_usage)
     final = await last_output(stream)
     for completion in final.outputs:
         i = completion.index
         message, reason = _answer(completion, tools)
-        yield chunk(
-            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-        )
+        so_far = chunk.so_far(final.usage.prompt_tokens, len(completion.token_ids))
+        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
         if message.get("content"):
-            yield chunk(
-                [{"index": i, "delta": {"content": message["content"]}, "logprobs": None, "finish_reason": None}]
-            )
-        for position, call in enumerate(message.get("tool_calls", [])):
-            delta = {"tool_calls": [{"index": position, **call}]}
-            yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
-        yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}])
-    if include_usage:
+            deltas.append({"content": message["content"]})
+        deltas += [{"tool_calls": [{"index": n, **call}]} for n, call in enumerate(message.get("tool_calls", []))]
+        for delta in deltas:
+            yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], so_far)
+        yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}], so_far)
+    if chunk.include_usage:
         yield chunk([], usage([final]))
     yield sse("[DONE]")
 
 
 async def _stream(
-    state: ServerState,
-    body: ChatCompletionRequest,
-    response_id: str,
-    stream: Outputs,
-    include_usage: bool,
-    function: str | None = None,
+    body: ChatCompletionRequest, stream: Outputs, chunk: ChunkWriter, prompt_tokens: int, function: str | None = None
 ) -> AsyncIterator[str]:
     """Per choice: the role first, then content deltas, the last with the finish reason;
     then usage (if asked) and [DONE]. Each chunk carries one choice, as OpenAI and vLLM send
     them: clients read `choices[0]`. With `function` (a named tool choice) the text is that
     call's arguments: the first delta opens the call, the others carry its arguments."""
-    chunk = ChunkWriter(response_id, "chat.completion.chunk", state.served_name(body.model), include_usage)
     for i in range(body.n):
         opening: dict[str, Any] = {"role": "assistant", "content": ""}
         if function is not None:
             call = ParsedCall(function, "").as_openai()
             opening = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **call}]}
-        yield chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}])
+        yield chunk(
+            [{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}], chunk.so_far(prompt_tokens, 0)
+        )
     tracker = DeltaTracker()
     final: RequestOutput | None = None
     async with aclosing(stream):
@@ -192,7 +178,7 @@ async def _stream(
                     reason = finish_reason(completion.finish_reason)
                     choice["finish_reason"] = "tool_calls" if function is not None and reason == "stop" else reason
                 if choice["delta"] or delta.is_last:
-                    yield chunk([choice])
-    if include_usage and final is not None:
+                    yield chunk([choice], chunk.so_far(prompt_tokens, len(completion.token_ids)))
+    if chunk.include_usage and final is not None:
         yield chunk([], usage([final]))
     yield sse("[DONE]")

@@ -109,9 +109,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, header_
         ]
     )
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(state, body, response_id, streams, include_usage)
-        return EventStreamResponse(events)
+        model, force_usage = state.served_name(body.model), state.settings.enable_force_include_usage
+        chunk = ChunkWriter.for_request(response_id, "text_completion", model, body.stream_options, force_usage)
+        return EventStreamResponse(_stream(state, body, streams, chunk))
     finals = await asyncio.gather(*(last_output(stream) for stream in streams))
     choices = []
     for prompt_index, output in enumerate(finals):
@@ -147,15 +147,10 @@ def _prompt_text(state: ServerState, output: RequestOutput) -> str:
 
 
 async def _stream(
-    state: ServerState,
-    body: CompletionRequest,
-    response_id: str,
-    streams: list[Outputs],
-    include_usage: bool,
+    state: ServerState, body: CompletionRequest, streams: list[Outputs], chunk: ChunkWriter
 ) -> AsyncIterator[str]:
     tracker = DeltaTracker()
     finals: dict[int, RequestOutput] = {}
-    chunk = ChunkWriter(response_id, "text_completion", state.served_name(body.model), include_usage)
     async for prompt_index, output in merge(streams):
         for completion in output.outputs:
             index = prompt_index * body.n + completion.index
@@ -169,10 +164,19 @@ async def _stream(
                 tracker.sent(index, completion)
                 # One choice per chunk, as OpenAI and vLLM send them: clients read `choices[0]`.
                 yield chunk(
-                    [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "stop_reason": None}]
+                    [
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": reason,
+                            "stop_reason": None,
+                        }
+                    ],
+                    chunk.so_far(output.usage.prompt_tokens, len(completion.token_ids)),
                 )
         if output.finished:
             finals[prompt_index] = output
-    if include_usage:
+    if chunk.include_usage:
         yield chunk([], usage([finals[i] for i in sorted(finals)]))
     yield sse("[DONE]")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagefleet.engine.outputs import RequestOutput
+from pagefleet.protocol.openai import StreamOptions
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -17,14 +18,35 @@ def sse(data: dict[str, Any] | str) -> str:
 
 @dataclass(slots=True)
 class ChunkWriter:
-    """Server-sent events of one streamed response; with include_usage every chunk has a
-    `usage` field (null until the last), as OpenAI sends them."""
+    """Server-sent events of one streamed response. With include_usage every chunk has a
+    `usage` field, null until the last, as OpenAI sends them; with continuous_usage each
+    chunk's is its choice's usage so far (vLLM's `continuous_usage_stats`)."""
 
     response_id: str
     kind: str  # "text_completion" or "chat.completion.chunk"
     model: str
     include_usage: bool
+    continuous_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def for_request(
+        cls, response_id: str, kind: str, model: str, options: StreamOptions | None, force_usage: bool
+    ) -> ChunkWriter:
+        """As vLLM decides it: usage at the end if asked or forced (`--enable-force-include-
+        usage`), and in every chunk too if `continuous_usage_stats` asks as well."""
+        include = force_usage or bool(options and options.include_usage)
+        return cls(response_id, kind, model, include, include and bool(options and options.continuous_usage_stats))
+
+    def so_far(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any] | None:
+        """A chunk's usage so far with continuous usage; None (no figure yet) otherwise."""
+        if not self.continuous_usage:
+            return None
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     def __call__(self, choices: list[dict[str, Any]], usage_value: dict[str, Any] | None = None) -> str:
         data: dict[str, Any] = {

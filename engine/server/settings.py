@@ -65,6 +65,9 @@ class ServerSettings(BaseSettings):
     record_ttl: float = RECORD_TTL_S
     max_waiting_requests: int = Field(256, description="queued requests beyond which new ones get 503")
     max_request_bytes: int = Field(1 << 20, description="larger request bodies get 413")
+    enable_force_include_usage: bool = Field(
+        False, description="streams end with a usage chunk even when the request did not ask (vLLM's flag)"
+    )
     exit_grace: float = Field(1.0, description="seconds in-flight requests get to be answered after the engine dies")
     restarts: int = Field(0, ge=0, description="times a supervisor restarted this replica (shown on the dashboard)")
     log_level: str = "INFO"

@@ -139,7 +139,7 @@ def _hoisted(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
         if isinstance(ref, str):
             for prefix in ("#/$defs/", "#/definitions/"):
                 if ref.startswith(prefix):
-                    out["$ref"] = f"#/$defs/{name}.{ref[len(prefix):]}"
+                    out["$ref"] = f"#/$defs/{name}.{ref[len(prefix) :]}"
             if ref == "#":
                 out["$ref"] = f"#/$defs/{name}"
         return out

@@ -193,5 +193,7 @@ def test_text_tokenized_word_by_word_is_the_whole_texts_tokenization(
     ascii_pieces = [piece for piece in pieces if piece.isascii()]
     for choices in [pieces] * 300 + [ascii_pieces] * 300:
         text = "".join(rng.choice(choices) + rng.choice(["", " ", "  "]) for _ in range(rng.randint(1, 30)))
-        assert hasher.token_ids(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False), text
+        assert hasher.token_ids(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False), (
+            text
+        )
     assert hasher.token_ids(SYSTEM, add_special_tokens=False) == tokenizer.encode(SYSTEM, add_special_tokens=False)

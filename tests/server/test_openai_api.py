@@ -87,6 +87,41 @@ def test_every_stream_chunk_carries_one_choice(tiny_server: EngineServer, client
             assert streamed == text_of(whole.choices[index]), "seeded: the stream says what the answer said"
 
 
+def test_usage_while_streaming_as_vllm_reports_it(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    """`continuous_usage_stats`: every chunk carries its choice's usage so far; the last
+    chunk the totals. `stream_options` without `stream` is a 400, as in vLLM."""
+    model, options = tiny_server.model, {"include_usage": True, "continuous_usage_stats": True}
+    messages = [{"role": "user", "content": "Hello there"}]
+    for create, args in (
+        (client.chat.completions.create, dict(messages=messages)),
+        (client.completions.create, dict(prompt="Hello there")),
+    ):
+        chunks = list(create(model=model, **args, max_tokens=7, temperature=0.0, stream=True, stream_options=options))
+        counts = [chunk.usage.completion_tokens for chunk in chunks[:-1]]
+        assert counts == sorted(counts) and counts[-1] == 7 and chunks[-1].usage.completion_tokens == 7
+        assert {chunk.usage.prompt_tokens for chunk in chunks} == {chunks[-1].usage.prompt_tokens}
+        route = "chat/completions" if "messages" in args else "completions"
+        body = {"model": model, **args, "stream_options": {"include_usage": True}}
+        refused = httpx.post(f"{tiny_server.url}/v1/{route}", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
+
+
+def test_usage_in_streams_follows_vllms_rule() -> None:
+    """Usage at the end if asked or forced (`--enable-force-include-usage`); in every chunk
+    only if `continuous_usage_stats` asks too."""
+    from pagefleet.engine.server.events import ChunkWriter
+    from pagefleet.protocol.openai import StreamOptions
+
+    def plan(options: StreamOptions | None, force: bool) -> tuple[bool, bool]:
+        writer = ChunkWriter.for_request("id", "text_completion", "m", options, force)
+        return writer.include_usage, writer.continuous_usage
+
+    continuous = StreamOptions(include_usage=False, continuous_usage_stats=True)
+    assert plan(None, False) == (False, False) and plan(None, True) == (True, False)
+    assert plan(continuous, False) == (False, False) and plan(continuous, True) == (True, True)
+    assert plan(StreamOptions(include_usage=True), False) == (True, False)
+
+
 def test_the_callers_request_id_names_the_response_as_vllm_does(tiny_server: EngineServer) -> None:
     """The x-request-id header (the gateway always sends one), else the body's `request_id`,
     is the response's id; two requests under one id at once still both complete."""
