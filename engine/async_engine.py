@@ -55,6 +55,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._step_callbacks: list[Callable[[int], None]] = []
         # Aborts handed over by callers that cannot wait (cancelled tasks); the engine
         # thread applies them before its next step. deque.append is thread-safe.
         self._pending_aborts: collections.deque[str] = collections.deque()
@@ -128,6 +129,10 @@ class AsyncEngine:
         waiting; a no-op for a request that is unknown or already finished."""
         self._pending_aborts.append(request_id)
         self._wake.set()
+
+    def add_step_callback(self, callback: Callable[[int], None]) -> None:
+        """Call `callback(tokens the step computed)` after every step, from the engine thread."""
+        self._step_callbacks.append(callback)
 
     def add_death_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(error)` once, from the engine thread, if the engine loop fails."""
@@ -235,6 +240,8 @@ class AsyncEngine:
                 self._fail_all(error)
                 return
             self._deliver(outputs)
+            for callback in self._step_callbacks:
+                callback(self.engine.last_step_tokens)
 
     def _apply_pending(self) -> None:
         """Apply what callers handed over: their calls in the order they came, then pin

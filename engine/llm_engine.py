@@ -100,6 +100,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self.last_step_tokens = 0  # tokens the latest step computed (prompt chunks and decodes)
         self._prefill_tokens_per_s = 0.0  # measured (_measure_prefill); 0 until a prefill ran
         # Prefill/decode disaggregation: prompts kept for decode replicas to pull, and how
         # they reach this replica (set by the server; without one, answers name no address).
@@ -379,6 +380,7 @@ class LLMEngine:
         samples = self._plan_samples(chunks)
         prompt_chunks = [i for i, c in enumerate(chunks) if c.request.wants_prompt_logprobs]
         started = time.monotonic()
+        self.last_step_tokens = sum(c.num_new_tokens for c in chunks)
         results = self.runner.execute(chunks, samples, prompt_chunks, plan.copies)
         touched = self._advance(chunks)
         now = time.monotonic()

@@ -182,6 +182,9 @@ def create_app(
                     stop_server()
                 return
             state.engine.engine.kv_connector = state.transfers.connector
+            metrics.engine_loaded(state.engine.max_model_len)
+            assert metrics.vllm is not None
+            state.engine.add_step_callback(metrics.vllm.iteration_tokens.observe)
             loop = asyncio.get_running_loop()
             state.engine.add_death_callback(lambda _: loop.call_soon_threadsafe(engine_died.set))
             tasks.append(asyncio.create_task(withdraw_when_dead()))

@@ -68,8 +68,8 @@ async def generate(
                 tokens = sum(len(c.token_ids) for c in output.outputs)
                 if tokens > tokens_seen:
                     now = time.monotonic()
-                    histogram = metrics.time_to_first_token if tokens_seen == 0 else metrics.inter_token_latency
-                    histogram.observe((now - started) if tokens_seen == 0 else (now - last))
+                    first = tokens_seen == 0
+                    metrics.observe_token_gap(first, (now - started) if first else (now - last))
                     last, tokens_seen = now, tokens
                 yield output
         metrics.e2e_request_latency.observe(time.monotonic() - started)
@@ -77,6 +77,9 @@ async def generate(
         error = exc if not isinstance(exc, GeneratorExit | asyncio.CancelledError) else None
         raise
     finally:
+        if output is not None and metrics.vllm is not None:
+            now = time.monotonic()
+            metrics.vllm.finished(output, params, now - started, now)
         if state.tracing is not None:
             model = lora_request.lora_name if lora_request is not None else state.settings.model_name
             state.tracing.record(parent, operation, model, response_id, request_id, params, output, started, error)

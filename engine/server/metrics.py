@@ -1,10 +1,9 @@
 """Prometheus metrics, named `pagefleet:*` after vLLM's `vllm:*` so dashboards map over.
 
 Engine figures (requests, blocks, prefix cache, preemptions, copies, token counts) are read
-from `EngineStats` at scrape time; latencies are histograms observed by the handlers. The
-three figures that stock routers scrape from vLLM servers (the Gateway API Inference
-Extension's endpoint picker, vLLM's router) are also exported under vLLM's own names
-(`VLLM_COMPATIBLE`), so those routers can balance pagefleet replicas unchanged.
+from `EngineStats` at scrape time; latencies are histograms observed by the handlers. vLLM's
+own metrics are served beside them, under its names, labels and buckets (vllm_metrics.py),
+so vLLM's dashboards, alerts and the routers that scrape vLLM read pagefleet unchanged.
 """
 
 from __future__ import annotations
@@ -16,14 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagefleet.engine.server.vllm_metrics import VLLMRequestMetrics, engine_families
 from pagefleet.engine.stats import EngineStats
-
-# Our name -> vLLM's, for the gauges stock routers read (same labels, same meaning).
-VLLM_COMPATIBLE = {
-    "num_requests_running": "vllm:num_requests_running",
-    "num_requests_waiting": "vllm:num_requests_waiting",
-    "kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
-}
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -51,16 +44,7 @@ class EngineCollector(Collector):
             family.add_metric(label, value)
             return family
 
-        for name, value in (
-            ("num_requests_running", stats.num_running_requests),
-            ("num_requests_waiting", stats.num_waiting_requests),
-            ("kv_cache_usage_perc", stats.kv_usage),
-        ):
-            family = GaugeMetricFamily(
-                VLLM_COMPATIBLE[name], f"pagefleet:{name}, under vLLM's name.", labels=["model_name"]
-            )
-            family.add_metric(label, value)
-            yield family
+        yield from engine_families(self.model_name, stats)
         yield gauge("num_requests_running", "Requests being computed.", stats.num_running_requests)
         yield gauge("num_requests_waiting", "Requests queued or preempted.", stats.num_waiting_requests)
         yield gauge("num_requests_swapped", "Requests preempted to host memory.", stats.num_swapped_requests)
@@ -132,6 +116,17 @@ class ServerMetrics:
             registry=self.registry,
         ).labels(model_name)
         self._model_name = model_name
+        self.vllm: VLLMRequestMetrics | None = None  # once the engine is loaded
+
+    def engine_loaded(self, max_model_len: int) -> None:
+        """vLLM's request histograms, whose token buckets go up to the context window."""
+        self.vllm = VLLMRequestMetrics(self.registry, self._model_name, max_model_len)
+
+    def observe_token_gap(self, first: bool, seconds: float) -> None:
+        """A request's first token after `seconds`, or a later one `seconds` after the last."""
+        (self.time_to_first_token if first else self.inter_token_latency).observe(seconds)
+        if self.vllm is not None:
+            (self.vllm.time_to_first_token if first else self.vllm.inter_token_latency).observe(seconds)
 
     def kv_transferred(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
         self._kv_blocks.labels(self._model_name, direction).inc(blocks)

@@ -34,7 +34,44 @@ def test_models_health_version_tokenize(tiny_server: EngineServer, client: opena
         assert f"pagefleet:{name}" in exported
     # The gauges stock routers (GIE's endpoint picker, vLLM's router) scrape, under vLLM's names.
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert exported[f"vllm:{name}"] == exported[f"pagefleet:{name}"]
+        assert exported[f"vllm:{name}{{engine=0}}"] == exported[f"pagefleet:{name}"]
+
+
+def test_vllms_metrics_under_its_names_labels_and_buckets(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    """vLLM's dashboards and alerts read pagefleet unchanged: one request of P prompt tokens
+    (none cached) and G generated ones counts once in each request histogram and the success
+    counter, and its steps computed P + G - 1 tokens (the last token is sampled, not fed)."""
+    before = metrics(tiny_server)
+    prompt = [7, 3, 901, 44, 12, 600, 5, 77, 1000, 23, 8]  # token ids no other test sends
+    answer = client.completions.create(model=tiny_server.model, prompt=prompt, max_tokens=6, temperature=0.0)
+    assert answer.choices[0].finish_reason == "length"
+    after = metrics(tiny_server)
+
+    def grew(name: str) -> float:
+        return after[f"vllm:{name}{{engine=0}}"] - before.get(f"vllm:{name}{{engine=0}}", 0.0)
+
+    assert after["vllm:request_success_total{engine=0,finished_reason=length}"] == 1 + before.get(
+        "vllm:request_success_total{engine=0,finished_reason=length}", 0.0
+    )
+    for histogram in (
+        "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+        "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+        "request_prompt_tokens", "request_generation_tokens", "request_params_n", "request_params_max_tokens",
+    ):  # fmt: skip
+        assert grew(f"{histogram}_count") == 1, histogram
+    assert grew("inter_token_latency_seconds_count") == 5
+    assert grew("request_prompt_tokens_sum") == len(prompt) and grew("request_generation_tokens_sum") == 6
+    assert grew("iteration_tokens_total_sum") == len(prompt) + 6 - 1
+    assert grew("prompt_tokens_total") == len(prompt) and grew("generation_tokens_total") == 6
+    assert after["vllm:prompt_tokens_total{engine=0}"] == after["pagefleet:prompt_tokens_total"]
+    assert after["vllm:prefix_cache_queries_total{engine=0}"] == after["pagefleet:prefix_cache_queries_total"]
+    assert after["vllm:num_preemptions_total{engine=0}"] == sum(
+        v for k, v in after.items() if k.startswith("pagefleet:num_preemptions_total")
+    )
+    # vLLM's buckets, to its last bound.
+    assert "vllm:time_to_first_token_seconds_bucket{engine=0,le=2560.0}" in after
+    assert "vllm:request_queue_time_seconds_bucket{engine=0,le=7680.0}" in after
+    assert "vllm:iteration_tokens_total_bucket{engine=0,le=16384.0}" in after
 
 
 def test_completion_stream_equals_non_stream(tiny_server: EngineServer, client: openai.OpenAI) -> None:

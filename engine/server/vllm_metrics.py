@@ -1,0 +1,153 @@
+"""vLLM's own metrics (`vllm:*`), under its names, labels and buckets, next to `pagefleet:*`.
+
+vLLM's Grafana dashboards, alerts and autoscaling rules (KEDA, the Gateway API Inference
+Extension's endpoint picker, vLLM's router) read these names, so a pagefleet replica is
+read by them unchanged. Labels are vLLM's: `model_name` and `engine` (always "0": one
+engine per server). Engine-wide figures come from `EngineStats` at scrape time
+(`engine_families`); per-request and per-step figures are observed as requests finish and
+steps end (`VLLMRequestMetrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.stats import EngineStats
+
+LABELS = ["model_name", "engine"]
+ENGINE = "0"
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TTFT_BUCKETS += (80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+TOKEN_GAP_BUCKETS += (40.0, 80.0)
+REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+REQUEST_TIME_BUCKETS += (240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def one_two_five(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: vLLM's buckets for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def engine_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
+    """The engine-wide gauges and counters, from the latest stats."""
+    label = [model_name, ENGINE]
+    for name, doc, value in (
+        ("num_requests_running", "Number of requests in model execution batches.", stats.num_running_requests),
+        ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting_requests),
+        ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage),
+    ):
+        gauge = GaugeMetricFamily(f"vllm:{name}", doc, labels=LABELS)
+        gauge.add_metric(label, value)
+        yield gauge
+    preemptions = stats.num_preemptions_recompute + stats.num_preemptions_swap
+    for name, doc, total in (
+        ("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens),
+        ("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens),
+        ("num_preemptions", "Cumulative number of preemption from the engine.", preemptions),
+        (
+            "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_cache_queries,
+        ),
+        ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
+    ):
+        counter = CounterMetricFamily(f"vllm:{name}", doc, labels=LABELS)
+        counter.add_metric(label, total)
+        yield counter
+
+
+class VLLMRequestMetrics:
+    """vLLM's per-request and per-step histograms and its finished-request counter."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
+            return Histogram(f"vllm:{name}", doc, LABELS, registry=registry, buckets=buckets).labels(model_name, ENGINE)
+
+        tokens = one_two_five(max_model_len)
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_GAP_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            TOKEN_GAP_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_TIME_BUCKETS
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS
+        )
+        self.inference = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_TIME_BUCKETS,
+        )
+        self.prefill = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_TIME_BUCKETS,
+        )
+        self.decode = histogram(
+            "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS
+        )
+        self.prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
+        self.params_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
+            registry=registry,
+        )
+        self._success = {reason: success.labels(model_name, ENGINE, reason) for reason in FINISHED_REASONS}
+
+    def finished(self, output: RequestOutput, params: SamplingParams, e2e_s: float, finished_at: float) -> None:
+        """A request the engine finished (`finished_at`: time.monotonic(), as its events)."""
+        reason = next((c.finish_reason for c in output.outputs if c.finish_reason), None) or "abort"
+        self._success.get(reason, self._success["error"]).inc()
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.observe(output.usage.prompt_tokens)
+        self.generation_tokens.observe(output.usage.completion_tokens)
+        self.params_n.observe(params.n)
+        if params.max_tokens is not None:
+            self.params_max_tokens.observe(params.max_tokens)
+        arrived = output.metrics.get("arrival_time")
+        scheduled = next((event.time for event in output.events if event.name == "scheduled"), None)
+        first_token = output.metrics.get("first_token_time")
+        if arrived is None or scheduled is None or first_token is None:
+            return  # refused or aborted before it ran
+        self.queue.observe(max(0.0, scheduled - arrived))
+        self.inference.observe(max(0.0, finished_at - scheduled))
+        self.prefill.observe(max(0.0, first_token - scheduled))
+        self.decode.observe(max(0.0, finished_at - first_token))
+        later_tokens = max(len(c.token_ids) for c in output.outputs) - 1 if output.outputs else 0
+        if later_tokens > 0:
+            self.time_per_output_token.observe((finished_at - first_token) / later_tokens)
