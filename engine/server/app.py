@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.auth import APIKeyGuard
 from pagefleet.engine.server.chat import chat_prompt, create_chat_completion
 from pagefleet.engine.server.completions import create_completion
 from pagefleet.engine.server.errors import OpenAIError, install_error_handlers
@@ -65,6 +66,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: each token's string too
 
 
 class DetokenizeRequest(BaseModel):
@@ -220,11 +222,13 @@ def create_app(
         if tracer_provider is not None:
             await asyncio.to_thread(tracer_provider.shutdown)  # the last spans go out
 
-    app = FastAPI(title="pagefleet engine", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="pagefleet engine", version=_version(), lifespan=lifespan, root_path=settings.root_path)
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(ErrorGuard)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyGuard, keys=settings.api_key)
     _add_routes(app, state)
     add_kv_routes(app, state.transfers, lambda: state.ready_engine(None))
     add_lora_routes(app, state.adapters, lambda: state.ready_engine(None))
@@ -246,6 +250,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if not state.engine.is_running:
             return error_json(503, "The engine stopped.")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's: the requests this server is handling (running and queued)."""
+        stats = state.engine.stats() if state.engine is not None else None
+        return {"server_load": stats.num_running_requests + stats.num_waiting_requests if stats else 0}
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:
@@ -296,7 +306,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             tokens = list(engine.tokenizer.encode(body.prompt))
         else:
             raise OpenAIError(400, "prompt: give a prompt or messages", "prompt")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+        answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+        if body.return_token_strs:
+            answer["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
+        return answer
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:

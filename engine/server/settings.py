@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any, ClassVar, Literal
 
@@ -50,7 +51,8 @@ class ServerSettings(BaseSettings):
         cli_prog_name="pagefleet serve",
         cli_implicit_flags=True,  # vLLM's --enable-lora, --no-enable-prefix-caching
     )
-    multi_value_flags: ClassVar[tuple[str, ...]] = ("lora_modules",)  # vLLM's --lora-modules a=/x b=/y
+    # vLLM's --lora-modules a=/x b=/y and --api-key k1 k2
+    multi_value_flags: ClassVar[tuple[str, ...]] = ("lora_modules", "api_key")
 
     model: str = Field(_default("model"), description="built-in name, HF directory or .gguf file")
     served_model_name: str | None = Field(None, description="the name clients send as `model` (default: --model)")
@@ -59,6 +61,11 @@ class ServerSettings(BaseSettings):
     advertise_url: str | None = Field(
         None, description="URL the fleet reaches this replica at (default http://host:port)"
     )
+    api_key: list[str] = Field(
+        default_factory=lambda: [key for key in [os.environ.get("VLLM_API_KEY", "")] if key],
+        description="keys the /v1 routes require as `Authorization: Bearer` (default: $VLLM_API_KEY; none: open)",
+    )
+    root_path: str = Field("", description="the path prefix a proxy serves this server under (vLLM's flag)")
     replica_id: str | None = Field(None, description="this replica's id in Redis (default hostname-port)")
     redis_url: str | None = Field(None, description="publish KV capacity here, e.g. redis://localhost:6379/0")
     publish_interval: float = PUBLISH_INTERVAL_S

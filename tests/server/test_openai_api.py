@@ -27,6 +27,9 @@ def test_models_health_version_tokenize(tiny_server: EngineServer, client: opena
     assert tokens["count"] == len(tokens["tokens"]) > 0
     text = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert text == {"prompt": "Hello world"}
+    strs = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert strs["tokens"] == tokens["tokens"] and len(strs["token_strs"]) == tokens["count"]
+    assert httpx.get(f"{tiny_server.url}/load").json() == {"server_load": 0}
     chat = httpx.post(f"{tiny_server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > tokens["count"] - 2
     exported = metrics(tiny_server)
@@ -280,12 +283,23 @@ def test_malformed_and_oversized_bodies(tiny_server: EngineServer) -> None:
     assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"
 
 
-def test_full_queue_answers_503_with_retry_after(tiny_llama: Path, tmp_path: Path) -> None:
-    server = start_server(
-        str(tiny_llama), tmp_path / "full.log", "--max-waiting-requests", "0", "--num-kv-blocks", "64"
-    )
+def test_api_keys_then_a_full_queue_answers_503_with_retry_after(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM's --api-key guards the /v1 routes only (probes and Prometheus need no key); a
+    request past it finds the queue full (--max-waiting-requests 0)."""
+    flags = ("--max-waiting-requests", "0", "--num-kv-blocks", "64", "--api-key", "key-one", "key-two")
+    server = start_server(str(tiny_llama), tmp_path / "full.log", *flags)
     try:
-        response = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": "hi"})
+        body = {"model": server.model, "prompt": "hi"}
+        for headers in ({}, {"Authorization": "Bearer key-three"}, {"Authorization": "key-one"}):
+            refused = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="key-two", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [server.model]
+        for open_path in ("/health", "/metrics", "/load", "/version"):
+            assert httpx.get(f"{server.url}{open_path}").status_code == 200, open_path
+        response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer key-one"})
         assert response.status_code == 503 and response.headers["retry-after"]
         assert response.json()["error"]["type"] == "service_unavailable"
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagefleet.cli.flags import parse_flags
 from pagefleet.engine.server.settings import ServerSettings
 
 
@@ -15,6 +16,15 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.model_name == "/models/x" and settings.url == "http://127.0.0.1:9000"
     config = settings.engine_config()
     assert (config.model, config.block_size, config.num_kv_blocks) == ("/models/x", 32, 64)
+
+
+def test_api_keys_from_flags_or_vllms_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert ServerSettings(_cli_parse_args=["--model", "x"]).api_key == []  # type: ignore[call-arg]
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert ServerSettings(_cli_parse_args=["--model", "x"]).api_key == ["from-env"]  # type: ignore[call-arg]
+    settings = parse_flags(ServerSettings, ["--model", "x", "--api-key", "a", "b", "--root-path", "/llm"], "serve")
+    assert settings is not None and settings.api_key == ["a", "b"] and settings.root_path == "/llm"
 
 
 def test_invalid_engine_setting_fails_clearly() -> None:

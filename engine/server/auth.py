@@ -1,0 +1,30 @@
+"""vLLM's `--api-key`: the OpenAI routes (`/v1/...`) answer only callers that present one of
+the keys as `Authorization: Bearer <key>`; health, metrics and the fleet's own routes stay
+open, as in vLLM, so probes, Prometheus and the gateway's reads need no key."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagefleet.engine.server.errors import error_json
+
+
+class APIKeyGuard:
+    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") or self._presented_a_key(scope):
+            await self.app(scope, receive, send)
+            return
+        response = error_json(401, "Unauthorized: send one of the server's API keys as `Authorization: Bearer <key>`")
+        await response(scope, receive, send)
+
+    def _presented_a_key(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        # compare_digest: the time a comparison takes says nothing about a key.
+        return scheme.lower() == b"bearer" and any(hmac.compare_digest(token.strip(), key) for key in self.keys)
