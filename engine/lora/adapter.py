@@ -73,11 +73,18 @@ def load_adapter(
     config = json.loads(config_path.read_text())
     if config.get("peft_type", "LORA") != "LORA":
         raise fail(f"a {config.get('peft_type')} adapter; only LoRA is served")
+    if config.get("use_dora"):
+        raise fail("a DoRA adapter (use_dora); its magnitude vectors are not served, so it is refused")
+    if config.get("modules_to_save"):
+        raise fail(f"replaces whole modules (modules_to_save: {config['modules_to_save']}), which is not served")
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     if rank > max_rank:
         raise fail(f"rank {rank} exceeds max_lora_rank={max_rank}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     tensors = load_file(str(weights_path))
+    other = sorted(key for key in tensors if not key.endswith((".lora_A.weight", ".lora_B.weight")))
+    if other:  # served without them, the adapter would answer wrongly without a word
+        raise fail(f"holds weights that are not LoRA pairs ({', '.join(other[:3])}), which are not served")
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for key in tensors:
         if not key.endswith(".lora_A.weight"):

@@ -270,6 +270,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 "created": state.created,
                 "owned_by": "pagefleet",
                 "root": settings.model,
+                "parent": None,  # as vLLM's base model card; an adapter's names its base
                 "max_model_len": state.engine.max_model_len if state.engine else None,
             }
         ]

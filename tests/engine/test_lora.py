@@ -5,11 +5,14 @@ model with the adapter merged into its weights gives it."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from pagefleet.engine import LLM, InvalidParameterError, LoRARequest, SamplingParams
 from tests.engine.helpers import assert_no_block_leaked, random_prompts
@@ -153,6 +156,19 @@ def test_bad_adapters_are_refused_clearly(tiny_models: dict[str, Path], tmp_path
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=16, enable_lora=True, max_lora_rank=8)
     with pytest.raises(InvalidParameterError, match="adapter_config.json"):
         llm.generate(prompt, lora_request=LoRARequest("missing", 1, str(tmp_path)))
+    # Parts PEFT can save that are not served are refused, never served without them.
+    config = json.loads((first / "adapter_config.json").read_text())
+    for name, change in (("dora", {"use_dora": True}), ("saves", {"modules_to_save": ["lm_head"]})):
+        shutil.copytree(first, tmp_path / name)
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(InvalidParameterError, match="use_dora" if name == "dora" else "modules_to_save"):
+            llm.generate(prompt, lora_request=LoRARequest(name, 2, str(tmp_path / name)))
+    shutil.copytree(first, tmp_path / "extra")
+    weights = load_file(str(first / "adapter_model.safetensors"))
+    weights["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = torch.ones(4)
+    save_file(weights, str(tmp_path / "extra" / "adapter_model.safetensors"))
+    with pytest.raises(InvalidParameterError, match="not LoRA pairs"):
+        llm.generate(prompt, lora_request=LoRARequest("extra", 3, str(tmp_path / "extra")))
     small = LLM(str(model_dir), dtype="float32", num_kv_blocks=16, enable_lora=True, max_lora_rank=8)
     small.generate(prompt, lora_request=LoRARequest("first", 1, str(first)))
     with pytest.raises(InvalidParameterError, match="already loaded"):

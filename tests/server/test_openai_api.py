@@ -21,6 +21,7 @@ def client(tiny_server: EngineServer) -> openai.OpenAI:
 
 def test_models_health_version_tokenize(tiny_server: EngineServer, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [tiny_server.model]
+    assert httpx.get(f"{tiny_server.url}/v1/models").json()["data"][0]["parent"] is None
     assert httpx.get(f"{tiny_server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{tiny_server.url}/version").json()["version"]
     tokens = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": "Hello world"}).json()
