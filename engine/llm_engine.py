@@ -298,8 +298,11 @@ class LLMEngine:
             ("allowed_token_ids", params.allowed_token_ids or []),
             ("logit_bias", list(params.logit_bias or {})),
         ):
-            if any(t >= vocab for t in ids):
-                raise InvalidParameterError(name, f"token ids must be in [0, {vocab})")
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise InvalidParameterError(
+                    name, f"token id {outside[0]} is out of vocabulary (ids are in [0, {vocab}))"
+                )
         if params.bad_words and not params.bad_words_token_ids:
             if self.tokenizer is None:
                 raise InvalidParameterError("bad_words", "this engine has no tokenizer (skip_tokenizer_init=True)")
@@ -313,8 +316,11 @@ class LLMEngine:
         if not token_ids:
             raise InvalidParameterError("prompt", "the prompt is empty")
         vocab = self.parts.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise InvalidParameterError("prompt", f"token ids must be integers in [0, {vocab})")
+        outside = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if outside:
+            raise InvalidParameterError(
+                "prompt", f"token id {outside[0]!r} is out of vocabulary (ids are integers in [0, {vocab}))"
+            )
         if len(token_ids) > self.max_model_len:
             raise PromptTooLongError(
                 "prompt",

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.chat_template import apply_chat_template, template_takes_tools
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
+from pagefleet.engine.sampling_params import MAX_LOGPROBS
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.events import ChunkWriter, finish_reason, sse, usage
 from pagefleet.engine.server.generation import (
@@ -59,6 +60,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     engine = state.ready_engine(body.model)
     state.admit(engine)
     extra: dict[str, Any] = {}
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise OpenAIError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", "top_logprobs")
     if body.logprobs:
         extra["logprobs"] = body.top_logprobs or 0
     elif body.top_logprobs is not None:

@@ -101,12 +101,13 @@ class ToolPlan:
         return StructuredOutputsParams(json=calls)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """(content, tool calls) of the model's answer; text that is no call stays content."""
+        """(content, tool calls) of the model's answer; text that is no call stays content.
+        A forced call (named or required) has empty content, as vLLM answers it."""
         if self.choice == "named":
-            return None, [ParsedCall(str(self.named), _compact(text))]
+            return "", [ParsedCall(str(self.named), _compact(text))]
         if self.choice == "required":
             try:
-                return None, _calls(json.loads(text))
+                return "", _calls(json.loads(text))
             except (ValueError, TypeError, KeyError):  # cut off by max_tokens: say what came
                 return text, []
         calls: list[ParsedCall] = []

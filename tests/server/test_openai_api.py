@@ -250,7 +250,9 @@ def test_concurrent_streams_are_batched(tiny_server: EngineServer, client: opena
         ({"prompt": "hi", "use_beam_search": True, "n": 2, "top_p": 0.5}, 400, "top_p", "beam search"),
         ({"prompt": "hi", "logit_bias": {"12": 101}}, 400, "logit_bias", "[-100, 100]"),
         ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
-        ({"prompt": "hi", "allowed_token_ids": [10**6]}, 400, "allowed_token_ids", "token ids"),
+        ({"prompt": "hi", "allowed_token_ids": [10**6]}, 400, "allowed_token_ids", "1000000 is out of vocabulary"),
+        ({"prompt": "hi", "logit_bias": {"1000001": 5}}, 400, "logit_bias", "1000001 is out of vocabulary"),
+        ({"prompt": [5, 10**6]}, 400, "prompt", "1000000 is out of vocabulary"),
         ({"prompt": "hi", "bad_words": "one"}, 400, "bad_words", "bad_words"),
         ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "truncate_prompt_tokens"),
     ],
@@ -282,6 +284,9 @@ def test_malformed_and_oversized_bodies(tiny_server: EngineServer) -> None:
         f"{tiny_server.url}/v1/chat/completions", json={"model": tiny_server.model, "messages": []}
     )
     assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"
+    chat = {"model": tiny_server.model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    too_many = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**chat, "top_logprobs": 21})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "top_logprobs"
 
 
 def test_api_keys_then_a_full_queue_answers_503_with_retry_after(tiny_llama: Path, tmp_path: Path) -> None:

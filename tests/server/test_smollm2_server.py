@@ -151,7 +151,7 @@ def test_tool_calls_with_the_openai_client(smollm2_server: EngineServer) -> None
         **args, tool_choice={"type": "function", "function": {"name": "get_weather"}}
     ).choices[0]
     (call,) = named.message.tool_calls  # type: ignore[misc]
-    assert call.function.name == "get_weather" and call.id.startswith("call_") and named.message.content is None
+    assert call.function.name == "get_weather" and call.id.startswith("call_") and named.message.content == ""
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
     # Streamed: the client's accumulation of the deltas gives the same call.
     chunks = list(
