@@ -19,7 +19,11 @@ def template_takes_tools(tokenizer: Any) -> bool:
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True, tools: list[Any] | None = None
+    tokenizer: Any,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    tools: list[Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """The token ids of `messages` (and `tools`, for a template that takes them) as the
     model expects them.
@@ -32,7 +36,14 @@ def apply_chat_template(
     if not template:
         raise InvalidParameterError("messages", "this model's tokenizer has no chat template; use a plain prompt")
     try:
-        text = render_chat(template, messages, tokenizer.special_tokens_map, add_generation_prompt, tools or None)
+        text = render_chat(
+            template,
+            messages,
+            tokenizer.special_tokens_map,
+            add_generation_prompt,
+            tools or None,
+            continue_final_message,
+        )
     except ChatTemplateError as error:
         raise InvalidParameterError("messages", f"the chat template refused the conversation: {error}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -160,7 +160,14 @@ class PromptHasher:
                 body = ChatCompletionRequest.model_validate(payload)
                 messages = chat_messages(body, self.takes_tools)
                 tools = template_tools(body, self.takes_tools)
-                text = render_chat(self.chat_template, messages, self.special_tokens, body.add_generation_prompt, tools)
+                text = render_chat(
+                    self.chat_template,
+                    messages,
+                    self.special_tokens,
+                    body.add_generation_prompt,
+                    tools,
+                    body.continue_final_message,
+                )
             except (ValidationError, ChatTemplateError):
                 return None
             return self.token_ids(text, add_special_tokens=False)

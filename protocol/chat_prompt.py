@@ -115,6 +115,7 @@ def render_chat(
     special_tokens: dict[str, str],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The prompt text of a conversation.
 
@@ -122,12 +123,15 @@ def render_chat(
         template: the model's Jinja chat template.
         messages: role/content dicts (keys whose value is None are dropped, as transformers does).
         special_tokens: the tokenizer's special tokens by role (`bos_token`, `eos_token`, ...).
+        continue_final_message: end the text right after the last message's content (no
+            end-of-turn), so the answer continues it, as transformers cuts it.
     Raises:
-        ChatTemplateError: the template refused the conversation or does not compile.
+        ChatTemplateError: the template refused the conversation or does not compile, or
+            the last message's text is not in what it rendered.
     """
     conversation = [{key: value for key, value in m.items() if value is not None} for m in messages]
     try:
-        return _compile(template).render(
+        text = _compile(template).render(
             **special_tokens,
             messages=conversation,
             tools=tools,
@@ -136,3 +140,10 @@ def render_chat(
         )
     except jinja2.exceptions.TemplateError as error:
         raise ChatTemplateError(str(error)) from error
+    if not continue_final_message:
+        return text
+    final = str(messages[-1].get("content") or "")
+    for candidate in (final, final.strip()):
+        if candidate and candidate in text:
+            return text[: text.rindex(candidate) + len(candidate)]
+    raise ChatTemplateError("continue_final_message: the last message's text is not in the rendered chat")

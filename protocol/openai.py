@@ -123,7 +123,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str = Field(min_length=1)  # any role the chat template knows, as vLLM hands them on
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer to one of them
@@ -166,6 +166,17 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's chat prefill: the answer continues the last (assistant) message instead of
+    # opening a new one; `echo` puts that message's text before the answer.
+    continue_final_message: bool = False
+    echo: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_open(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true (as in vLLM)")
+        return value
 
 
 class ErrorBody(BaseModel):

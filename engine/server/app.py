@@ -66,6 +66,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False  # vLLM's: each token's string too
 
 
@@ -300,7 +301,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.ready_engine(body.model)
         if body.messages is not None:
             chat = ChatCompletionRequest(
-                model=settings.model_name, messages=body.messages, add_generation_prompt=body.add_generation_prompt
+                model=settings.model_name,
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
             )
             tokens = chat_prompt(engine, chat)
         elif body.prompt is not None:

@@ -35,7 +35,9 @@ def chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
     takes_tools = template_takes_tools(engine.tokenizer)
     messages = chat_messages(body, takes_tools)
     tools = template_tools(body, takes_tools)
-    return apply_chat_template(engine.tokenizer, messages, body.add_generation_prompt, tools)
+    return apply_chat_template(
+        engine.tokenizer, messages, body.add_generation_prompt, tools, body.continue_final_message
+    )
 
 
 def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput, start: int) -> dict[str, Any] | None:
@@ -89,6 +91,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     choices = []
     for completion in final.outputs:
         message, reason = _answer(completion, calling)
+        if _echoed(body):
+            message["content"] = _echoed(body) + (message["content"] or "")
         choices.append(
             {
                 "index": completion.index,
@@ -109,6 +113,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             "kv_transfer_params": final.kv_transfer_params,
         }
     )
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """With `echo`, the text the answer starts with: the last message's, if it is the
+    assistant's (vLLM's rule); else nothing."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
 
 
 def _answer(completion: CompletionOutput, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:

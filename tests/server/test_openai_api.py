@@ -163,6 +163,31 @@ def test_usage_in_streams_follows_vllms_rule() -> None:
     assert plan(StreamOptions(include_usage=True), False) == (True, False)
 
 
+def test_chat_prefill_continues_the_last_message(tiny_server: EngineServer, client: openai.OpenAI) -> None:
+    """vLLM's `continue_final_message`: the prompt ends inside the assistant's message, so
+    the answer continues it (the same tokens as completing that prompt), and `echo` puts the
+    message's text first. Any role the template knows is handed to it."""
+    url, model, start = tiny_server.url, tiny_server.model, "The answer is"
+    messages = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": start}]
+    prefill = {"messages": messages, "add_generation_prompt": False}
+    cut = httpx.post(f"{url}/tokenize", json={**prefill, "continue_final_message": True}).json()["tokens"]
+    whole = httpx.post(f"{url}/tokenize", json=prefill).json()["tokens"]
+    assert whole[: len(cut)] == cut and len(whole) > len(cut), "the end of the turn is cut off"
+    greedy = dict(model=model, max_tokens=5, temperature=0.0)
+    expected = client.completions.create(prompt=cut, **greedy).choices[0].text
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    answer = client.chat.completions.create(messages=messages, extra_body=extra, **greedy).choices[0].message
+    assert answer.content == start + expected
+    chunks = list(client.chat.completions.create(messages=messages, extra_body=extra, stream=True, **greedy))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == start + expected
+    both = httpx.post(
+        f"{url}/v1/chat/completions", json={"model": model, "messages": messages, "continue_final_message": True}
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    narrated = [{"role": "narrator", "content": "Once."}, {"role": "user", "content": "Go on."}]
+    assert client.chat.completions.create(messages=narrated, **greedy).choices[0].message.content is not None
+
+
 def test_the_callers_request_id_names_the_response_as_vllm_does(tiny_server: EngineServer) -> None:
     """The x-request-id header (the gateway always sends one), else the body's `request_id`,
     is the response's id; two requests under one id at once still both complete."""
