@@ -80,6 +80,9 @@ class _SamplingFields(BaseModel):
     request_id: str | None = None
     # vLLM's: requests with different salts never share prefix-cache blocks (nor are routed on them).
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's token-level outputs: the prompt's and the answer's token ids, and the prompt's logprobs.
+    return_token_ids: bool = False
+    prompt_logprobs: int | None = None
 
     @field_validator("stream_options")
     @classmethod

@@ -14,7 +14,7 @@ from pagefleet.engine.chat_template import apply_chat_template, template_takes_t
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.sampling_params import MAX_LOGPROBS
 from pagefleet.engine.server.errors import OpenAIError
-from pagefleet.engine.server.events import ChunkWriter, finish_reason, sse, usage
+from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_logprobs, sse, usage
 from pagefleet.engine.server.generation import (
     DeltaTracker,
     Outputs,
@@ -83,10 +83,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         model, force_usage = state.served_name(body.model), state.settings.enable_force_include_usage
         chunk = ChunkWriter.for_request(response_id, "chat.completion.chunk", model, body.stream_options, force_usage)
         if calling is not None and calling.choice == "named":  # a call from the first token: streamed as one
-            return EventStreamResponse(_stream(body, stream, chunk, len(prompt), calling.named))
+            return EventStreamResponse(_stream(body, stream, chunk, prompt, calling.named))
         if calling is not None:
             return EventStreamResponse(_stream_answers(stream, chunk, calling))
-        return EventStreamResponse(_stream(body, stream, chunk, len(prompt)))
+        return EventStreamResponse(_stream(body, stream, chunk, prompt))
     final = await last_output(stream)
     choices = []
     for completion in final.outputs:
@@ -102,17 +102,22 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                 "stop_reason": completion.stop_reason,
             }
         )
-    return JSONResponse(
-        {
-            "id": response_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": state.served_name(body.model),
-            "choices": choices,
-            "usage": usage([final]),
-            "kv_transfer_params": final.kv_transfer_params,
-        }
-    )
+    answer = {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": state.served_name(body.model),
+        "choices": choices,
+        "usage": usage([final]),
+        "kv_transfer_params": final.kv_transfer_params,
+    }
+    if body.prompt_logprobs is not None:
+        answer["prompt_logprobs"] = prompt_logprobs(final)
+    if body.return_token_ids:
+        answer["prompt_token_ids"] = final.prompt_token_ids
+        for choice, completion in zip(choices, final.outputs, strict=True):
+            choice["token_ids"] = completion.token_ids
+    return JSONResponse(answer)
 
 
 def _echoed(body: ChatCompletionRequest) -> str:
@@ -156,20 +161,26 @@ async def _stream_answers(stream: Outputs, chunk: ChunkWriter, tools: ToolPlan) 
 
 
 async def _stream(
-    body: ChatCompletionRequest, stream: Outputs, chunk: ChunkWriter, prompt_tokens: int, function: str | None = None
+    body: ChatCompletionRequest, stream: Outputs, chunk: ChunkWriter, prompt: list[int], function: str | None = None
 ) -> AsyncIterator[str]:
     """Per choice: the role first, then content deltas, the last with the finish reason;
     then usage (if asked) and [DONE]. Each chunk carries one choice, as OpenAI and vLLM send
     them: clients read `choices[0]`. With `function` (a named tool choice) the text is that
-    call's arguments: the first delta opens the call, the others carry its arguments."""
+    call's arguments: the first delta opens the call, the others carry its arguments.
+    With `return_token_ids` (vLLM's) the first chunk carries the prompt's token ids and
+    each delta its own."""
+    prompt_tokens = len(prompt)
     for i in range(body.n):
         opening: dict[str, Any] = {"role": "assistant", "content": ""}
         if function is not None:
             call = ParsedCall(function, "").as_openai()
             opening = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **call}]}
-        yield chunk(
-            [{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}], chunk.so_far(prompt_tokens, 0)
-        )
+        ids = {"prompt_token_ids": prompt} if body.return_token_ids and i == 0 else {}
+        opened = {"index": i, "delta": opening, "logprobs": None, "finish_reason": None}
+        yield chunk([opened], chunk.so_far(prompt_tokens, 0), **ids)
+        if _echoed(body) and function is None:
+            echo = {"index": i, "delta": {"content": _echoed(body)}, "logprobs": None, "finish_reason": None}
+            yield chunk([echo], chunk.so_far(prompt_tokens, 0))
     tracker = DeltaTracker()
     final: RequestOutput | None = None
     async with aclosing(stream):
@@ -192,6 +203,8 @@ async def _stream(
                     reason = finish_reason(completion.finish_reason)
                     choice["finish_reason"] = "tool_calls" if function is not None and reason == "stop" else reason
                 if choice["delta"] or delta.is_last:
+                    if body.return_token_ids:
+                        choice["token_ids"] = completion.token_ids[delta.first_token :]
                     yield chunk([choice], chunk.so_far(prompt_tokens, len(completion.token_ids)))
     if chunk.include_usage and final is not None:
         yield chunk([], usage([final]))

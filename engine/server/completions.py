@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pagefleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
-from pagefleet.engine.server.events import ChunkWriter, finish_reason, sse, usage
+from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_logprobs, sse, usage
 from pagefleet.engine.server.generation import (
     DeltaTracker,
     Outputs,
@@ -44,7 +44,7 @@ def _params(body: CompletionRequest) -> SamplingParams:
     if body.logprobs is not None:
         extra["logprobs"] = body.logprobs
         if body.echo:
-            extra["prompt_logprobs"] = body.logprobs
+            extra["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
     if body.use_beam_search:
         # vLLM's convention: best_of is the beam width; the n best beams are returned.
         extra.update(use_beam_search=True, beam_width=body.best_of or body.n, length_penalty=body.length_penalty)
@@ -117,15 +117,18 @@ async def create_completion(state: ServerState, body: CompletionRequest, header_
     for prompt_index, output in enumerate(finals):
         prompt_text = _prompt_text(state, output)
         for completion in output.outputs:
-            choices.append(
-                {
-                    "index": prompt_index * body.n + completion.index,
-                    "text": (prompt_text if body.echo else "") + completion.text,
-                    "logprobs": _choice_logprobs(body, output, completion),
-                    "finish_reason": finish_reason(completion.finish_reason),
-                    "stop_reason": completion.stop_reason,
-                }
-            )
+            choice = {
+                "index": prompt_index * body.n + completion.index,
+                "text": (prompt_text if body.echo else "") + completion.text,
+                "logprobs": _choice_logprobs(body, output, completion),
+                "finish_reason": finish_reason(completion.finish_reason),
+                "stop_reason": completion.stop_reason,
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(output)
+            if body.return_token_ids:
+                choice.update(prompt_token_ids=output.prompt_token_ids, token_ids=completion.token_ids)
+            choices.append(choice)
     return JSONResponse(
         {
             "id": response_id,
@@ -162,19 +165,16 @@ async def _stream(
             if text or reason is not None or delta.is_first:
                 logprobs = _choice_logprobs(body, output, completion, delta.first_token)
                 tracker.sent(index, completion)
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                choice["stop_reason"] = None
+                if body.return_token_ids:  # vLLM's: the prompt's ids once, each chunk's own ids
+                    choice["token_ids"] = completion.token_ids[delta.first_token :]
+                    if delta.is_first:
+                        choice["prompt_token_ids"] = output.prompt_token_ids
+                if body.prompt_logprobs is not None and delta.is_first:
+                    choice["prompt_logprobs"] = prompt_logprobs(output)
                 # One choice per chunk, as OpenAI and vLLM send them: clients read `choices[0]`.
-                yield chunk(
-                    [
-                        {
-                            "index": index,
-                            "text": text,
-                            "logprobs": logprobs,
-                            "finish_reason": reason,
-                            "stop_reason": None,
-                        }
-                    ],
-                    chunk.so_far(output.usage.prompt_tokens, len(completion.token_ids)),
-                )
+                yield chunk([choice], chunk.so_far(output.usage.prompt_tokens, len(completion.token_ids)))
         if output.finished:
             finals[prompt_index] = output
     if chunk.include_usage:

@@ -48,17 +48,35 @@ class ChunkWriter:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    def __call__(self, choices: list[dict[str, Any]], usage_value: dict[str, Any] | None = None) -> str:
+    def __call__(self, choices: list[dict[str, Any]], usage_value: dict[str, Any] | None = None, **fields: Any) -> str:
+        """One chunk; `fields` go beside `choices` (vLLM's `prompt_token_ids`)."""
         data: dict[str, Any] = {
             "id": self.response_id,
             "object": self.kind,
             "created": self.created,
             "model": self.model,
             "choices": choices,
+            **fields,
         }
         if self.include_usage:
             data["usage"] = usage_value
         return sse(data)
+
+
+def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position (the first has none), token id ->
+    its logprob, rank and text."""
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in position.items()
+        }
+        for position in output.prompt_logprobs
+    ]
 
 
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:

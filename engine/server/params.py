@@ -36,6 +36,8 @@ def sampling_params(
     constraint = structured_outputs(body)
     if constraint is not None:
         fields["structured_outputs"] = constraint
+    if body.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = body.prompt_logprobs
     if body.kv_transfer_params is not None:
         fields["extra_args"] = {"kv_transfer_params": body.kv_transfer_params}
     return SamplingParams(
@@ -47,7 +49,7 @@ def sampling_params(
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
-        **(fields | extra),  # the route's own say wins (a required tool call's constraint)
+        **(fields | extra),  # the route's own say wins (a required tool call's constraint, echo's logprobs)
     )
 
 

@@ -4,6 +4,7 @@ streaming, n, logprobs, stop, seeds, errors, disconnects, continuous batching.""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 from pathlib import Path
 
@@ -186,6 +187,30 @@ def test_chat_prefill_continues_the_last_message(tiny_server: EngineServer, clie
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
     narrated = [{"role": "narrator", "content": "Once."}, {"role": "user", "content": "Go on."}]
     assert client.chat.completions.create(messages=narrated, **greedy).choices[0].message.content is not None
+
+
+def test_token_level_outputs_as_vllm_returns_them(tiny_server: EngineServer) -> None:
+    """`return_token_ids`: the prompt's and the answer's ids (streamed: the prompt's once,
+    each chunk its own); `prompt_logprobs`: one entry per prompt position, the first None,
+    each with the prompt's own token."""
+    url, model = tiny_server.url, tiny_server.model
+    prompt = [11, 12, 13, 14, 15, 16]
+    args = {"model": model, "max_tokens": 5, "temperature": 0.0, "return_token_ids": True, "prompt_logprobs": 2}
+    whole = httpx.post(f"{url}/v1/completions", json={**args, "prompt": prompt}).json()["choices"][0]
+    assert whole["prompt_token_ids"] == prompt and len(whole["token_ids"]) == 5
+    positions = whole["prompt_logprobs"]
+    assert len(positions) == len(prompt) and positions[0] is None
+    assert all(str(token) in position for token, position in zip(prompt[1:], positions[1:], strict=True))
+    with httpx.stream("POST", f"{url}/v1/completions", json={**args, "prompt": prompt, "stream": True}) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    choices = [event["choices"][0] for event in events if event["choices"]]
+    assert choices[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in choices[1:])
+    assert [t for c in choices for t in c["token_ids"]] == whole["token_ids"]
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={**args, "messages": messages}).json()
+    tokenized = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat["prompt_token_ids"] == tokenized and len(chat["choices"][0]["token_ids"]) == 5
+    assert len(chat["prompt_logprobs"]) == len(tokenized)
 
 
 def test_the_callers_request_id_names_the_response_as_vllm_does(tiny_server: EngineServer) -> None:
