@@ -83,6 +83,7 @@ class _SamplingFields(BaseModel):
     # vLLM's token-level outputs: the prompt's and the answer's token ids, and the prompt's logprobs.
     return_token_ids: bool = False
     prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's)
 
     @field_validator("stream_options")
     @classmethod

@@ -1,13 +1,16 @@
 """Which attention backend an engine uses: one registration per backend.
 
 `auto` picks the Triton kernels on CUDA; on a CPU the compiled operator if it can be built
-and loaded here (else, with one warning, plain torch).
+and loaded here and takes the dtype (float32, bfloat16), else plain torch (with one warning
+if the operator could not be built).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+
+import torch
 
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.layers.attention import AttentionBackend, CacheSpec
@@ -19,12 +22,19 @@ def _torch(spec: CacheSpec) -> AttentionBackend:
     return TorchAttentionBackend(spec)
 
 
+CPU_OPERATOR_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _cpu(spec: CacheSpec) -> AttentionBackend:
     from pagefleet.engine.layers.cpu_attention import CpuAttentionBackend
     from pagefleet.kernels import cpu_ops
 
     if spec.device.type != "cpu":
         raise InvalidParameterError("attention_backend", "the compiled CPU operator runs on the CPU only")
+    if spec.dtype not in CPU_OPERATOR_DTYPES:
+        raise InvalidParameterError(
+            "attention_backend", f"the compiled CPU operator takes float32 or bfloat16, not {spec.dtype}; use torch"
+        )
     if not cpu_ops.load():
         raise InvalidParameterError("attention_backend", "the compiled CPU operator could not be built (see the log)")
     return CpuAttentionBackend(spec)
@@ -53,5 +63,6 @@ def select_backend(choice: str, spec: CacheSpec) -> AttentionBackend:
         else:
             from pagefleet.kernels import cpu_ops
 
-            choice = "cpu" if cpu_ops.load() else "torch"  # load() warns once if not
+            # float16 on a CPU runs on torch's own kernels (the compiled operator has no float16).
+            choice = "cpu" if spec.dtype in CPU_OPERATOR_DTYPES and cpu_ops.load() else "torch"
     return BACKENDS[choice](spec)

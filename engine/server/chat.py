@@ -14,7 +14,7 @@ from pagefleet.engine.chat_template import apply_chat_template, template_takes_t
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.sampling_params import MAX_LOGPROBS
 from pagefleet.engine.server.errors import OpenAIError
-from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_logprobs, sse, usage
+from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_logprobs, sse, token_name, usage
 from pagefleet.engine.server.generation import (
     DeltaTracker,
     Outputs,
@@ -45,15 +45,16 @@ def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput, start: 
         return None
     num_top = body.top_logprobs or 0
 
-    def entry(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    def entry(token_id: int, text: str, logprob: float) -> dict[str, Any]:
+        name = token_name(token_id, text, body.return_tokens_as_token_ids)
+        return {"token": name, "logprob": logprob, "bytes": list(text.encode())}
 
     content = []
     for token_id, position in zip(completion.token_ids[start:], completion.logprobs[start:], strict=True):
         chosen = position[token_id]
-        item = entry(chosen.decoded_token, chosen.logprob)
-        top = sorted((lp for lp in position.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
-        item["top_logprobs"] = [entry(lp.decoded_token, lp.logprob) for lp in top]
+        item = entry(token_id, chosen.decoded_token, chosen.logprob)
+        top = sorted((pair for pair in position.items() if pair[1].rank <= num_top), key=lambda pair: pair[1].rank)
+        item["top_logprobs"] = [entry(tid, lp.decoded_token, lp.logprob) for tid, lp in top]
         content.append(item)
     return {"content": content}
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pagefleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
-from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_logprobs, sse, usage
+from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_logprobs, sse, token_name, usage
 from pagefleet.engine.server.generation import (
     DeltaTracker,
     Outputs,
@@ -56,8 +56,8 @@ def _params(body: CompletionRequest) -> SamplingParams:
 class _LogprobsBuilder:
     """The completions API's logprobs object, built up position by position."""
 
-    def __init__(self, num_top: int) -> None:
-        self.num_top = num_top
+    def __init__(self, num_top: int, as_ids: bool) -> None:
+        self.num_top, self.as_ids = num_top, as_ids
         self.value: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.offset = 0
 
@@ -66,8 +66,13 @@ class _LogprobsBuilder:
             text, logprob, top = "", None, None
         else:
             chosen = position[token_id]
-            text, logprob = chosen.decoded_token, chosen.logprob
-            top = {lp.decoded_token: lp.logprob for lp in position.values() if lp.rank <= self.num_top}
+            text, logprob = token_name(token_id, chosen.decoded_token, self.as_ids), chosen.logprob
+            # The chosen token and the top `logprobs` (vLLM's: `logprobs: 0` gives the chosen alone).
+            top = {
+                token_name(tid, lp.decoded_token, self.as_ids): lp.logprob
+                for tid, lp in position.items()
+                if lp.rank <= self.num_top or tid == token_id
+            }
         self.value["tokens"].append(text)
         self.value["token_logprobs"].append(logprob)
         self.value["top_logprobs"].append(top)
@@ -82,7 +87,7 @@ def _choice_logprobs(
     if completion.logprobs is None or body.logprobs is None:
         return None
     echo = body.echo
-    builder = _LogprobsBuilder(body.logprobs)
+    builder = _LogprobsBuilder(body.logprobs, body.return_tokens_as_token_ids)
     if echo and start == 0 and output.prompt_logprobs is not None:
         for token_id, position in zip(output.prompt_token_ids, output.prompt_logprobs, strict=False):
             builder.add(token_id, position)

@@ -63,6 +63,11 @@ class ChunkWriter:
         return sse(data)
 
 
+def token_name(token_id: int, text: str, as_ids: bool) -> str:
+    """How logprobs name a token: its text, or vLLM's `token_id:<id>` when asked."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
 def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt position (the first has none), token id ->
     its logprob, rank and text."""

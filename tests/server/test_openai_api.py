@@ -211,6 +211,15 @@ def test_token_level_outputs_as_vllm_returns_them(tiny_server: EngineServer) -> 
     tokenized = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
     assert chat["prompt_token_ids"] == tokenized and len(chat["choices"][0]["token_ids"]) == 5
     assert len(chat["prompt_logprobs"]) == len(tokenized)
+    # `logprobs: 0`: the chosen token's logprob alone; `return_tokens_as_token_ids` names tokens by id.
+    zero = {"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0.0, "logprobs": 0}
+    logprobs = httpx.post(f"{url}/v1/completions", json=zero).json()["choices"][0]["logprobs"]
+    assert [list(top) for top in logprobs["top_logprobs"]] == [[token] for token in logprobs["tokens"]]
+    as_ids = httpx.post(f"{url}/v1/completions", json={**zero, "return_tokens_as_token_ids": True}).json()
+    assert as_ids["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in whole["token_ids"]]
+    named = {"model": model, "messages": messages, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    content = httpx.post(f"{url}/v1/chat/completions", json={**named, "return_tokens_as_token_ids": True}).json()
+    assert all(item["token"].startswith("token_id:") for item in content["choices"][0]["logprobs"]["content"])
 
 
 def test_the_callers_request_id_names_the_response_as_vllm_does(tiny_server: EngineServer) -> None:
