@@ -1,6 +1,7 @@
-"""The two proxied routes, POST /v1/completions and /v1/chat/completions, as plain ASGI in
-front of FastAPI: they are the hot path, and FastAPI's request and response machinery cost
-more than the rest of the hop. Everything else goes to the FastAPI app behind."""
+"""The proxied routes, POST /v1/completions, /v1/chat/completions and Anthropic's
+/v1/messages (and its count_tokens), as plain ASGI in front of FastAPI: they are the hot
+path, and FastAPI's request and response machinery cost more than the rest of the hop.
+Everything else goes to the FastAPI app behind."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from pagefleet.gateway.admission import Admission
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import Proxy, forwarded_headers
-from pagefleet.gateway.shape import SESSION_HEADER
+from pagefleet.gateway.shape import SESSION_HEADER, anthropic_as_chat
 from pagefleet.protocol.http import until_disconnected
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
-PROXIED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS})
+MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"  # Anthropic's
+PROXIED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, MESSAGES, COUNT_TOKENS})
+CHAT_PATHS = frozenset({CHAT_COMPLETIONS, MESSAGES, COUNT_TOKENS})
 
 
 class ProxiedRoutes:
@@ -41,7 +44,11 @@ class ProxiedRoutes:
         try:
             body = await self._read_body(receive, values.get(b"content-length"))
             authorization = values.get(b"authorization", b"").decode("latin-1")
-            shape = await self.admission.admit(authorization, body, chat=path == CHAT_COMPLETIONS)
+            if not authorization and b"x-api-key" in values:  # Anthropic's clients send their key so
+                authorization = "Bearer " + values[b"x-api-key"].decode("latin-1")
+            shape = await self.admission.admit(authorization, body, chat=path in CHAT_PATHS)
+            if path != CHAT_COMPLETIONS and path in CHAT_PATHS:
+                shape.payload = anthropic_as_chat(shape.payload)
             session = values.get(SESSION_HEADER.encode())
             if session:
                 shape.session = session.decode("latin-1")
@@ -54,7 +61,7 @@ class ProxiedRoutes:
             trace.get_current_span().set_attributes(
                 {
                     "gen_ai.request.model": shape.model,
-                    "gen_ai.operation.name": "chat" if path == CHAT_COMPLETIONS else "text_completion",
+                    "gen_ai.operation.name": "chat" if path in CHAT_PATHS else "text_completion",
                     "pagefleet.request_id": request_id.decode("latin-1"),
                 }
             )

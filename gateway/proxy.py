@@ -61,6 +61,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
+# The routes whose requests carry vLLM's kv_transfer_params; Anthropic's go whole to a replica.
+_DISAGGREGATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
@@ -114,7 +116,7 @@ class Proxy:
         """The first replica's answer that is not a failure of its own; raises a Refusal
         (503) when no replica of the model could take the request.
 
-        A model with prefill and decode replicas is served disaggregated: the prompt on a
+        A model with prefill and decode replicas is served disaggregated (OpenAI's routes): the prompt on a
         prefill replica, then the request on a decode replica that pulls the prompt's KV.
         If that fails before the first byte (no prefill replica left, a failed pull), one
         replica runs the whole request.
@@ -122,7 +124,7 @@ class Proxy:
         A LoRA adapter that no live replica serves but the catalog knows is loaded first on
         the best replica of its base model."""
         await self.ensure_adapter(shape, headers)
-        if self.router.is_disaggregated(shape.model):
+        if self.router.is_disaggregated(shape.model) and path in _DISAGGREGATED_PATHS:
             relay = await self._forward_disaggregated(path, body, headers, shape, request_id)
             self.metrics.disaggregated.labels(shape.model, "paired" if relay else "fallback").inc()
             if relay is not None:

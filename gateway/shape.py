@@ -10,7 +10,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from pagefleet.gateway.errors import bad_request
+from pagefleet.protocol.anthropic import CountTokensRequest, as_chat_request
 
 _CHARS_PER_TOKEN = 4  # a rough estimate of a prompt's tokens from its text
 _DEFAULT_CHAT_TOKENS = 256  # what a chat request without max_tokens is assumed to take
@@ -53,6 +56,17 @@ def _text_tokens(value: Any) -> tuple[int, str]:
     return 0, ""
 
 
+def anthropic_as_chat(payload: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic Messages body as the chat body the replica will turn it into, so its
+    prompt is hashed as the engine computes it; as it is if it does not validate (the
+    replica will say why, and it is routed by load)."""
+    try:
+        chat = as_chat_request(CountTokensRequest.model_validate(payload))
+    except ValidationError:
+        return payload
+    return chat.model_dump(exclude_none=True)
+
+
 def describe(body: bytes, chat: bool) -> RequestShape:
     """The shape of a completions (`chat=False`) or chat completions body; a body that is
     not a JSON object naming a model is a Refusal (400)."""
@@ -68,6 +82,8 @@ def describe(body: bytes, chat: bool) -> RequestShape:
     if chat:
         messages = payload.get("messages") or []
         texts = [str(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        if isinstance(payload.get("system"), str):  # Anthropic's system prompt
+            texts.insert(0, payload["system"])
         prompt_tokens, prefix = _text_tokens("\n".join(texts))
         max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or _DEFAULT_CHAT_TOKENS
     else:

@@ -34,6 +34,7 @@ from pagefleet.engine.server.completions import create_completion
 from pagefleet.engine.server.errors import OpenAIError, install_error_handlers
 from pagefleet.engine.server.kv_transfer import KVTransfers, add_kv_routes
 from pagefleet.engine.server.lora import Adapters, add_lora_routes, parse_lora_modules
+from pagefleet.engine.server.messages import add_messages_routes
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.publisher import CapacityPublisher
 from pagefleet.engine.server.settings import ServerSettings
@@ -234,6 +235,7 @@ def create_app(
     add_kv_routes(app, state.transfers, lambda: state.ready_engine(None))
     add_lora_routes(app, state.adapters, lambda: state.ready_engine(None))
     add_tokenizer_route(app, settings.model_name, lambda: state.ready_engine(None))
+    add_messages_routes(app, state)
     if tracer is not None:
         app.add_middleware(ServerSpans, tracer=tracer, paths=TRACED_PATHS)
     return app

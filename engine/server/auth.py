@@ -1,6 +1,7 @@
-"""vLLM's `--api-key`: the OpenAI routes (`/v1/...`) answer only callers that present one of
-the keys as `Authorization: Bearer <key>`; health, metrics and the fleet's own routes stay
-open, as in vLLM, so probes, Prometheus and the gateway's reads need no key."""
+"""vLLM's `--api-key`: the API routes (`/v1/...`) answer only callers that present one of
+the keys as `Authorization: Bearer <key>` (or, as Anthropic's clients send it, `x-api-key`);
+health, metrics and the fleet's own routes stay open, as in vLLM, so probes, Prometheus
+and the gateway's reads need no key."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class APIKeyGuard:
         await response(scope, receive, send)
 
     def _presented_a_key(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        presented = token.strip() if scheme.lower() == b"bearer" else headers.get(b"x-api-key", b"")
         # compare_digest: the time a comparison takes says nothing about a key.
-        return scheme.lower() == b"bearer" and any(hmac.compare_digest(token.strip(), key) for key in self.keys)
+        return bool(presented) and any(hmac.compare_digest(presented, key) for key in self.keys)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -59,7 +60,25 @@ def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput, start: 
     return {"content": content}
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, header_id: str | None = None) -> Any:
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request started in the engine: what the routes that answer it need."""
+
+    response_id: str
+    prompt: list[int]
+    stream: Outputs  # its first output already arrived (bad input failed before)
+    calling: ToolPlan | None  # the tools whose calls the answer is parsed for
+
+
+async def start_chat(
+    state: ServerState, body: ChatCompletionRequest, header_id: str | None, id_prefix: str = "chatcmpl"
+) -> ChatRun:
+    """Validate, render, tokenize and start a chat request (the OpenAI route's and the
+    Anthropic route's common part).
+
+    Raises:
+        OpenAIError and the engine's InvalidParameterError: bad input, before any output.
+    """
     engine = state.ready_engine(body.model)
     state.admit(engine)
     extra: dict[str, Any] = {}
@@ -75,11 +94,17 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         extra["structured_outputs"] = constraint
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
     lora = state.adapters.request_for(body.model)
-    response_id = response_id_for("chatcmpl", header_id, body.request_id)
+    response_id = response_id_for(id_prefix, header_id, body.request_id)
     prompt = chat_prompt(engine, body)
     outputs = generate(state, engine, prompt, params, lora, "chat", response_id, cache_salt=body.cache_salt)
     stream = await first_and_rest(outputs)
     calling = tools if tools is not None and tools.parses_calls else None
+    return ChatRun(response_id, prompt, stream, calling)
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, header_id: str | None = None) -> Any:
+    run = await start_chat(state, body, header_id)
+    response_id, prompt, stream, calling = run.response_id, run.prompt, run.stream, run.calling
     if body.stream:
         model, force_usage = state.served_name(body.model), state.settings.enable_force_include_usage
         chunk = ChunkWriter.for_request(response_id, "chat.completion.chunk", model, body.stream_options, force_usage)

@@ -47,6 +47,24 @@ def test_models_and_the_openai_client_through_the_gateway(fleet: Fleet) -> None:
     assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_anthropics_client_through_the_gateway(fleet: Fleet) -> None:
+    """/v1/messages is routed by model like chat and answered as the replica answers it."""
+    import anthropic
+
+    wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 2)
+    args = dict(model="tiny", max_tokens=5, temperature=0.0, system="Be brief.")
+    messages = [{"role": "user", "content": "hi"}]
+    through = anthropic.Anthropic(base_url=fleet.gateway.url, api_key="unused", max_retries=0)
+    direct = anthropic.Anthropic(base_url=fleet.replicas["tiny-a"].url, api_key="unused", max_retries=0)
+    answer = through.messages.create(messages=messages, **args)
+    assert answer.content[0].text == direct.messages.create(messages=messages, **args).content[0].text
+    assert answer.stop_reason == "max_tokens" and answer.usage.output_tokens == 5
+    with through.messages.stream(messages=messages, **args) as stream:
+        assert "".join(stream.text_stream) == answer.content[0].text
+    counted = through.messages.count_tokens(model="tiny", system="Be brief.", messages=messages)
+    assert counted.input_tokens == answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
+
+
 def test_streaming_through_the_gateway_is_token_identical(fleet: Fleet) -> None:
     body = {
         "model": "tiny",
@@ -155,6 +173,10 @@ def test_api_keys_and_rate_limits_shared_by_two_gateways(fleet: Fleet, tmp_path:
         assert statuses[3] == 429
         refused = httpx.post(f"{urls[1]}/v1/completions", json={"model": "tiny", "prompt": "hi"}, headers=key)
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert (  # Anthropic's clients send their key as x-api-key
+            httpx.post(f"{urls[0]}/v1/messages", json={"model": "tiny"}, headers={"x-api-key": "nope"}).status_code
+            == 401
+        )
         other = {"Authorization": "Bearer key-two"}
         assert (
             httpx.post(

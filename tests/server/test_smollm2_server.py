@@ -220,3 +220,32 @@ def test_a_required_call_of_a_tool_with_nested_models(smollm2_server: EngineServ
             Booking.model_validate(json.loads(call.function.arguments))
         else:
             assert call.function.name == "get_time" and "city" in json.loads(call.function.arguments)
+
+
+def test_a_tool_use_round_trip_with_the_anthropic_client(smollm2_server: EngineServer) -> None:
+    """Anthropic's Messages API: `tool_choice: any` makes SmolLM2 call a tool (constrained,
+    so its input is valid), streamed as Anthropic streams tool use; the conversation goes
+    on with the `tool_result`."""
+    import anthropic
+    import jsonschema
+
+    client = anthropic.Anthropic(base_url=smollm2_server.url, api_key="unused", max_retries=0)
+    weather = WEATHER_TOOL["function"]
+    tool = {"name": weather["name"], "description": weather["description"], "input_schema": weather["parameters"]}
+    question = {"role": "user", "content": "What is the weather like in Paris?"}
+    args = dict(model="smollm2-135m-instruct", max_tokens=120, temperature=0.0, tools=[tool])
+    message = client.messages.create(messages=[question], tool_choice={"type": "any"}, **args)
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and uses and all(use.name == "get_weather" for use in uses)
+    jsonschema.validate(uses[0].input, weather["parameters"])
+    assert uses[0].id.startswith("toolu_")
+    with client.messages.stream(messages=[question], tool_choice={"type": "any"}, **args) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(u.name, u.input) for u in uses]
+    result = {"type": "tool_result", "tool_use_id": uses[0].id, "content": '{"temperature": 21, "sky": "clear"}'}
+    follow_up = client.messages.create(
+        messages=[question, {"role": "assistant", "content": message.content}, {"role": "user", "content": [result]}],
+        tool_choice={"type": "none"},
+        **args,
+    )
+    assert follow_up.content[0].type == "text" and follow_up.content[0].text
