@@ -2,7 +2,8 @@
 
 Every operation gets a bounded number of generated requests, both valid ones (positive) and
 ones that break the schema (negative), from a fixed seed so that a run is reproducible. The
-property: no input gives a 5xx, and every error is an OpenAI-shaped JSON body.
+property: no input gives a 5xx, and every error is a JSON body in its API's shape (OpenAI's;
+Anthropic's on its Messages routes).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ class FuzzReport:
     failures: list[str] = field(default_factory=list)
 
 
-def _is_openai_error(content: bytes) -> bool:
+def _is_api_error(content: bytes, path: str) -> bool:
     try:
-        error = json.loads(content)["error"]
+        body = json.loads(content)
+        error = body["error"]
     except (ValueError, KeyError, TypeError):
         return False
+    if path.startswith("/v1/messages"):  # Anthropic's shape
+        return body.get("type") == "error" and isinstance(error, dict) and {"message", "type"} <= error.keys()
     return isinstance(error, dict) and {"message", "type", "code"} <= error.keys()
 
 
@@ -75,7 +79,7 @@ def _fuzz(
         response = case.call(base_url=base_url, timeout=60)
         report.num_requests += 1
         report.statuses[response.status_code] = report.statuses.get(response.status_code, 0) + 1
-        bad_error = response.status_code >= 400 and not _is_openai_error(response.content)
+        bad_error = response.status_code >= 400 and not _is_api_error(response.content, operation.path)
         if response.status_code >= 500 or bad_error:
             report.failures.append(
                 f"{operation.label} ({mode.value}) -> {response.status_code} {response.text[:200]!r}"

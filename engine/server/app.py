@@ -31,7 +31,7 @@ from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.auth import APIKeyGuard
 from pagefleet.engine.server.chat import chat_prompt, create_chat_completion
 from pagefleet.engine.server.completions import create_completion
-from pagefleet.engine.server.errors import OpenAIError, install_error_handlers
+from pagefleet.engine.server.errors import OpenAIError, error_for, install_error_handlers
 from pagefleet.engine.server.kv_transfer import KVTransfers, add_kv_routes
 from pagefleet.engine.server.lora import Adapters, add_lora_routes, parse_lora_modules
 from pagefleet.engine.server.messages import add_messages_routes
@@ -88,7 +88,7 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and int(declared) > self.limit:
-            await self._reject(send)
+            await self._reject(scope["path"], send)
             return
         received = 0
 
@@ -103,10 +103,10 @@ class BodySizeLimit:
         try:
             await self.app(scope, counting_receive, send)
         except _BodyTooLarge:
-            await self._reject(send)
+            await self._reject(scope["path"], send)
 
-    async def _reject(self, send: Send) -> None:
-        response = error_json(413, f"The request body exceeds {self.limit} bytes.")
+    async def _reject(self, path: str, send: Send) -> None:
+        response = error_for(path, 413, f"The request body exceeds {self.limit} bytes.")
         await response({"type": "http"}, _no_receive, send)
 
 

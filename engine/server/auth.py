@@ -9,7 +9,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagefleet.engine.server.errors import error_json
+from pagefleet.engine.server.errors import error_for
 
 
 class APIKeyGuard:
@@ -21,7 +21,8 @@ class APIKeyGuard:
         if scope["type"] != "http" or not scope["path"].startswith("/v1") or self._presented_a_key(scope):
             await self.app(scope, receive, send)
             return
-        response = error_json(401, "Unauthorized: send one of the server's API keys as `Authorization: Bearer <key>`")
+        message = "Unauthorized: send one of the server's API keys as `Authorization: Bearer <key>` or `x-api-key`"
+        response = error_for(scope["path"], 401, message)
         await response(scope, receive, send)
 
     def _presented_a_key(self, scope: Scope) -> bool:

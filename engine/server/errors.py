@@ -1,4 +1,6 @@
-"""Every error the replica answers is OpenAI-shaped JSON, whatever raised it.
+"""Every error the replica answers is JSON in its API's shape, whatever raised it: OpenAI's
+(`{"error": {...}}`), or Anthropic's (`{"type": "error", "error": {...}}`) on its
+Messages routes (`error_for`).
 
 Known errors map to their status: invalid input (pydantic, `InvalidParameterError`) is 400
 naming the field, a request that failed inside the engine is 500, a stopped engine is 503.
@@ -16,6 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagefleet.engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError
+from pagefleet.protocol.anthropic import error_body as anthropic_error
 from pagefleet.protocol.http import error_json
 
 logger = logging.getLogger(__name__)
@@ -27,6 +30,18 @@ class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def error_for(
+    path: str, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The error answer of a request to `path`, in that API's shape."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
+    return error_json(status, message, param, headers)
 
 
 def _validation_message(errors: list[dict[str, object]]) -> tuple[str, str | None]:
@@ -52,30 +67,30 @@ def status_of(error: BaseException) -> tuple[int, str]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
-        return error_json(error.status, error.message, error.param, error.headers)
+    async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+        return error_for(request.url.path, error.status, error.message, error.param, error.headers)
 
     @app.exception_handler(InvalidParameterError)
-    async def invalid_parameter(_: Request, error: InvalidParameterError) -> JSONResponse:
-        return error_json(400, str(error), error.param)
+    async def invalid_parameter(request: Request, error: InvalidParameterError) -> JSONResponse:
+        return error_for(request.url.path, 400, str(error), error.param)
 
     @app.exception_handler(RequestValidationError)
-    async def request_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return error_json(400, *_validation_message(list(error.errors())))
+    async def request_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return error_for(request.url.path, 400, *_validation_message(list(error.errors())))
 
     @app.exception_handler(ValidationError)
-    async def validation_error(_: Request, error: ValidationError) -> JSONResponse:
+    async def validation_error(request: Request, error: ValidationError) -> JSONResponse:
         # A model built inside a handler from request data: still the client's input.
-        return error_json(400, *_validation_message(list(error.errors())))  # type: ignore[arg-type]
+        return error_for(request.url.path, 400, *_validation_message(list(error.errors())))  # type: ignore[arg-type]
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
-        return error_json(*status_of(error))
+    async def engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
+        return error_for(request.url.path, *status_of(error))
 
     @app.exception_handler(RequestFailedError)
-    async def request_failed(_: Request, error: RequestFailedError) -> JSONResponse:
-        return error_json(*status_of(error))
+    async def request_failed(request: Request, error: RequestFailedError) -> JSONResponse:
+        return error_for(request.url.path, *status_of(error))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_json(error.status_code, str(error.detail))
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_for(request.url.path, error.status_code, str(error.detail))

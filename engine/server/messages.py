@@ -6,8 +6,8 @@ runs through the same start (chat.start_chat: template, tools, constraints, engi
 is answered in Anthropic's shapes: content blocks (`text`, `tool_use`), `stop_reason`,
 `usage`, and when streamed Anthropic's event sequence (`message_start`,
 `content_block_start`/`_delta`/`_stop`, `message_delta`, `message_stop`). Errors come in
-Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), before a stream
-starts as a status, after it as an `error` event.
+Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`): before a stream
+starts as a status (errors.error_for, by path), after it as an `error` event.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.server.chat import ChatRun, chat_prompt, start_chat
@@ -36,50 +35,16 @@ logger = logging.getLogger(__name__)
 
 def add_messages_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        try:
-            body = MessagesRequest.model_validate(await _json(request))
-            run = await start_chat(state, as_chat_request(body), request.headers.get("x-request-id"), "msg")
-        except Exception as error:  # every refusal in Anthropic's shape
-            return _error_response(error)
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        run = await start_chat(state, as_chat_request(body), request.headers.get("x-request-id"), "msg")
         if body.stream:
             return EventStreamResponse(_stream(state, body, run))
         answer = await cancel_on_disconnect(request, _answer(state, body, run))
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
     @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        try:
-            body = CountTokensRequest.model_validate(await _json(request))
-            prompt = chat_prompt(state.ready_engine(body.model), as_chat_request(body))
-        except Exception as error:
-            return _error_response(error)
-        return JSONResponse({"input_tokens": len(prompt)})
-
-
-async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except ValueError as error:
-        raise _BadRequest(f"the body is not JSON: {error}") from None
-
-
-class _BadRequest(Exception):
-    pass
-
-
-def _error_response(error: Exception) -> JSONResponse:
-    if isinstance(error, ValidationError):
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        status, message = 400, f"{where}: {first['msg']}" if where else first["msg"]
-    elif isinstance(error, _BadRequest):
-        status, message = 400, str(error)
-    else:
-        status, message = status_of(error)
-        if status >= 500:
-            logger.error("a messages request failed (%d): %s", status, message, exc_info=error)
-    return JSONResponse(error_body(status, message), status_code=status)
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        return {"input_tokens": len(chat_prompt(state.ready_engine(body.model), as_chat_request(body)))}
 
 
 def _stop(body: MessagesRequest, completion: CompletionOutput, called: bool) -> tuple[str, str | None]:
