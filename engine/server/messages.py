@@ -36,15 +36,18 @@ logger = logging.getLogger(__name__)
 def add_messages_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        run = await start_chat(state, as_chat_request(body), request.headers.get("x-request-id"), "msg")
-        if body.stream:
-            return EventStreamResponse(_stream(state, body, run))
-        answer = await cancel_on_disconnect(request, _answer(state, body, run))
-        return answer if isinstance(answer, Response) else JSONResponse(answer)
+        return await cancel_on_disconnect(request, _respond(state, body, request.headers.get("x-request-id")))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         return {"input_tokens": len(chat_prompt(state.ready_engine(body.model), as_chat_request(body)))}
+
+
+async def _respond(state: ServerState, body: MessagesRequest, header_id: str | None) -> Response:
+    run = await start_chat(state, as_chat_request(body), header_id, "msg")
+    if body.stream:
+        return EventStreamResponse(_stream(state, body, run))
+    return JSONResponse(await _answer(state, body, run))
 
 
 def _stop(body: MessagesRequest, completion: CompletionOutput, called: bool) -> tuple[str, str | None]:
