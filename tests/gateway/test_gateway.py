@@ -52,7 +52,7 @@ def test_anthropics_client_through_the_gateway(fleet: Fleet) -> None:
     import anthropic
 
     wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 2)
-    args = dict(model="tiny", max_tokens=5, temperature=0.0, system="Be brief.")
+    args = dict(model="tiny", max_tokens=5, extra_body={"temperature": 0.0}, system="Be brief.")
     messages = [{"role": "user", "content": "hi"}]
     through = anthropic.Anthropic(base_url=fleet.gateway.url, api_key="unused", max_retries=0)
     direct = anthropic.Anthropic(base_url=fleet.replicas["tiny-a"].url, api_key="unused", max_retries=0)

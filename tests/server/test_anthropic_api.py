@@ -12,6 +12,7 @@ import pytest
 from tests.processes import EngineServer, idle_with_every_block_free, wait_for
 
 SYSTEM, QUESTION = "Be brief.", "Hello there"
+GREEDY = {"temperature": 0.0}  # still Anthropic's field, though its newest client no longer names it
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def _chat_answer(server: EngineServer, max_tokens: int) -> openai.types.chat.Cha
 
 
 def test_a_message_is_the_chat_routes_answer(tiny_server: EngineServer, client: anthropic.Anthropic) -> None:
-    args = dict(model=tiny_server.model, max_tokens=8, system=SYSTEM, temperature=0.0)
+    args = dict(model=tiny_server.model, max_tokens=8, system=SYSTEM, extra_body=GREEDY)
     message = client.messages.create(messages=[{"role": "user", "content": QUESTION}], **args)
     chat = _chat_answer(tiny_server, 8)
     assert message.type == "message" and message.role == "assistant" and message.model == tiny_server.model
@@ -53,14 +54,14 @@ def test_stop_sequences_and_a_conversation_with_an_assistant_turn(
     tiny_server: EngineServer, client: anthropic.Anthropic
 ) -> None:
     free = client.messages.create(
-        model=tiny_server.model, max_tokens=12, temperature=0.0, messages=[{"role": "user", "content": QUESTION}]
+        model=tiny_server.model, max_tokens=12, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}]
     )
     text = free.content[0].text
     stop = text[4:7]
     stopped = client.messages.create(
         model=tiny_server.model,
         max_tokens=12,
-        temperature=0.0,
+        extra_body=GREEDY,
         stop_sequences=[stop],
         messages=[{"role": "user", "content": QUESTION}],
     )

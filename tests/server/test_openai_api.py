@@ -47,7 +47,7 @@ def test_vllms_metrics_under_its_names_labels_and_buckets(tiny_server: EngineSer
     (none cached) and G generated ones counts once in each request histogram and the success
     counter, and its steps computed P + G - 1 tokens (the last token is sampled, not fed)."""
     before = metrics(tiny_server)
-    prompt = [7, 3, 901, 44, 12, 600, 5, 77, 1000, 23, 8]  # token ids no other test sends
+    prompt = [7, 3, 301, 44, 12, 200, 5, 77, 100, 23, 8]  # token ids no other test sends
     answer = client.completions.create(model=tiny_server.model, prompt=prompt, max_tokens=6, temperature=0.0)
     assert answer.choices[0].finish_reason == "length"
     after = metrics(tiny_server)

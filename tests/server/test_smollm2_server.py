@@ -233,7 +233,7 @@ def test_a_tool_use_round_trip_with_the_anthropic_client(smollm2_server: EngineS
     weather = WEATHER_TOOL["function"]
     tool = {"name": weather["name"], "description": weather["description"], "input_schema": weather["parameters"]}
     question = {"role": "user", "content": "What is the weather like in Paris?"}
-    args = dict(model="smollm2-135m-instruct", max_tokens=120, temperature=0.0, tools=[tool])
+    args = dict(model="smollm2-135m-instruct", max_tokens=120, extra_body={"temperature": 0.0}, tools=[tool])
     message = client.messages.create(messages=[question], tool_choice={"type": "any"}, **args)
     uses = [block for block in message.content if block.type == "tool_use"]
     assert message.stop_reason == "tool_use" and uses and all(use.name == "get_weather" for use in uses)
