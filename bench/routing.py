@@ -225,16 +225,18 @@ def plot(results: dict[str, dict[str, dict[float, dict[str, object]]]], path: Pa
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    routers = list(dict.fromkeys(router for cells in results.values() for router in cells))
     for axis, (workload, cells) in zip(axes[0], results.items(), strict=True):
         for router, by_rate in cells.items():
             rates = sorted(by_rate)
             style = "-" if router.startswith("pagefleet") else "--"
-            axis.plot(rates, [by_rate[r]["goodput"] for r in rates], style, marker="o", label=router)
+            color = f"C{routers.index(router) % 10}"  # one colour per router in every panel
+            axis.plot(rates, [by_rate[r]["goodput"] for r in rates], style, marker="o", color=color, label=router)
         axis.set_title(f"{workload}: goodput by offered load")
         axis.set_xlabel("requests (sessions) per second offered")
         axis.set_ylabel("requests meeting the TTFT SLO per second")
         axis.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+        axis.legend(fontsize=6)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     progress(f"plot written to {path}")
