@@ -94,22 +94,20 @@ class VLLMRequestMetrics:
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_TIME_BUCKETS
         )
-        self.queue = histogram(
-            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS
-        )
-        self.inference = histogram(
-            "request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_TIME_BUCKETS,
-        )
-        self.prefill = histogram(
-            "request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_TIME_BUCKETS,
-        )
-        self.decode = histogram(
-            "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS
-        )
+        # vLLM's request phases: queued, then running (its prefill, then its decode).
+        self.phase_seconds = {
+            phase: histogram(
+                f"request_{phase}_time_seconds",
+                f"Histogram of time spent in {state} phase for request.",
+                REQUEST_TIME_BUCKETS,
+            )
+            for phase, state in (
+                ("queue", "WAITING"),
+                ("inference", "RUNNING"),
+                ("prefill", "PREFILL"),
+                ("decode", "DECODE"),
+            )
+        }
         self.prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
         self.generation_tokens = histogram(
             "request_generation_tokens", "Number of generation tokens processed.", tokens
@@ -144,10 +142,13 @@ class VLLMRequestMetrics:
         first_token = output.metrics.get("first_token_time")
         if arrived is None or scheduled is None or first_token is None:
             return  # refused or aborted before it ran
-        self.queue.observe(max(0.0, scheduled - arrived))
-        self.inference.observe(max(0.0, finished_at - scheduled))
-        self.prefill.observe(max(0.0, first_token - scheduled))
-        self.decode.observe(max(0.0, finished_at - first_token))
+        for phase, seconds in (
+            ("queue", scheduled - arrived),
+            ("inference", finished_at - scheduled),
+            ("prefill", first_token - scheduled),
+            ("decode", finished_at - first_token),
+        ):
+            self.phase_seconds[phase].observe(max(0.0, seconds))
         later_tokens = max(len(c.token_ids) for c in output.outputs) - 1 if output.outputs else 0
         if later_tokens > 0:
             self.time_per_output_token.observe((finished_at - first_token) / later_tokens)
