@@ -301,7 +301,7 @@ class LLMEngine:
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise InvalidParameterError(
-                    name, f"token id {outside[0]} is out of vocabulary (ids are in [0, {vocab}))"
+                    name, f"token id {outside[0]} is out of vocabulary (token ids are in [0, {vocab}))"
                 )
         if params.bad_words and not params.bad_words_token_ids:
             if self.tokenizer is None:
@@ -319,7 +319,7 @@ class LLMEngine:
         outside = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if outside:
             raise InvalidParameterError(
-                "prompt", f"token id {outside[0]!r} is out of vocabulary (ids are integers in [0, {vocab}))"
+                "prompt", f"token id {outside[0]!r} is out of vocabulary (token ids are integers in [0, {vocab}))"
             )
         if len(token_ids) > self.max_model_len:
             raise PromptTooLongError(
