@@ -114,11 +114,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             return EventStreamResponse(_stream_answers(stream, chunk, calling))
         return EventStreamResponse(_stream(body, stream, chunk, prompt))
     final = await last_output(stream)
+    echoed = _echoed(body)
     choices = []
     for completion in final.outputs:
         message, reason = _answer(completion, calling)
-        if _echoed(body):
-            message["content"] = _echoed(body) + (message["content"] or "")
+        if echoed:
+            message["content"] = echoed + (message["content"] or "")
         choices.append(
             {
                 "index": completion.index,
@@ -195,7 +196,7 @@ async def _stream(
     call's arguments: the first delta opens the call, the others carry its arguments.
     With `return_token_ids` (vLLM's) the first chunk carries the prompt's token ids and
     each delta its own."""
-    prompt_tokens = len(prompt)
+    prompt_tokens, echoed = len(prompt), _echoed(body) if function is None else ""
     for i in range(body.n):
         opening: dict[str, Any] = {"role": "assistant", "content": ""}
         if function is not None:
@@ -204,8 +205,8 @@ async def _stream(
         ids = {"prompt_token_ids": prompt} if body.return_token_ids and i == 0 else {}
         opened = {"index": i, "delta": opening, "logprobs": None, "finish_reason": None}
         yield chunk([opened], chunk.so_far(prompt_tokens, 0), **ids)
-        if _echoed(body) and function is None:
-            echo = {"index": i, "delta": {"content": _echoed(body)}, "logprobs": None, "finish_reason": None}
+        if echoed:
+            echo = {"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}
             yield chunk([echo], chunk.so_far(prompt_tokens, 0))
     tracker = DeltaTracker()
     final: RequestOutput | None = None
