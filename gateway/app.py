@@ -1,6 +1,6 @@
 """The gateway's app, assembled: admission (keys, limits), routing, proxying, and the
-fleet's own routes (models, health, metrics, dashboard). The two proxied routes are plain
-ASGI in front of FastAPI (gateway/forwarding.py)."""
+fleet's own routes (models, health, metrics, dashboard, stored responses). The proxied
+routes are plain ASGI in front of FastAPI (gateway/forwarding.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ from pagefleet.gateway.history import FleetHistory
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import OutlierDetector, Proxy
 from pagefleet.gateway.registry import ReplicaRegistry
+from pagefleet.gateway.responses import stored_response_routes
 from pagefleet.gateway.settings import GatewaySettings
 from pagefleet.gateway.tracing import ProxyTracing
 from pagefleet.gateway.upstream import UpstreamPool
 from pagefleet.protocol import tracing
 from pagefleet.protocol.http import ErrorGuard, error_json
 from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pagefleet.protocol.responses import RESPONSES_PATH, ResponsesRequest
 from pagefleet.protocol.tracing import ServerSpans
 
 
@@ -66,8 +68,9 @@ def create_app(settings: GatewaySettings, tracer_provider: TracerProvider | None
 
     app = FastAPI(title="pagefleet gateway", lifespan=lifespan)
     app.include_router(fleet_routes(core.registry, metrics, history))
+    app.include_router(stored_response_routes(core.registry, core.admission, pool))
     _document_proxied_routes(app)
-    guarded = ErrorGuard(ProxiedRoutes(app, core.admission, proxy, metrics, settings.max_request_bytes))
+    guarded = ErrorGuard(ProxiedRoutes(app, core.admission, proxy, metrics, settings.max_request_bytes, core.responses))
     return ServerSpans(guarded, tracer, PROXIED_PATHS) if tracer is not None else guarded
 
 
@@ -141,6 +144,12 @@ def _document_proxied_routes(app: FastAPI) -> None:
         summary="Chat completions, proxied to a replica",
     )
     def chat_completions(body: ChatCompletionRequest) -> None:
+        """The request schema the replicas validate."""
+
+    @described.post(
+        RESPONSES_PATH, responses=answers, response_model=dict[str, Any], summary="Responses, proxied to a replica"
+    )
+    def create_response(body: ResponsesRequest) -> None:
         """The request schema the replicas validate."""
 
     def openapi() -> dict[str, Any]:

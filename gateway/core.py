@@ -18,6 +18,7 @@ from pagefleet.gateway.prompt_hashes import PromptHashers
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import PrefixRouting, Router
 from pagefleet.gateway.settings import RoutingSettings
+from pagefleet.protocol.response_store import RedisResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class RoutingCore:
         limiter = RateLimiter(self.client, settings.requests_per_minute, settings.tokens_per_minute)
         self.admission = Admission(settings.keys(), self.registry, limiter, metrics)
         self.prefix_index = PrefixIndex(self.client, self.registry)
+        self.responses = RedisResponseStore(self.client)  # read to route a follow-up to its conversation
         self.hashers = PromptHashers(on_ready=lambda model: metrics.prefix_routing_ready.labels(model).set(1))
         prefixes = PrefixRouting(self.hashers, self.prefix_index, settings.saturation_s)
         self.router = Router.from_names(

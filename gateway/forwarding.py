@@ -1,5 +1,5 @@
-"""The proxied routes, POST /v1/completions, /v1/chat/completions and Anthropic's
-/v1/messages (and its count_tokens), as plain ASGI in front of FastAPI: they are the hot
+"""The proxied routes, POST /v1/completions, /v1/chat/completions, /v1/responses and
+Anthropic's /v1/messages (and its count_tokens), as plain ASGI in front of FastAPI: they are the hot
 path, and FastAPI's request and response machinery cost more than the rest of the hop.
 Everything else goes to the FastAPI app behind."""
 
@@ -15,21 +15,29 @@ from pagefleet.gateway.admission import Admission
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import Proxy, forwarded_headers
-from pagefleet.gateway.shape import SESSION_HEADER, anthropic_as_chat
+from pagefleet.gateway.shape import SESSION_HEADER, routed_payload
 from pagefleet.protocol.http import until_disconnected
+from pagefleet.protocol.response_store import ResponseStore
+from pagefleet.protocol.responses import RESPONSES_PATH
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"  # Anthropic's
-PROXIED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, MESSAGES, COUNT_TOKENS})
-CHAT_PATHS = frozenset({CHAT_COMPLETIONS, MESSAGES, COUNT_TOKENS})
+PROXIED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, MESSAGES, COUNT_TOKENS, RESPONSES_PATH})
+CHAT_PATHS = frozenset({CHAT_COMPLETIONS, MESSAGES, COUNT_TOKENS, RESPONSES_PATH})
 
 
 class ProxiedRoutes:
     def __init__(
-        self, app: ASGIApp, admission: Admission, proxy: Proxy, metrics: GatewayMetrics, max_request_bytes: int
+        self,
+        app: ASGIApp,
+        admission: Admission,
+        proxy: Proxy,
+        metrics: GatewayMetrics,
+        max_request_bytes: int,
+        responses: ResponseStore,
     ) -> None:
         self.app, self.admission, self.proxy, self.metrics = app, admission, proxy, metrics
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes, self.responses = max_request_bytes, responses
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
@@ -48,7 +56,7 @@ class ProxiedRoutes:
                 authorization = "Bearer " + values[b"x-api-key"].decode("latin-1")
             shape = await self.admission.admit(authorization, body, chat=path in CHAT_PATHS)
             if path != CHAT_COMPLETIONS and path in CHAT_PATHS:
-                shape.payload = anthropic_as_chat(shape.payload)
+                shape.payload = await routed_payload(path, shape.payload, self.responses)
             session = values.get(SESSION_HEADER.encode())
             if session:
                 shape.session = session.decode("latin-1")

@@ -39,10 +39,11 @@ from pagefleet.gateway import errors
 from pagefleet.gateway.core import RoutingCore
 from pagefleet.gateway.disaggregation import PREFILL_REPLICA_HEADER, decode_body
 from pagefleet.gateway.errors import Refusal
+from pagefleet.gateway.forwarding import CHAT_COMPLETIONS, CHAT_PATHS
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import Proxy, forwarded_headers
 from pagefleet.gateway.routing import Route, by_load
-from pagefleet.gateway.shape import SESSION_HEADER, RequestShape
+from pagefleet.gateway.shape import SESSION_HEADER, RequestShape, routed_payload
 from pagefleet.protocol.replica import ReplicaRecord
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,6 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 REPLICA_HEADER = "x-pagefleet-replica"
-CHAT_PATH = "/v1/chat/completions"
 _DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 
 
@@ -189,8 +189,10 @@ class EndpointPicker(ExternalProcessorServicer):
             else:
                 path = exchange.headers.get(":path", "").split("?", 1)[0]
                 shape = await self.core.admission.admit(
-                    exchange.headers.get("authorization", ""), body, chat=path == CHAT_PATH
+                    exchange.headers.get("authorization", ""), body, chat=path in CHAT_PATHS
                 )
+                if path != CHAT_COMPLETIONS:
+                    shape.payload = await routed_payload(path, shape.payload, self.core.responses)
                 exchange.shape = shape
                 shape.session = exchange.headers.get(SESSION_HEADER) or shape.session
                 phase = "whole"

@@ -13,7 +13,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from pagefleet.gateway.errors import bad_request
-from pagefleet.protocol.anthropic import CountTokensRequest, as_chat_request
+from pagefleet.protocol import anthropic, responses
+from pagefleet.protocol.response_store import ResponseStore, StoreUnavailable
 
 _CHARS_PER_TOKEN = 4  # a rough estimate of a prompt's tokens from its text
 _DEFAULT_CHAT_TOKENS = 256  # what a chat request without max_tokens is assumed to take
@@ -56,15 +57,38 @@ def _text_tokens(value: Any) -> tuple[int, str]:
     return 0, ""
 
 
-def anthropic_as_chat(payload: dict[str, Any]) -> dict[str, Any]:
-    """An Anthropic Messages body as the chat body the replica will turn it into, so its
-    prompt is hashed as the engine computes it; as it is if it does not validate (the
+async def routed_payload(path: str, payload: dict[str, Any], store: ResponseStore) -> dict[str, Any]:
+    """The body of a request to `path` as the chat body its replica will run, so that its
+    prompt is hashed as the engine computes it: an Anthropic Messages body converted, a
+    Responses body after the stored conversation of its `previous_response_id`. As it is
+    for other paths, or if it does not validate or its conversation cannot be read (the
     replica will say why, and it is routed by load)."""
     try:
-        chat = as_chat_request(CountTokensRequest.model_validate(payload))
-    except ValidationError:
-        return payload
-    return chat.model_dump(exclude_none=True)
+        if path.startswith(anthropic.MESSAGES_PATH):
+            return anthropic.as_chat_request(anthropic.CountTokensRequest.model_validate(payload)).model_dump(
+                exclude_none=True
+            )
+        if path == responses.RESPONSES_PATH:
+            body = responses.ResponsesRequest.model_validate(payload)
+            previous = await store.get(body.previous_response_id) if body.previous_response_id else None
+            history = previous.conversation if previous is not None else []
+            return responses.as_chat_request(body, history).model_dump(exclude_none=True)
+    except (ValidationError, StoreUnavailable):
+        pass
+    return payload
+
+
+def _input_text(value: Any) -> str:
+    """The text of a Responses `input`: a string, or its items' text content."""
+    if not isinstance(value, list):
+        return value if isinstance(value, str) else ""
+    texts = []
+    for item in value:
+        content = item.get("content", item.get("output")) if isinstance(item, dict) else None
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        texts.append(content if isinstance(content, str) else "")
+    return "\n".join(texts)
 
 
 def describe(body: bytes, chat: bool) -> RequestShape:
@@ -79,7 +103,10 @@ def describe(body: bytes, chat: bool) -> RequestShape:
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model: a model name is required", "model")
-    if chat:
+    if "input" in payload:  # the Responses API's
+        prompt_tokens, prefix = _text_tokens(f"{payload.get('instructions') or ''}\n{_input_text(payload['input'])}")
+        max_tokens = payload.get("max_output_tokens") or _DEFAULT_CHAT_TOKENS
+    elif chat:
         messages = payload.get("messages") or []
         texts = [str(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
         if isinstance(payload.get("system"), str):  # Anthropic's system prompt

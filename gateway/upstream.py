@@ -188,8 +188,13 @@ class UpstreamPool:
     async def post(self, url: str, path: str, body: bytes, header_lines: bytes) -> UpstreamResponse:
         """Send the request (`header_lines`: `name: value\\r\\n` each) and wait for the
         response's status and headers."""
+        return await self.send(b"POST", url, path, body, header_lines)
+
+    async def send(self, method: bytes, url: str, path: str, body: bytes, header_lines: bytes) -> UpstreamResponse:
+        """`post` with any method (`path` may carry a query string)."""
         address = replica_address(url)
-        head = b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\n" % (
+        head = b"%s %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\n" % (
+            method,
             path.encode(),
             address[0].encode(),
             address[1],

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagefleet.protocol.openai import ChatCompletionRequest
 
+MESSAGES_PATH = "/v1/messages"  # and its count_tokens beneath
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

@@ -37,8 +37,10 @@ from pagefleet.engine.server.lora import Adapters, add_lora_routes, parse_lora_m
 from pagefleet.engine.server.messages import add_messages_routes
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.publisher import CapacityPublisher
+from pagefleet.engine.server.responses import add_responses_routes
 from pagefleet.engine.server.settings import ServerSettings
 from pagefleet.engine.server.state import ServerState
+from pagefleet.engine.server.stored_responses import StoredResponses
 from pagefleet.engine.server.streaming import cancel_on_disconnect
 from pagefleet.engine.server.tokenizer_info import add_tokenizer_route
 from pagefleet.engine.server.tracing import RequestTracing
@@ -46,13 +48,15 @@ from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol import tracing
 from pagefleet.protocol.http import ErrorGuard, error_json
 from pagefleet.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagefleet.protocol.response_store import MemoryResponseStore, RedisResponseStore
+from pagefleet.protocol.responses import RESPONSES_PATH
 from pagefleet.protocol.tracing import ServerSpans
 
 logger = logging.getLogger(__name__)
 
 EXIT_ENGINE_DEAD = 3  # the process's exit code after its engine died
 EXIT_LOAD_FAILED = 4  # ... after its model failed to load
-TRACED_PATHS = ("/v1/completions", "/v1/chat/completions")
+TRACED_PATHS = ("/v1/completions", "/v1/chat/completions", RESPONSES_PATH)
 
 
 def _version() -> str:
@@ -134,6 +138,14 @@ async def _load(state: ServerState, engine: AsyncEngine | None) -> None:
         logger.exception("the model failed to load")
 
 
+def _stored_responses(settings: ServerSettings) -> StoredResponses:
+    """Stored responses in Redis where the fleet's replicas and gateways can all read them;
+    in this process when the server has no Redis."""
+    ttl = settings.response_store_ttl
+    store = RedisResponseStore.from_url(settings.redis_url, ttl) if settings.redis_url else MemoryResponseStore(ttl)
+    return StoredResponses(store, settings.url)
+
+
 def _stats(state: ServerState) -> EngineStats | None:
     return state.engine.stats() if state.engine is not None else None
 
@@ -152,7 +164,9 @@ def create_app(
     """
     state: ServerState
     metrics = ServerMetrics(settings.model_name, lambda: _stats(state))
-    state = ServerState(settings, metrics, KVTransfers(settings, metrics), Adapters(settings.model_name))
+    state = ServerState(
+        settings, metrics, KVTransfers(settings, metrics), Adapters(settings.model_name), _stored_responses(settings)
+    )
     tracer_provider = tracer_provider or tracing.tracer_provider("pagefleet-engine", settings.otlp_traces_endpoint)
     tracer = tracer_provider.get_tracer("pagefleet.engine") if tracer_provider is not None else None
     if tracer is not None:
@@ -219,6 +233,7 @@ def create_app(
         if publisher is not None:
             await publisher.remove()
         await state.transfers.close()
+        await state.responses.close()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
         if tracer_provider is not None:
@@ -236,6 +251,7 @@ def create_app(
     add_lora_routes(app, state.adapters, lambda: state.ready_engine(None))
     add_tokenizer_route(app, settings.model_name, lambda: state.ready_engine(None))
     add_messages_routes(app, state)
+    add_responses_routes(app, state)
     if tracer is not None:
         app.add_middleware(ServerSpans, tracer=tracer, paths=TRACED_PATHS)
     return app

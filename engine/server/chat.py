@@ -70,11 +70,9 @@ class ChatRun:
     calling: ToolPlan | None  # the tools whose calls the answer is parsed for
 
 
-async def start_chat(
-    state: ServerState, body: ChatCompletionRequest, header_id: str | None, id_prefix: str = "chatcmpl"
-) -> ChatRun:
-    """Validate, render, tokenize and start a chat request (the OpenAI route's and the
-    Anthropic route's common part).
+async def start_chat(state: ServerState, body: ChatCompletionRequest, response_id: str) -> ChatRun:
+    """Validate, render, tokenize and start a chat request as the answer `response_id`
+    (the common part of the chat route and of the Anthropic and Responses routes).
 
     Raises:
         OpenAIError and the engine's InvalidParameterError: bad input, before any output.
@@ -94,7 +92,6 @@ async def start_chat(
         extra["structured_outputs"] = constraint
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
     lora = state.adapters.request_for(body.model)
-    response_id = response_id_for(id_prefix, header_id, body.request_id)
     prompt = chat_prompt(engine, body)
     outputs = generate(state, engine, prompt, params, lora, "chat", response_id, cache_salt=body.cache_salt)
     stream = await first_and_rest(outputs)
@@ -103,7 +100,7 @@ async def start_chat(
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, header_id: str | None = None) -> Any:
-    run = await start_chat(state, body, header_id)
+    run = await start_chat(state, body, response_id_for("chatcmpl", header_id, body.request_id))
     response_id, prompt, stream, calling = run.response_id, run.prompt, run.stream, run.calling
     if body.stream:
         model, force_usage = state.served_name(body.model), state.settings.enable_force_include_usage

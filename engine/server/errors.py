@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagefleet.engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError
+from pagefleet.protocol.anthropic import MESSAGES_PATH
 from pagefleet.protocol.anthropic import error_body as anthropic_error
 from pagefleet.protocol.http import error_json
 
@@ -32,14 +33,11 @@ class OpenAIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
-ANTHROPIC_PREFIX = "/v1/messages"
-
-
 def error_for(
     path: str, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     """The error answer of a request to `path`, in that API's shape."""
-    if path.startswith(ANTHROPIC_PREFIX):
+    if path.startswith(MESSAGES_PATH):
         return JSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
     return error_json(status, message, param, headers)
 

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.server.chat import ChatRun, chat_prompt, start_chat
 from pagefleet.engine.server.errors import status_of
-from pagefleet.engine.server.generation import DeltaTracker, last_output
+from pagefleet.engine.server.generation import DeltaTracker, last_output, response_id_for
 from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.streaming import EventStreamResponse, cancel_on_disconnect
 from pagefleet.engine.server.tools import ParsedCall
@@ -44,7 +44,7 @@ def add_messages_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _respond(state: ServerState, body: MessagesRequest, header_id: str | None) -> Response:
-    run = await start_chat(state, as_chat_request(body), header_id, "msg")
+    run = await start_chat(state, as_chat_request(body), response_id_for("msg", header_id, None))
     if body.stream:
         return EventStreamResponse(_stream(state, body, run))
     return JSONResponse(await _answer(state, body, run))

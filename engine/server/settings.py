@@ -13,6 +13,7 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.server.lora import parse_lora_modules
 from pagefleet.protocol.replica import PUBLISH_INTERVAL_S, RECORD_TTL_S
+from pagefleet.protocol.response_store import DEFAULT_TTL_S as DEFAULT_RESPONSE_TTL_S
 
 
 def _default(name: str) -> Any:
@@ -70,6 +71,9 @@ class ServerSettings(BaseSettings):
     redis_url: str | None = Field(None, description="publish KV capacity here, e.g. redis://localhost:6379/0")
     publish_interval: float = PUBLISH_INTERVAL_S
     record_ttl: float = RECORD_TTL_S
+    response_store_ttl: float = Field(
+        DEFAULT_RESPONSE_TTL_S, gt=0, description="seconds a stored response (Responses API) is kept"
+    )
     max_waiting_requests: int = Field(256, description="queued requests beyond which new ones get 503")
     max_request_bytes: int = Field(1 << 20, description="larger request bodies get 413")
     enable_force_include_usage: bool = Field(

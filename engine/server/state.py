@@ -11,6 +11,7 @@ from pagefleet.engine.server.kv_transfer import KVTransfers
 from pagefleet.engine.server.lora import Adapters
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
+from pagefleet.engine.server.stored_responses import StoredResponses
 from pagefleet.engine.server.tracing import RequestTracing
 
 
@@ -20,6 +21,7 @@ class ServerState:
     metrics: ServerMetrics
     transfers: KVTransfers
     adapters: Adapters
+    responses: StoredResponses  # the Responses API's stored responses
     engine: AsyncEngine | None = None  # None until the model is loaded and warm
     tracing: RequestTracing | None = None  # None unless traces are exported
     load_error: BaseException | None = None

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.processes import (
@@ -27,6 +28,11 @@ ENGINE_FLAGS = ("--dtype", "float32", "--num-kv-blocks", "200", "--block-size", 
 def start_replica(model_dir: Path, log_dir: Path, redis: RedisProcess, replica: str, *flags: str) -> EngineServer:
     flags = ("--served-model-name", "tiny", "--replica-id", replica, "--redis-url", redis.url, *ENGINE_FLAGS, *flags)
     return start_server(str(model_dir), log_dir / f"{replica}.log", *flags)
+
+
+def prefix_routing_ready(gateway_url: str) -> bool:
+    """The gateway has read the model's tokenizer (it does so once the model has two replicas)."""
+    return 'pagefleet_gateway:prefix_routing_ready{model="tiny"} 1.0' in httpx.get(f"{gateway_url}/metrics").text
 
 
 @dataclass

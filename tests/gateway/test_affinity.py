@@ -20,7 +20,7 @@ from pagefleet.gateway.prefix_index import PrefixIndex
 from pagefleet.gateway.prompt_hashes import PromptHasher
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.protocol.tokenizer_info import TokenizerInfo
-from tests.gateway.conftest import start_replica
+from tests.gateway.conftest import prefix_routing_ready, start_replica
 from tests.processes import (
     EngineServer,
     GatewayProcess,
@@ -61,17 +61,12 @@ def affinity_fleet(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     with running_redis() as redis:
         replicas = {name: start_replica(chat_model, logs, redis, name, *SMALL_CACHE) for name in ("tiny-a", "tiny-b")}
         gateway = start_gateway(redis.url, logs / "gateway.log")
-        wait_for(lambda: _prefix_routing_ready(gateway.url))
+        wait_for(lambda: prefix_routing_ready(gateway.url))
         info = httpx.get(f"{replicas['tiny-a'].url}/tokenizer_info", timeout=10).json()
         yield AffinityFleet(redis, replicas, gateway, PromptHasher(TokenizerInfo.model_validate(info)), logs)
         stop_process(gateway.process)
         for replica in replicas.values():
             stop_server(replica)
-
-
-def _prefix_routing_ready(gateway_url: str) -> bool:
-    """The gateway has read the model's tokenizer (it does so once the model has two replicas)."""
-    return 'pagefleet_gateway:prefix_routing_ready{model="tiny"} 1.0' in httpx.get(f"{gateway_url}/metrics").text
 
 
 def _follow_index(redis_url: str, until: Callable[[PrefixIndex], bool], timeout: float = 1.0) -> float:
@@ -120,7 +115,7 @@ def test_a_burst_beyond_the_holders_threshold_spills_to_the_other(affinity_fleet
     prompt costs elsewhere (decision.COLD_PREFILL_WEIGHT times its prefill)."""
     gateway = start_gateway(affinity_fleet.redis.url, affinity_fleet.logs / "eager.log", "--saturation-s", "0.000001")
     try:
-        wait_for(lambda: _prefix_routing_ready(gateway.url))
+        wait_for(lambda: prefix_routing_ready(gateway.url))
         system = "A new system prompt about asteroids and their orbits, long enough to fill blocks. " * 2
         body = {"model": "tiny", "max_tokens": 2}
 

@@ -13,7 +13,7 @@ import pytest
 import redis as redis_sync
 
 from pagefleet.protocol.replica import ReplicaRecord, record_key
-from tests.gateway.conftest import Fleet, start_replica
+from tests.gateway.conftest import Fleet, prefix_routing_ready, start_replica
 from tests.processes import (
     RedisProcess,
     idle_with_every_block_free,
@@ -63,6 +63,51 @@ def test_anthropics_client_through_the_gateway(fleet: Fleet) -> None:
         assert "".join(stream.text_stream) == answer.content[0].text
     counted = through.messages.count_tokens(model="tiny", system="Be brief.", messages=messages)
     assert counted.input_tokens == answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
+
+
+def test_a_responses_conversation_follows_its_cache_across_replicas(fleet: Fleet) -> None:
+    """Turns of a conversation through `previous_response_id`: through the gateway, the
+    follow-up lands on the replica that ran the first turn and reads its prompt's start
+    from that cache; a turn sent straight to the other replica reads the conversation from
+    Redis; a cancel sent to one replica stops a background response on the other; the
+    gateway retrieves and deletes stored responses."""
+    wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 2)
+    wait_for(lambda: prefix_routing_ready(fleet.gateway.url))
+    through = openai.OpenAI(base_url=f"{fleet.gateway.url}/v1", api_key="unused", max_retries=0)
+    args = dict(model="tiny", instructions="Be brief.", max_output_tokens=4, temperature=0)
+    question = "Tell me about paged attention, block tables and copy on write in a few words."
+    first = through.responses.with_raw_response.create(input=question, **args)
+    second = through.responses.with_raw_response.create(
+        previous_response_id=first.parse().id, input="And again?", **args
+    )
+    holder = first.headers["x-pagefleet-replica"]
+    assert second.headers["x-pagefleet-replica"] == holder
+    assert second.parse().usage.input_tokens_details.cached_tokens >= 16
+    (other,) = (replica for name, replica in fleet.replicas.items() if name != holder)
+    direct = openai.OpenAI(base_url=f"{other.url}/v1", api_key="unused", max_retries=0)
+    third = direct.responses.create(previous_response_id=second.parse().id, input="Once more?", **args)
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": first.parse().output_text},
+        {"role": "user", "content": "And again?"},
+        {"role": "assistant", "content": second.parse().output_text},
+        {"role": "user", "content": "Once more?"},
+    ]
+    assert (
+        third.usage.input_tokens == httpx.post(f"{other.url}/tokenize", json={"messages": conversation}).json()["count"]
+    )
+    assert through.responses.retrieve(third.id).output_text == third.output_text
+    through.responses.delete(third.id)
+    with pytest.raises(openai.NotFoundError):
+        direct.responses.retrieve(third.id)
+    holder_client = openai.OpenAI(base_url=f"{fleet.replicas[holder].url}/v1", api_key="unused", max_retries=0)
+    long = holder_client.responses.create(
+        model="tiny", input=question, max_output_tokens=400, background=True, extra_body={"ignore_eos": True}
+    )
+    assert direct.responses.cancel(long.id).status == "cancelled"
+    assert through.responses.retrieve(long.id).status == "cancelled"
+    wait_for(lambda: idle_with_every_block_free(fleet.replicas[holder]))
 
 
 def test_streaming_through_the_gateway_is_token_identical(fleet: Fleet) -> None:

@@ -249,3 +249,53 @@ def test_a_tool_use_round_trip_with_the_anthropic_client(smollm2_server: EngineS
         **args,
     )
     assert follow_up.content[0].type == "text" and follow_up.content[0].text
+
+
+def test_a_tool_call_round_trip_and_a_json_schema_through_responses(smollm2_server: EngineServer) -> None:
+    """The Responses API with the `openai` client: a required call of a function tool
+    (constrained, so its arguments are valid), streamed as `function_call_arguments` events;
+    the conversation goes on with the call's output through `previous_response_id`; and a
+    `text.format` JSON schema shapes the answer."""
+    import json
+
+    import httpx
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
+    weather = WEATHER_TOOL["function"]
+    tool = {"type": "function", **weather}
+    args = dict(model="smollm2-135m-instruct", input="What is the weather like in Paris?", tools=[tool], temperature=0)
+    called = client.responses.create(tool_choice="required", max_output_tokens=120, **args)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert called.status == "completed" and calls and all(call.name == "get_weather" for call in calls)
+    jsonschema.validate(json.loads(calls[0].arguments), weather["parameters"])
+    events = list(client.responses.create(tool_choice="required", max_output_tokens=120, stream=True, **args))
+    streamed = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(e.name, e.arguments) for e in streamed] == [(call.name, call.arguments) for call in calls]
+    assert events[-1].type == "response.completed"
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature": 21}'}
+    follow_up = client.responses.create(
+        model="smollm2-135m-instruct",
+        previous_response_id=called.id,
+        input=[result],
+        tools=[tool],
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=40,
+    )
+    assert follow_up.output[0].type == "message" and follow_up.output_text
+    conversation = [  # what the follow-up continued: the question, the call, its output
+        {"role": "user", "content": args["input"]},
+        {"role": "assistant", "tool_calls": [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": result["output"]},
+    ]
+    counted = httpx.post(f"{smollm2_server.url}/tokenize", json={"messages": conversation}).json()["count"]
+    assert follow_up.usage.input_tokens == counted
+    shaped = client.responses.create(
+        model="smollm2-135m-instruct",
+        input="Describe Paris as JSON.",
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+        temperature=0,
+        max_output_tokens=200,
+    )
+    jsonschema.validate(json.loads(shaped.output_text), CITY)
