@@ -76,6 +76,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for (`max_logprobs`, -1 resolved)."""
+        return self.engine.max_logprobs
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 

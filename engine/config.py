@@ -63,6 +63,8 @@ class EngineConfig:
             `max_lora_rank`.
         tensor_parallel_size: devices (on a CPU: processes) the model is split across,
             Megatron-style; this process is rank 0 and starts the others (docs/engine.md).
+        max_logprobs: the most `logprobs` and `prompt_logprobs` a request may ask for (as
+            vLLM's, 20 by default); -1 for the whole vocabulary.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -91,6 +93,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     tensor_parallel_size: int = 1
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         def fail(param: str, message: str) -> None:
@@ -106,6 +109,8 @@ class EngineConfig:
             fail("kv_cache_memory", f"must be > 0, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.max_logprobs < -1:
+            fail("max_logprobs", f"must be >= 0, or -1 for the whole vocabulary; got {self.max_logprobs}")
         if self.max_num_seqs < 1:
             fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -88,6 +88,8 @@ class LLMEngine:
         self.parts = build_engine_parts(config)
         self.tokenizer = self.parts.tokenizer
         self.max_model_len = self.parts.max_model_len
+        vocab_size = self.parts.model_config.vocab_size
+        self.max_logprobs = vocab_size if config.max_logprobs == -1 else config.max_logprobs
         self.kv_cache = self.parts.kv_cache
         self.scheduler = self.parts.scheduler
         self.runner = self.parts.runner
@@ -290,9 +292,16 @@ class LLMEngine:
         return token_ids[-keep:]
 
     def _prepare_token_constraints(self, params: SamplingParams) -> None:
-        """Check every token id against the vocabulary; tokenize `bad_words` (once per
-        params object: LLM.generate shares one between prompts)."""
+        """Check every token id against the vocabulary and the logprobs asked for against
+        `max_logprobs`; tokenize `bad_words` (once per params object: LLM.generate shares
+        one between prompts)."""
         vocab = self.parts.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise InvalidParameterError(
+                    name, f"requested {asked} logprobs, more than max_logprobs={self.max_logprobs} (--max-logprobs)"
+                )
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("allowed_token_ids", params.allowed_token_ids or []),

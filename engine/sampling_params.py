@@ -10,7 +10,6 @@ from typing import Any
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.structured_outputs import StructuredOutputsParams
 
-MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 # Seeds are 64-bit, as torch's generators (and vLLM's limits) take them.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # |length_penalty| <= 50 keeps len ** length_penalty a finite float64 for any length up to
@@ -156,8 +155,8 @@ class SamplingParams:
             fail("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                fail(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                fail(name, f"must be an integer >= 0, got {value!r}")  # its ceiling: the engine's max_logprobs
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.inputs import PromptType
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.auth import APIKeyGuard
 from pagefleet.engine.server.chat import chat_prompt, create_chat_completion
@@ -39,7 +40,7 @@ from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.publisher import CapacityPublisher
 from pagefleet.engine.server.responses import add_responses_routes
 from pagefleet.engine.server.settings import ServerSettings
-from pagefleet.engine.server.state import ServerState
+from pagefleet.engine.server.state import ServerState, tokenizer_of
 from pagefleet.engine.server.stored_responses import StoredResponses
 from pagefleet.engine.server.streaming import cancel_on_disconnect
 from pagefleet.engine.server.tokenizer_info import add_tokenizer_route
@@ -129,7 +130,8 @@ async def _load(state: ServerState, engine: AsyncEngine | None) -> None:
         loaded: AsyncEngine = engine or await asyncio.to_thread(AsyncEngine, state.settings.engine_config())
         for name, path in parse_lora_modules(state.settings.lora_modules):
             await state.adapters.load(loaded, name, path)
-        async for _ in loaded.generate("Hello", SamplingParams(max_tokens=1, temperature=0.0)):
+        warm_up: PromptType = "Hello" if loaded.tokenizer is not None else {"prompt_token_ids": [0]}
+        async for _ in loaded.generate(warm_up, SamplingParams(max_tokens=1, temperature=0.0)):
             pass
         state.engine = loaded
         logger.info("serving %s (max_model_len %d)", state.settings.model_name, loaded.max_model_len)
@@ -249,7 +251,8 @@ def create_app(
     _add_routes(app, state)
     add_kv_routes(app, state.transfers, lambda: state.ready_engine(None))
     add_lora_routes(app, state.adapters, lambda: state.ready_engine(None))
-    add_tokenizer_route(app, settings.model_name, lambda: state.ready_engine(None))
+    if settings.enable_tokenizer_info_endpoint:
+        add_tokenizer_route(app, settings.model_name, lambda: state.ready_engine(None))
     add_messages_routes(app, state)
     add_responses_routes(app, state)
     if tracer is not None:
@@ -326,21 +329,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             )
             tokens = chat_prompt(engine, chat)
         elif body.prompt is not None:
-            tokens = list(engine.tokenizer.encode(body.prompt))
+            tokens = list(tokenizer_of(engine).encode(body.prompt))
         else:
             raise OpenAIError(400, "prompt: give a prompt or messages", "prompt")
         answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
         if body.return_token_strs:
-            answer["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
+            answer["token_strs"] = tokenizer_of(engine).convert_ids_to_tokens(tokens)
         return answer
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         engine = state.ready_engine(body.model)
-        vocab = len(engine.tokenizer)
+        vocab = len(tokenizer_of(engine))
         if any(not 0 <= token < vocab for token in body.tokens):
             raise OpenAIError(400, f"tokens: token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": tokenizer_of(engine).decode(body.tokens)}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.chat_template import apply_chat_template, template_takes_tools
 from pagefleet.engine.outputs import CompletionOutput, RequestOutput
-from pagefleet.engine.sampling_params import MAX_LOGPROBS
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_logprobs, sse, token_name, usage
 from pagefleet.engine.server.generation import (
@@ -25,7 +24,7 @@ from pagefleet.engine.server.generation import (
     response_id_for,
 )
 from pagefleet.engine.server.params import sampling_params
-from pagefleet.engine.server.state import ServerState
+from pagefleet.engine.server.state import ServerState, tokenizer_of
 from pagefleet.engine.server.streaming import EventStreamResponse
 from pagefleet.engine.server.tools import ParsedCall, ToolPlan
 from pagefleet.protocol.chat_prompt import chat_messages, template_tools
@@ -33,12 +32,11 @@ from pagefleet.protocol.openai import ChatCompletionRequest
 
 
 def chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
-    takes_tools = template_takes_tools(engine.tokenizer)
+    tokenizer = tokenizer_of(engine)
+    takes_tools = template_takes_tools(tokenizer)
     messages = chat_messages(body, takes_tools)
     tools = template_tools(body, takes_tools)
-    return apply_chat_template(
-        engine.tokenizer, messages, body.add_generation_prompt, tools, body.continue_final_message
-    )
+    return apply_chat_template(tokenizer, messages, body.add_generation_prompt, tools, body.continue_final_message)
 
 
 def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput, start: int) -> dict[str, Any] | None:
@@ -80,8 +78,9 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, response_i
     engine = state.ready_engine(body.model)
     state.admit(engine)
     extra: dict[str, Any] = {}
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise OpenAIError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", "top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= engine.max_logprobs:
+        bounds = f"[0, {engine.max_logprobs}] (--max-logprobs)"
+        raise OpenAIError(400, f"top_logprobs: must be in {bounds}, got {body.top_logprobs}", "top_logprobs")
     if body.logprobs:
         extra["logprobs"] = body.top_logprobs or 0
     elif body.top_logprobs is not None:

@@ -23,7 +23,7 @@ from pagefleet.engine.server.generation import (
     start_all,
 )
 from pagefleet.engine.server.params import sampling_params
-from pagefleet.engine.server.state import ServerState
+from pagefleet.engine.server.state import ServerState, tokenizer_of
 from pagefleet.engine.server.streaming import EventStreamResponse
 from pagefleet.protocol.openai import CompletionRequest
 
@@ -120,11 +120,11 @@ async def create_completion(state: ServerState, body: CompletionRequest, header_
     finals = await asyncio.gather(*(last_output(stream) for stream in streams))
     choices = []
     for prompt_index, output in enumerate(finals):
-        prompt_text = _prompt_text(state, output)
+        echoed = _prompt_text(state, output) if body.echo else ""
         for completion in output.outputs:
             choice = {
                 "index": prompt_index * body.n + completion.index,
-                "text": (prompt_text if body.echo else "") + completion.text,
+                "text": echoed + completion.text,
                 "logprobs": _choice_logprobs(body, output, completion),
                 "finish_reason": finish_reason(completion.finish_reason),
                 "stop_reason": completion.stop_reason,
@@ -151,7 +151,7 @@ def _prompt_text(state: ServerState, output: RequestOutput) -> str:
     if output.prompt is not None:
         return output.prompt
     assert state.engine is not None
-    return str(state.engine.tokenizer.decode(output.prompt_token_ids))
+    return str(tokenizer_of(state.engine).decode(output.prompt_token_ids))
 
 
 async def _stream(

@@ -39,6 +39,8 @@ ENGINE_FIELDS = (
     "max_loras",
     "max_lora_rank",
     "tensor_parallel_size",
+    "max_logprobs",
+    "skip_tokenizer_init",
 )
 
 
@@ -116,6 +118,13 @@ class ServerSettings(BaseSettings):
     seed: int = _default("seed")
     device: str = _default("device")
     attention_backend: str = _default("attention_backend")
+    max_logprobs: int = Field(_default("max_logprobs"), description="the most logprobs a request may ask for; -1: all")
+    skip_tokenizer_init: bool = Field(
+        _default("skip_tokenizer_init"), description="load no tokenizer: token ids in, token ids out (vLLM's)"
+    )
+    enable_tokenizer_info_endpoint: bool = Field(
+        True, description="serve GET /tokenizer_info (vLLM's flag; on here: the gateway routes on it)"
+    )
     tensor_parallel_size: int = Field(
         _default("tensor_parallel_size"), description="devices (on a CPU: processes) the model is split across"
     )

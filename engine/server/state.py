@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.server.errors import OpenAIError
@@ -49,3 +50,13 @@ class ServerState:
             raise OpenAIError(
                 503, f"The server is at capacity ({limit} requests waiting); retry later.", headers={"Retry-After": "1"}
             )
+
+
+def tokenizer_of(engine: AsyncEngine) -> Any:
+    """The engine's tokenizer; a 400 on a replica started with --skip-tokenizer-init, which
+    takes token ids and answers token ids only."""
+    if engine.tokenizer is None:
+        raise OpenAIError(
+            400, "this server runs without a tokenizer (--skip-tokenizer-init): send and read token ids", "prompt"
+        )
+    return engine.tokenizer

@@ -417,3 +417,34 @@ def test_token_constraints_and_vllm_fields_on_both_routes(tiny_server: EngineSer
     token_42 = httpx.post(f"{tiny_server.url}/detokenize", json={"model": tiny_server.model, "tokens": [42]}).json()
     chosen = [item.token for item in forced.choices[0].logprobs.content]  # type: ignore[union-attr]
     assert chosen == [token_42["prompt"]] * 3
+
+
+def test_token_ids_only_and_a_higher_logprobs_ceiling(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM's `--skip-tokenizer-init` (token ids in, token ids out; text is refused clearly)
+    and `--max-logprobs` (the ceiling moves, and the error names it); vLLM's
+    `--no-enable-tokenizer-info-endpoint` takes the route away."""
+    flags = ("--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "8", "--skip-tokenizer-init")
+    server = start_server(str(tiny_llama), tmp_path / "ids.log", *flags, "--max-logprobs", "30",
+                          "--no-enable-tokenizer-info-endpoint")  # fmt: skip
+    try:
+        body = {"model": server.model, "prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0}
+        answer = httpx.post(
+            f"{server.url}/v1/completions",
+            json={**body, "logprobs": 25, "return_token_ids": True, "return_tokens_as_token_ids": True},
+        )
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        assert len(choice["token_ids"]) == 5 and choice["text"] == ""
+        assert all(len(top) == 25 for top in choice["logprobs"]["top_logprobs"])
+        too_many = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 31})
+        assert too_many.status_code == 400 and "max_logprobs=30" in too_many.json()["error"]["message"]
+        text = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "Hello"})
+        chat = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"model": server.model, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        for refused in (text, chat):
+            assert refused.status_code == 400 and "tokenizer" in refused.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/tokenizer_info").status_code == 404
+    finally:
+        stop_server(server)
