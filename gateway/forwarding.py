@@ -1,7 +1,7 @@
-"""The proxied routes, POST /v1/completions, /v1/chat/completions, /v1/responses and
-Anthropic's /v1/messages (and its count_tokens), as plain ASGI in front of FastAPI: they are the hot
-path, and FastAPI's request and response machinery cost more than the rest of the hop.
-Everything else goes to the FastAPI app behind."""
+"""The proxied routes, POST /v1/completions, /v1/chat/completions (and vLLM's /batch of
+it), /v1/responses and Anthropic's /v1/messages (and its count_tokens), as plain ASGI in
+front of FastAPI: they are the hot path, and FastAPI's request and response machinery
+cost more than the rest of the hop. Everything else goes to the FastAPI app behind."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from pagefleet.protocol.response_store import ResponseStore
 from pagefleet.protocol.responses import RESPONSES_PATH
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
+CHAT_BATCH = "/v1/chat/completions/batch"  # vLLM's: several conversations, answered whole
 MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"  # Anthropic's
-PROXIED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, MESSAGES, COUNT_TOKENS, RESPONSES_PATH})
-CHAT_PATHS = frozenset({CHAT_COMPLETIONS, MESSAGES, COUNT_TOKENS, RESPONSES_PATH})
+PROXIED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, CHAT_BATCH, MESSAGES, COUNT_TOKENS, RESPONSES_PATH})
+CHAT_PATHS = frozenset({CHAT_COMPLETIONS, CHAT_BATCH, MESSAGES, COUNT_TOKENS, RESPONSES_PATH})
 
 
 class ProxiedRoutes:

@@ -183,6 +183,32 @@ class ChatCompletionRequest(_SamplingFields):
         return value
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's `POST /v1/chat/completions/batch`: several conversations, one set of
+    parameters, one answer whose choices are the conversations' in order (not streamed)."""
+
+    messages: list[list[ChatMessage]] = Field(min_length=1)  # type: ignore[assignment]
+
+    @field_validator("messages")
+    @classmethod
+    def _each_has_messages(cls, value: list[list[ChatMessage]]) -> list[list[ChatMessage]]:
+        if any(not conversation for conversation in value):
+            raise ValueError("each conversation needs at least one message")
+        return value
+
+    @field_validator("stream")
+    @classmethod
+    def _not_streamed(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("a batch of conversations is answered whole: stream must be false")
+        return value
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat request per conversation, with the batch's parameters."""
+        shared = self.model_dump(exclude={"messages"}, by_alias=True, exclude_unset=True)
+        return [ChatCompletionRequest.model_validate({**shared, "messages": m}) for m in self.messages]
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str

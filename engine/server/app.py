@@ -31,6 +31,7 @@ from pagefleet.engine.inputs import PromptType
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.server.auth import APIKeyGuard
 from pagefleet.engine.server.chat import chat_prompt, create_chat_completion
+from pagefleet.engine.server.chat_batch import create_batch_chat_completion
 from pagefleet.engine.server.completions import create_completion
 from pagefleet.engine.server.errors import OpenAIError, error_for, install_error_handlers
 from pagefleet.engine.server.kv_transfer import KVTransfers, add_kv_routes
@@ -48,7 +49,7 @@ from pagefleet.engine.server.tracing import RequestTracing
 from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol import tracing
 from pagefleet.protocol.http import ErrorGuard, error_json
-from pagefleet.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagefleet.protocol.openai import BatchChatCompletionRequest, ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagefleet.protocol.response_store import MemoryResponseStore, RedisResponseStore
 from pagefleet.protocol.responses import RESPONSES_PATH
 from pagefleet.protocol.tracing import ServerSpans
@@ -308,6 +309,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         header_id = request.headers.get("x-request-id")
         return await cancel_on_disconnect(request, create_chat_completion(state, body, header_id))
+
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(body: BatchChatCompletionRequest, request: Request) -> Any:
+        header_id = request.headers.get("x-request-id")
+        return await cancel_on_disconnect(request, create_batch_chat_completion(state, body, header_id))
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

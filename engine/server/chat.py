@@ -113,7 +113,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     echoed = _echoed(body)
     choices = []
     for completion in final.outputs:
-        message, reason = _answer(completion, calling)
+        message, reason = assistant_message(completion, calling)
         if echoed:
             message["content"] = echoed + (message["content"] or "")
         choices.append(
@@ -150,7 +150,7 @@ def _echoed(body: ChatCompletionRequest) -> str:
     return last.text() if body.echo and last.role == "assistant" else ""
 
 
-def _answer(completion: CompletionOutput, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+def assistant_message(completion: CompletionOutput, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
     """The assistant message of a finished completion, its tool calls parsed out, and the
     finish reason ("tool_calls" when it called any)."""
     reason = finish_reason(completion.finish_reason)
@@ -169,7 +169,7 @@ async def _stream_answers(stream: Outputs, chunk: ChunkWriter, tools: ToolPlan) 
     final = await last_output(stream)
     for completion in final.outputs:
         i = completion.index
-        message, reason = _answer(completion, tools)
+        message, reason = assistant_message(completion, tools)
         so_far = chunk.so_far(final.usage.prompt_tokens, len(completion.token_ids))
         deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
         if message.get("content"):

@@ -448,3 +448,28 @@ def test_token_ids_only_and_a_higher_logprobs_ceiling(tiny_llama: Path, tmp_path
         assert httpx.get(f"{server.url}/tokenizer_info").status_code == 404
     finally:
         stop_server(server)
+
+
+def test_a_batch_of_conversations_is_each_conversations_answer(
+    tiny_server: EngineServer, client: openai.OpenAI
+) -> None:
+    """vLLM's /v1/chat/completions/batch: one choice per conversation, in order, each the
+    answer the chat route gives that conversation alone; a bad conversation refuses the
+    whole batch and leaves no block held."""
+    conversations = [[{"role": "user", "content": "Hello there"}], [{"role": "user", "content": "Another one"}]]
+    url = f"{tiny_server.url}/v1/chat/completions/batch"
+    body = {"model": tiny_server.model, "messages": conversations, "max_tokens": 5, "temperature": 0}
+    answer = httpx.post(url, json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    assert [choice["index"] for choice in choices] == [0, 1]
+    for choice, messages in zip(choices, conversations, strict=True):
+        alone = client.chat.completions.create(model=tiny_server.model, messages=messages, max_tokens=5, temperature=0)
+        assert choice["message"]["content"] == alone.choices[0].message.content
+    assert answer.json()["usage"]["completion_tokens"] == 10
+    assert httpx.post(url, json={**body, "stream": True}).status_code == 400
+    assert httpx.post(url, json={**body, "messages": [conversations[0], []]}).status_code == 400
+    too_long = [{"role": "user", "content": "word " * 600}]
+    refused = httpx.post(url, json={**body, "messages": [conversations[0], too_long]}, timeout=60)
+    assert refused.status_code == 400
+    wait_for(lambda: idle_with_every_block_free(tiny_server))
