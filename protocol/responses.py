@@ -151,6 +151,8 @@ class ResponsesRequest(BaseModel):
     def _background_is_stored(self) -> ResponsesRequest:
         if self.background and not self.store:
             raise ValueError("background responses must be stored (store: true)")
+        if self.background and self.stream:
+            raise ValueError("background responses are not streamed here: poll GET /v1/responses/{id}")
         return self
 
 

@@ -48,6 +48,7 @@ from pagefleet.engine.server.tokenizer_info import add_tokenizer_route
 from pagefleet.engine.server.tracing import RequestTracing
 from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol import tracing
+from pagefleet.protocol.anthropic import MESSAGES_PATH
 from pagefleet.protocol.http import ErrorGuard, error_json
 from pagefleet.protocol.openai import BatchChatCompletionRequest, ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagefleet.protocol.response_store import MemoryResponseStore, RedisResponseStore
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_ENGINE_DEAD = 3  # the process's exit code after its engine died
 EXIT_LOAD_FAILED = 4  # ... after its model failed to load
-TRACED_PATHS = ("/v1/completions", "/v1/chat/completions", RESPONSES_PATH)
+TRACED_PATHS = ("/v1/completions", "/v1/chat/completions", RESPONSES_PATH, MESSAGES_PATH)
 
 
 def _version() -> str:

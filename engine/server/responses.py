@@ -134,7 +134,11 @@ async def _create(state: ServerState, body: ResponsesRequest) -> Response:
     stored = state.responses
     if body.background:
         queued = turn.response("in_progress")
-        await stored.save(turn.record(queued, None, stored.own_url))
+        try:
+            await stored.save(turn.record(queued, None, stored.own_url))
+        except OpenAIError:  # the store is down: nobody could read its answer, so it stops here
+            await run.stream.aclose()
+            raise
         stored.running[turn.response_id] = asyncio.create_task(_finish_in_background(stored, turn, run))
         return JSONResponse(queued)
     if body.stream:

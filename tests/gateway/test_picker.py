@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import redis as redis_sync
 from grpc_health.v1 import health_pb2
@@ -198,6 +199,22 @@ def test_keys_and_rate_limits_are_enforced_by_the_picker(envoy_fleet: EnvoyFleet
     finally:
         stop_process(envoy.process)
         stop_process(picker.process)
+
+
+def test_a_responses_conversation_through_envoy(envoy_fleet: EnvoyFleet) -> None:
+    """The Responses API behind Envoy: a follow-up (its conversation read from Redis by the
+    picker, to hash its prompt) lands where the first turn ran and reads its prompt's start
+    from that cache; a stored response is retrieved through Envoy from any replica."""
+    client = openai.OpenAI(base_url=f"{envoy_fleet.envoy.url}/v1", api_key="unused", max_retries=0)
+    args = dict(model="tiny", instructions="Be brief.", max_output_tokens=4, temperature=0)
+    question = "Tell me about paged attention, block tables and copy on write in a few words."
+    first = client.responses.with_raw_response.create(input=question, **args)
+    second = client.responses.with_raw_response.create(
+        previous_response_id=first.parse().id, input="And again?", **args
+    )
+    assert second.headers["x-pagefleet-replica"] == first.headers["x-pagefleet-replica"]
+    assert second.parse().usage.input_tokens_details.cached_tokens >= 16
+    assert client.responses.retrieve(second.parse().id).output_text == second.parse().output_text
 
 
 def test_health_checks_follow_redis(tmp_path: Path) -> None:

@@ -6,11 +6,14 @@ SmolLM2: test_smollm2_server.py; across replicas and the gateway: tests/gateway.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
+import redis as redis_sync
 
-from tests.processes import EngineServer, idle_with_every_block_free, wait_for
+from tests.processes import EngineServer, RedisProcess, idle_with_every_block_free, start_server, stop_server, wait_for
 
 INSTRUCTIONS, QUESTION = "Be brief.", "Hello there"
 
@@ -131,6 +134,7 @@ def test_bad_requests_are_refused_in_openais_shape(tiny_server: EngineServer, cl
         },
         "a hosted tool": {"model": model, "input": "hi", "tools": [{"type": "web_search"}]},
         "background, not stored": {"model": model, "input": "hi", "background": True, "store": False},
+        "background, streamed": {"model": model, "input": "hi", "background": True, "stream": True},
         "a schema-less json_schema": {"model": model, "input": "hi", "text": {"format": {"type": "json_schema"}}},
         "a negative temperature": {"model": model, "input": "hi", "temperature": -1},
     }
@@ -153,3 +157,27 @@ def test_auto_truncation_drops_the_oldest_turns(tiny_server: EngineServer) -> No
     answer = httpx.post(f"{tiny_server.url}/v1/responses", json={**body, "truncation": "auto"})
     assert answer.status_code == 200, answer.text
     assert 400 < answer.json()["usage"]["input_tokens"] <= 512 - 4
+
+
+def test_stored_responses_live_in_redis_and_an_outage_loses_no_block(
+    tiny_llama: Path, redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    """With --redis-url a stored response is a Redis key (so another replica can read it);
+    with Redis gone, storing answers 503 in OpenAI's shape and frees the request's blocks,
+    while a response that is not stored is still served."""
+    flags = ("--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "8", "--redis-url", redis_server.url)
+    server = start_server(str(tiny_llama), tmp_path / "serve.log", *flags)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        stored = client.responses.create(model=server.model, input=QUESTION, max_output_tokens=3)
+        keys = redis_sync.Redis.from_url(redis_server.url).keys("pagefleet:response:*")
+        assert keys == [f"pagefleet:response:{stored.id}".encode()]
+        redis_server.stop()
+        body = {"model": server.model, "input": QUESTION, "max_output_tokens": 3}
+        for extra in ({}, {"background": True}):
+            refused = httpx.post(f"{server.url}/v1/responses", json={**body, **extra}, timeout=30)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == 503, refused.text
+        assert httpx.post(f"{server.url}/v1/responses", json={**body, "store": False}, timeout=30).status_code == 200
+        wait_for(lambda: idle_with_every_block_free(server))
+    finally:
+        stop_server(server)
