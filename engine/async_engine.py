@@ -34,7 +34,8 @@ from pagefleet.engine.block_pool import KVEvent, take_events
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineDeadError, RequestFailedError
 from pagefleet.engine.inputs import PromptType
-from pagefleet.engine.kv_transfer.params import RemoteKV
+from pagefleet.engine.kv_transfer.connector import KVConnector
+from pagefleet.engine.kv_transfer.params import KVLayout, RemoteKV
 from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.outputs import RequestOutput
@@ -47,8 +48,16 @@ _Item: TypeAlias = RequestOutput | BaseException
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None, **engine_args: Any) -> None:
-        self.engine = engine or LLMEngine(config or EngineConfig(**engine_args))
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        engine: LLMEngine | None = None,
+        kv_connector: KVConnector | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """Drive `engine`, or a new one of `config` (or of `engine_args`); `kv_connector`:
+        how a prefill replica's answers say where decode replicas pull its KV from."""
+        self.engine = engine or LLMEngine(config or EngineConfig(**engine_args), kv_connector)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
@@ -155,6 +164,34 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while any block is in use."""
         return bool(await asyncio.wrap_future(self._on_engine_thread(self.engine.reset_prefix_cache)))
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether the engine was started with LoRA on (`enable_lora`)."""
+        return self.engine.lora is not None
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read an adapter from disk, off the engine thread (requests then name it; a slot is
+        filled when one is admitted).
+
+        Raises:
+            InvalidParameterError: LoRA is off, or the adapter cannot be served.
+        """
+        await asyncio.to_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, name: str) -> bool:
+        """Forget an adapter, between two steps (its slot may be in the step running now;
+        requests running with it finish). False if it was not loaded."""
+        return bool(await asyncio.wrap_future(self._on_engine_thread(self.engine.remove_lora, name)))
+
+    def prompt_token_ids(self, prompt: PromptType, params: SamplingParams) -> list[int]:
+        """The token ids the engine will compute for `prompt` (tokenized and truncated as
+        `add_request` does; it reads no engine state, so any thread may ask)."""
+        return self.engine.prompt_token_ids(prompt, params)
+
+    def kv_layout(self) -> KVLayout:
+        """What a KV transfer with this engine must agree on."""
+        return self.engine.kv_layout()
 
     def enable_kv_events(self) -> None:
         """Start queueing prefix-cache events (`take_kv_events`), for the fleet's index."""

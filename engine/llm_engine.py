@@ -83,7 +83,7 @@ class LLMEngine:
     scheduler (status) and the KV cache manager (blocks and progress).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None) -> None:
         self.config = config
         self.parts = build_engine_parts(config)
         self.tokenizer = self.parts.tokenizer
@@ -105,9 +105,9 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens the latest step computed (prompt chunks and decodes)
         self._prefill_tokens_per_s = 0.0  # measured (_measure_prefill); 0 until a prefill ran
         # Prefill/decode disaggregation: prompts kept for decode replicas to pull, and how
-        # they reach this replica (set by the server; without one, answers name no address).
+        # they reach this replica (the server's; without one, answers name no address).
         self.pins = PinnedPrompts(self.kv_cache.pool.free, config.kv_pin_timeout)
-        self.kv_connector: KVConnector | None = None
+        self.kv_connector = kv_connector
 
     # --- requests -----------------------------------------------------------------------
 

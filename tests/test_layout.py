@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,17 @@ def test_every_subpackage_is_listed_for_a_wheel() -> None:
             relative = init.parent.relative_to(ROOT / folder)
             name = ".".join([package, *relative.parts])
             assert name in listed, f"{name} is missing from [tool.setuptools] packages"
+
+
+def test_the_http_layer_reaches_the_engine_only_through_async_engine() -> None:
+    """AsyncEngine is the engine's one door: only its thread touches the engine, so code
+    that reaches past it (`x.engine.engine`) races the steps."""
+    outside = [ROOT / "engine" / "server", ROOT / "cli", ROOT / "gateway", ROOT / "operator", ROOT / "bench"]
+    reaching = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in outside
+        for path in sorted(folder.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bengine\.engine\b", line)
+    ]
+    assert not reaching, reaching

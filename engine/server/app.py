@@ -129,7 +129,8 @@ async def _load(state: ServerState, engine: AsyncEngine | None) -> None:
     """Load the model (in a thread) and the adapters of --lora-modules, warm it up with one
     token, then mark ready."""
     try:
-        loaded: AsyncEngine = engine or await asyncio.to_thread(AsyncEngine, state.settings.engine_config())
+        config, connector = state.settings.engine_config(), state.transfers.connector
+        loaded: AsyncEngine = engine or await asyncio.to_thread(AsyncEngine, config, kv_connector=connector)
         for name, path in parse_lora_modules(state.settings.lora_modules):
             await state.adapters.load(loaded, name, path)
         warm_up: PromptType = "Hello" if loaded.tokenizer is not None else {"prompt_token_ids": [0]}
@@ -203,7 +204,6 @@ def create_app(
                     state.exit_code = EXIT_LOAD_FAILED
                     stop_server()
                 return
-            state.engine.engine.kv_connector = state.transfers.connector
             metrics.engine_loaded(state.engine.max_model_len)
             assert metrics.vllm is not None
             state.engine.add_step_callback(metrics.vllm.iteration_tokens.observe)

@@ -68,7 +68,7 @@ class KVTransfers:
                 "this replica prefills (--role prefill): send do_remote_prefill to a decode replica",
             )
         remote = RemotePrefill.parse(transfer)
-        token_ids = engine.engine.prompt_token_ids(prompt, params)
+        token_ids = engine.prompt_token_ids(prompt, params)
         started = time.monotonic()
         try:
             pulled = await self.connector.pull(remote, self.layout(engine), token_ids)
@@ -82,7 +82,7 @@ class KVTransfers:
     def layout(self, engine: AsyncEngine) -> KVLayout:
         """The engine's KV layout under the served model name (which both roles share; their
         model paths may differ)."""
-        return dataclasses.replace(engine.engine.kv_layout(), model=self.model_name)
+        return dataclasses.replace(engine.kv_layout(), model=self.model_name)
 
     async def close(self) -> None:
         await self.connector.close()

@@ -8,7 +8,6 @@ the base model, and the replica's Redis record lists them for the gateway.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 from typing import Any
@@ -76,21 +75,22 @@ class Adapters:
             raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         request = LoRARequest(name, next(self._ids), path)
         try:
-            await asyncio.to_thread(engine.engine.add_lora, request)
+            await engine.add_lora(request)
         except InvalidParameterError as error:
             raise OpenAIError(400, str(error), "lora_path") from None
         self.by_name[name] = request
         return request
 
-    def unload(self, engine: AsyncEngine, name: str) -> None:
-        """Stop serving `name` (requests running with it finish).
+    async def unload(self, engine: AsyncEngine, name: str) -> None:
+        """Stop serving `name`: new requests for it get 404 at once; the engine forgets it
+        between two steps (requests running with it finish).
 
         Raises:
             OpenAIError: 404 for an adapter this replica does not serve.
         """
         if self.by_name.pop(name, None) is None:
             raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
-        engine.engine.remove_lora(name)
+        await engine.remove_lora(name)
 
     def model_cards(self, created: int, max_model_len: int | None) -> list[dict[str, Any]]:
         return [
@@ -113,12 +113,12 @@ def add_lora_routes(app: FastAPI, adapters: Adapters, engine_of: Any) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         engine: AsyncEngine = engine_of()
-        if engine.engine.lora is None:
+        if not engine.serves_lora:
             raise OpenAIError(400, "LoRA is off on this replica: start it with --enable-lora", "lora_name")
         await adapters.load(engine, body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
-        adapters.unload(engine_of(), body.lora_name)
+        await adapters.unload(engine_of(), body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

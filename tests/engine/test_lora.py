@@ -244,3 +244,42 @@ def test_lora_modules_take_vllms_forms_on_the_command_line() -> None:
     for bad in ("sql", "=/x", '{"name": "chat"}', '{"name": 3, "path": "/x"}', "{not json"):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_modules([bad])
+
+
+def test_unloading_an_adapter_while_it_and_another_run_changes_no_token(tiny_models: dict[str, Path]) -> None:
+    """The unload is handed to the engine thread (AsyncEngine is the engine's one door), so
+    a slot is never cleared under a running step: requests on the unloaded adapter and on
+    the other one finish with exactly the tokens they would have had."""
+    import asyncio
+
+    from pagefleet.engine import AsyncEngine
+
+    model_dir = tiny_models["llama"]
+    first, second = _adapter_dirs(model_dir, "llama")
+    adapters = [LoRARequest("first", 1, str(first)), LoRARequest("second", 2, str(second))]
+    prompts = random_prompts([6, 11, 19, 4, 9, 14], vocab=300, seed=5)
+    loras = [adapters[i % 2] for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    args = dict(dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    reference = LLM(str(model_dir), **args)
+    expected = reference.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+
+    async def unload_midway() -> list[list[int]]:
+        engine = AsyncEngine(model=str(model_dir), **args)
+        try:
+            for adapter in adapters:
+                await engine.add_lora(adapter)
+            streams = [
+                engine.generate({"prompt_token_ids": p}, params, f"r{i}", lora_request=lora)
+                for i, (p, lora) in enumerate(zip(prompts, loras, strict=True))
+            ]
+            firsts = [await anext(stream) for stream in streams]  # every request is running
+            assert not any(output.finished for output in firsts)
+            assert await engine.remove_lora("first")
+            finals = [[output async for output in stream][-1] for stream in streams]
+            assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+            return [final.outputs[0].token_ids for final in finals]
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(unload_midway()) == [o.outputs[0].token_ids for o in expected]
