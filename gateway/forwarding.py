@@ -16,7 +16,7 @@ from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import Proxy, forwarded_headers
 from pagefleet.gateway.shape import SESSION_HEADER, routed_payload
-from pagefleet.protocol.http import until_disconnected
+from pagefleet.protocol.http import BodyTooLarge, read_body, until_disconnected
 from pagefleet.protocol.response_store import ResponseStore
 from pagefleet.protocol.responses import RESPONSES_PATH
 
@@ -51,7 +51,7 @@ class ProxiedRoutes:
         values = dict(headers)
         path = scope["path"]
         try:
-            body = await self._read_body(receive, values.get(b"content-length"))
+            body = await self._read_body(scope, receive)
             authorization = values.get(b"authorization", b"").decode("latin-1")
             if not authorization and b"x-api-key" in values:  # Anthropic's clients send their key so
                 authorization = "Bearer " + values[b"x-api-key"].decode("latin-1")
@@ -85,21 +85,12 @@ class ProxiedRoutes:
 
         await until_disconnected(receive, forward_and_relay())
 
-    async def _read_body(self, receive: Receive, declared: bytes | None) -> bytes:
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         """The request body; a Refusal (413) if it is over the limit, declared or sent."""
-        limit = self.max_request_bytes
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise self._too_large()
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise self._too_large()
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return b"".join(chunks)
+        try:
+            return await read_body(scope, receive, self.max_request_bytes)
+        except BodyTooLarge:
+            raise self._too_large() from None
 
     def _too_large(self) -> Refusal:
         return self.metrics.refused(errors.too_large(self.max_request_bytes))

@@ -1,11 +1,15 @@
 """What pagefleet's two HTTP servers (the engine server and the gateway) share at the ASGI
-level: the one shape of every error, and noticing a client that leaves.
+level: the one shape of every error, one limit on request bodies, and noticing a client
+that leaves.
 
 Errors: `{"error": {"message", "type", "param", "code"}}` with the right status, never plain
 text, whatever raised. `ErrorGuard` wraps an app: an exception the app lets through becomes
 a 500 JSON body carrying the request id (also in `x-request-id`), logged with its
 traceback, and the connection stays usable (Starlette's own last-resort handler answers
 plain text and re-raises, after which the server drops the connection).
+
+Body size: `read_body` applies one rule (a declared length over the limit, or more bytes
+than the limit as they arrive) for the engine's middleware and the gateway's proxied routes.
 
 Disconnects: `until_disconnected` runs a request's work and cancels it if the client goes
 away first, so that nothing is computed for nobody.
@@ -65,6 +69,43 @@ class ErrorGuard:
             message = f"Internal server error (request id {request_id})."
             response = error_json(500, message, headers={"x-request-id": request_id})
             await response(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    """The request's body is over the limit."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body; BodyTooLarge if its declared length (when it is a number) or
+    the bytes that arrive (a chunked body, or one longer than it declared) pass `limit`."""
+    declared = dict(scope["headers"]).get(b"content-length", b"")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """`receive` for an app behind `read_body`: the body once, then what the client says
+    next (its disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

@@ -49,7 +49,7 @@ from pagefleet.engine.server.tracing import RequestTracing
 from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol import tracing
 from pagefleet.protocol.anthropic import MESSAGES_PATH
-from pagefleet.protocol.http import ErrorGuard, error_json
+from pagefleet.protocol.http import BodyTooLarge, ErrorGuard, error_json, read_body, replaying
 from pagefleet.protocol.openai import BatchChatCompletionRequest, ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagefleet.protocol.response_store import MemoryResponseStore, RedisResponseStore
 from pagefleet.protocol.responses import RESPONSES_PATH
@@ -93,32 +93,16 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and int(declared) > self.limit:
+        try:
+            body = await read_body(scope, receive, self.limit)
+        except BodyTooLarge:
             await self._reject(scope["path"], send)
             return
-        received = 0
-
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.limit:
-                raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
-            await self._reject(scope["path"], send)
+        await self.app(scope, replaying(body, receive), send)
 
     async def _reject(self, path: str, send: Send) -> None:
         response = error_for(path, 413, f"The request body exceeds {self.limit} bytes.")
         await response({"type": "http"}, _no_receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 async def _no_receive() -> Message:

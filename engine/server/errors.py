@@ -10,6 +10,8 @@ Anything else is caught by `protocol.http.ErrorGuard` at the edge of the app.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,10 +44,11 @@ def error_for(
     return error_json(status, message, param, headers)
 
 
-def _validation_message(errors: list[dict[str, object]]) -> tuple[str, str | None]:
-    """(message, param) of the first pydantic error, the field path as OpenAI names it."""
+def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message, param) of the first pydantic error (a mapping with `loc` and `msg`), the
+    field path as OpenAI names it."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]  # type: ignore[attr-defined]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
 
@@ -74,12 +77,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def request_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        return error_for(request.url.path, 400, *_validation_message(list(error.errors())))
+        return error_for(request.url.path, 400, *_validation_message(error.errors()))
 
     @app.exception_handler(ValidationError)
     async def validation_error(request: Request, error: ValidationError) -> JSONResponse:
         # A model built inside a handler from request data: still the client's input.
-        return error_for(request.url.path, 400, *_validation_message(list(error.errors())))  # type: ignore[arg-type]
+        return error_for(request.url.path, 400, *_validation_message(error.errors()))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:

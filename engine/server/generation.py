@@ -60,10 +60,11 @@ async def generate(
     # Its id in the engine's logs: unique even when a caller reuses its x-request-id.
     request_id = f"{response_id}-{prompt_index}-{uuid.uuid4().hex[:8]}"
     try:
-        prompt, remote_kv = await state.transfers.prepare(engine, prompt, params)  # type: ignore[assignment]
+        engine_prompt, remote_kv = await state.transfers.prepare(engine, prompt, params)
         if cache_salt is not None:
-            prompt = salted(prompt, cache_salt)  # type: ignore[assignment]
-        async with aclosing(engine.generate(prompt, params, request_id, remote_kv, lora_request)) as outputs:
+            assert not isinstance(engine_prompt, dict), "prepare gives back the prompt or its token ids"
+            engine_prompt = salted(engine_prompt, cache_salt)
+        async with aclosing(engine.generate(engine_prompt, params, request_id, remote_kv, lora_request)) as outputs:
             async for output in outputs:
                 tokens = sum(len(c.token_ids) for c in output.outputs)
                 if tokens > tokens_seen:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import suppress
 from typing import TypeVar
 
@@ -47,7 +47,7 @@ class EventStreamResponse(StreamingResponse):
     it is sent as an OpenAI error event, then `data: [DONE]`.
     """
 
-    def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], headers: dict[str, str] | None = None) -> None:
         super().__init__(events, headers=headers, media_type="text/event-stream")
         self.events = events
 
@@ -58,7 +58,7 @@ class EventStreamResponse(StreamingResponse):
         finally:
             # Closing the iterator closes the engine streams below it: their aborts run now.
             with suppress(Exception):
-                await self.events.aclose()  # type: ignore[attr-defined]
+                await self.events.aclose()
 
     async def _write(self, send: Send) -> bool:
         """Write the whole stream; True once it ended."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -253,3 +254,20 @@ def test_redis_outage_grace_then_503_then_recovery(
     finally:
         stop_process(gateway.process)
         stop_server(replica)
+
+
+def test_a_body_over_the_limit_is_a_413_declared_or_streamed(fleet: Fleet) -> None:
+    """One rule (protocol/http.py) on the gateway and on a replica: a declared length over
+    the limit, or more bytes than the limit as a chunked body arrives."""
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(40):  # 2.5 MiB, no content-length: sent chunked
+            yield b" " * 65536
+
+    for url in (fleet.gateway.url, fleet.replicas["tiny-a"].url):
+        declared = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x" * (2 << 20)}, timeout=30)
+        streamed = httpx.post(
+            f"{url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30
+        )
+        for answer in (declared, streamed):
+            assert answer.status_code == 413 and "exceeds" in answer.json()["error"]["message"], (url, answer.text)
