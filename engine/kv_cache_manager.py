@@ -332,12 +332,12 @@ class KVCacheManager:
     def swap_in_cost(self, request: Request) -> int:
         return len(self._distinct_blocks(request))
 
-    def try_swap_in(self, request: Request) -> bool:
-        """Bring a swapped request's blocks back to the device, keeping them shared."""
+    def swap_in(self, request: Request) -> None:
+        """Bring a swapped request's blocks back to the device, keeping them shared. The
+        caller has checked that `swap_in_cost(request)` blocks are free."""
         distinct = self._distinct_blocks(request)
         device_ids = self.pool.try_allocate(len(distinct))
-        if device_ids is None:
-            return False
+        assert device_ids is not None, "swap_in without the free blocks swap_in_cost asked for"
         to_device = dict(zip(distinct, device_ids, strict=True))
         self.pending.swap_in.extend(to_device.items())
         seen: set[int] = set()
@@ -349,7 +349,6 @@ class KVCacheManager:
             seen.update(new_table)
             record.block_ids = new_table
         self._free_host_blocks.extend(distinct)
-        return True
 
     def release_host_blocks(self, request: Request) -> None:
         """Drop a swapped request's host copies (it was aborted while swapped out)."""

@@ -391,7 +391,7 @@ class LLMEngine:
             return self._fail_unschedulable()
         # The attention batch puts single-token chunks (decodes) first; within each kind,
         # chunks of one LoRA adapter are neighbours, so its rows form one run.
-        chunks = sorted(plan.chunks, key=lambda c: (c.num_new_tokens != 1, c.request.lora_slot_index))
+        chunks = sorted(plan.chunks, key=lambda c: (c.num_new_tokens != 1, _slot_order(c.request.lora_slot)))
         samples = self._plan_samples(chunks)
         prompt_chunks = [i for i, c in enumerate(chunks) if c.request.wants_prompt_logprobs]
         started = time.monotonic()
@@ -516,12 +516,12 @@ class LLMEngine:
         return list(touched.values())
 
     def _after_step(self, request: Request) -> RequestOutput:
-        if request.is_done and request.wants_remote_decode:
+        if request.generation_ended and request.wants_remote_decode:
             self._pin_prompt(request)
         for seq in request.sequences:
             if seq.is_finished and self.kv_cache.block_table(seq):
                 self.kv_cache.free(seq)  # siblings still running keep only what they share
-        if request.is_done:
+        if request.generation_ended:
             self.requests.pop(request.request_id, None)
             self.scheduler.finish(request)
         return self.outputs.make_output(request)
@@ -574,3 +574,8 @@ class LLMEngine:
             num_pin_timeouts=self.pins.num_timeouts,
             prefill_tokens_per_s=self._prefill_tokens_per_s,
         )
+
+
+def _slot_order(lora_slot: int | None) -> int:
+    """Chunks of one adapter side by side (one run per adapter), base-model chunks first."""
+    return -1 if lora_slot is None else lora_slot

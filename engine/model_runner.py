@@ -155,7 +155,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(step)
         if self.lora is not None:
-            self.lora.set_batch([(c.request.lora_slot_index, c.num_new_tokens) for c in chunks])
+            self.lora.set_batch([(c.request.lora_slot, c.num_new_tokens) for c in chunks])
         logits = self.forward(step)
         results: dict[str, RequestResults] = {}
 

@@ -121,7 +121,7 @@ class OutputProcessor:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
-            finished=request.is_done or request.is_finished,
+            finished=request.generation_ended or request.is_finished,
             usage=Usage(request.num_prompt_tokens, num_completion, request.num_cached_tokens),
             prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
             num_cached_tokens=request.num_cached_tokens,

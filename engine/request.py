@@ -186,19 +186,16 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        """Retired by the engine (its generation ended, or it was aborted or failed)."""
         return self.status == RequestStatus.FINISHED
 
     @property
-    def is_done(self) -> bool:
-        """Nothing left to compute: every sample finished, or the beam search ended."""
+    def generation_ended(self) -> bool:
+        """Nothing left to compute: every sample finished, or the beam search ended (the
+        engine retires it after this step)."""
         if self.beam is not None:
             return self.beam.done
         return all(seq.is_finished for seq in self.sequences)
-
-    @property
-    def lora_slot_index(self) -> int:
-        """Its adapter's slot for the forward pass (-1: the base model)."""
-        return -1 if self.lora_slot is None else self.lora_slot
 
     @property
     def wants_remote_decode(self) -> bool:

@@ -138,7 +138,8 @@ class PromptHasher:
         if 2 * len(new) > len(words):  # mostly new: one call, and its words' ids learned from it
             encoding = self.tokenizer.encode(piece, add_special_tokens=False)
             ids = encoding.ids
-            word_ends = (numpy.flatnonzero(numpy.diff(encoding.word_ids)) + 1).tolist()
+            word_ids = numpy.asarray(encoding.word_ids, dtype=numpy.int64)  # no special tokens: never None
+            word_ends = (numpy.flatnonzero(numpy.diff(word_ids)) + 1).tolist()
             if len(word_ends) == len(words) - 1:  # each word has its own tokens, as it should
                 bounds = [0, *word_ends, len(ids)]
                 # Tuples: a cache of many small lists would slow every garbage collection.

@@ -35,7 +35,7 @@ class Route:
     release: Release = field(default=_nothing)  # drop the promise (the replica failed)
     reserved_blocks: int = 0  # the KV blocks promised on the replica for this request
     policy: str = ""  # the policy that chose it (set by the Router)
-    candidates: int = 0  # how many replicas it was chosen from (set by the Router)
+    num_candidates: int = 0  # how many replicas it was chosen from (set by the Router)
     fallbacks: list[ReplicaRecord] = field(default_factory=list)  # the next best, for a proxy that retries
     reason: str = ""  # why this replica (the affinity policy: decision.REASONS)
 

@@ -224,7 +224,7 @@ class Router:
             routed = RoutedRequest(shape, shape.blocks(block_size))
         route = await policy.choose(candidates, routed)
         if route is not None:
-            route.policy, route.candidates = policy.name, len(candidates)
+            route.policy, route.num_candidates = policy.name, len(candidates)
             if not route.fallbacks:
                 route.fallbacks = fallbacks(candidates, route.replica)
             self.metrics.routing_decisions.labels(shape.model, route.replica.replica_id, policy.name).inc()

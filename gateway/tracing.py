@@ -68,7 +68,7 @@ class RouteSpan:
         self.span.set_attributes(
             {
                 "pagefleet.routing.policy": route.policy,
-                "pagefleet.routing.candidates": route.candidates,
+                "pagefleet.routing.candidates": route.num_candidates,
                 "pagefleet.replica.id": route.replica.replica_id,
                 "pagefleet.replica.url": route.replica.url,
                 "pagefleet.routing.reserved_blocks": route.reserved_blocks,

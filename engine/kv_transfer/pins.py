@@ -77,7 +77,3 @@ class PinnedPrompts:
             self.release(request_id)
         self.num_timeouts += len(expired)
         return len(expired)
-
-    def release_all(self) -> None:
-        for request_id in list(self._pinned):
-            self.release(request_id)

@@ -29,21 +29,22 @@ class LoRABatch:
     run_table: torch.Tensor  # the runs as an int64 [R, 3] tensor, for the compiled operator
 
     @classmethod
-    def of(cls, chunk_slots: list[tuple[int, int]], device: torch.device) -> LoRABatch | None:
-        """From each chunk's (slot, rows), in batch order; None when no row uses an adapter."""
+    def of(cls, chunk_slots: list[tuple[int | None, int]], device: torch.device) -> LoRABatch | None:
+        """From each chunk's (slot, rows), in batch order (slot None: the base model); None
+        when no row uses an adapter."""
         runs: list[tuple[int, int, int]] = []
         row = 0
         for slot, count in chunk_slots:
-            if slot >= 0 and runs and runs[-1][0] == slot and runs[-1][2] == row:
+            if slot is not None and runs and runs[-1][0] == slot and runs[-1][2] == row:
                 runs[-1] = (slot, runs[-1][1], row + count)  # the same adapter as the chunk before
-            elif slot >= 0:
+            elif slot is not None:
                 runs.append((slot, row, row + count))
             row += count
         if not runs:
             return None
         slots = None
-        if device.type == "cuda":
-            per_chunk = torch.tensor(chunk_slots, dtype=torch.long)
+        if device.type == "cuda":  # the kernel's per-row slots, -1 for the base model
+            per_chunk = torch.tensor([(-1 if s is None else s, n) for s, n in chunk_slots], dtype=torch.long)
             slots = per_chunk[:, 0].repeat_interleave(per_chunk[:, 1]).to(device)
         return cls(slots, runs, torch.tensor(runs, dtype=torch.long))
 

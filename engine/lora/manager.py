@@ -123,8 +123,8 @@ class LoRAManager:
         if self._holders[slot] == 0 and name is not None and name not in self.adapters:
             self._clear(slot)  # removed while it ran
 
-    def set_batch(self, chunk_slots: list[tuple[int, int]] | None) -> None:
-        """Each chunk's (slot, rows) in the next forward pass, in batch order (-1: none)."""
+    def set_batch(self, chunk_slots: list[tuple[int | None, int]] | None) -> None:
+        """Each chunk's (slot, rows) in the next forward pass, in batch order (None: the base model)."""
         self.context.batch = LoRABatch.of(chunk_slots, self.device) if chunk_slots else None
 
     def _free_slot(self) -> int | None:

@@ -197,8 +197,8 @@ def test_the_compiled_cpu_operator_matches_its_torch_reference(dtype: torch.dtyp
         del pieces[1]  # this adapter leaves the middle segment alone
         layer.load(slot, pieces)
     token_slots = [0] * 5 + [-1] * 3 + [1] * 37 + [2] * 4 + [0] * 2
-    chunk_slots = [(0, 5), (-1, 3), (1, 20), (1, 17), (2, 4), (0, 2)]  # two chunks of slot 1 make one run
-    assert [slot for slot, count in chunk_slots for _ in range(count)] == token_slots
+    chunk_slots = [(0, 5), (None, 3), (1, 20), (1, 17), (2, 4), (0, 2)]  # two chunks of slot 1 make one run
+    assert [-1 if slot is None else slot for slot, count in chunk_slots for _ in range(count)] == token_slots
     batch = LoRABatch.of(chunk_slots, torch.device("cpu"))
     assert batch is not None and [run[0] for run in batch.runs] == [0, 1, 2, 0]
     layer.context.batch = batch

@@ -93,7 +93,7 @@ def test_beams_share_blocks_and_free_pruned_ones_at_once(tiny_llama: Path) -> No
         before = list(request.sequences)
         engine.step()
         pruned += sum(1 for seq in before if not any(seq is s for s in request.sequences))
-        if request.is_done:
+        if request.generation_ended:
             break
         _check_block_accounting(engine, request)
         if len(request.sequences) == 4:
