@@ -219,12 +219,14 @@ class AsyncEngine:
         remote_kv: RemoteKV | None,
         lora_request: LoRARequest | None,
     ) -> Any:
-        """Compile the request's structured-output constraint and read its adapter first,
-        outside the lock (a large schema or a new adapter must not stall the steps), then
-        add it."""
+        """Tokenize the prompt and its bad words, compile its structured-output constraint
+        and read its adapter here, in an adder thread (a long prompt, a large schema or a
+        new adapter must not stall the steps), then add it on the engine thread."""
+        prepared = self.engine.prepare_prompt(prompt, params)
+        params = self.engine.with_bad_words_tokenized(params)
         self.engine.compile_grammar(params)
         self.engine.add_lora(lora_request)
-        add = self._on_engine_thread(self.engine.add_request, request_id, prompt, params, remote_kv, lora_request)
+        add = self._on_engine_thread(self.engine.add_request, request_id, prepared, params, remote_kv, lora_request)
         return add.result()
 
     async def read_pinned(

@@ -4,6 +4,7 @@ Everything past `add_request` sees only a string or token ids."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypeAlias, TypedDict
 
 from pagefleet.engine.errors import InvalidParameterError
@@ -59,3 +60,13 @@ def prompt_cache_salt(prompt: Any) -> str | None:
     if not isinstance(salt, str) or not salt:
         raise InvalidParameterError("cache_salt", "must be a non-empty string")
     return salt
+
+
+@dataclass(slots=True, frozen=True)
+class PreparedPrompt:
+    """A prompt tokenized ahead (`LLMEngine.prepare_prompt`, on any thread), so that adding
+    its request on the engine thread tokenizes nothing."""
+
+    text: str | None  # the prompt's text, if it came as text
+    token_ids: list[int]  # what the engine computes: tokenized, then truncated
+    cache_salt: str | None

@@ -7,6 +7,7 @@ One step = schedule -> run block copies -> forward pass and sampling -> bookkeep
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.engine_setup import build_engine_parts
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
-from pagefleet.engine.inputs import PromptType, parse_prompt, prompt_cache_salt
+from pagefleet.engine.inputs import PreparedPrompt, PromptType, parse_prompt, prompt_cache_salt
 from pagefleet.engine.kv_transfer.connector import KVConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.kv_transfer.pins import PinnedPrompt, PinnedPrompts
@@ -114,12 +115,14 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompt: PromptType | PreparedPrompt,
         params: SamplingParams,
         remote_kv: RemoteKV | None = None,
         lora_request: LoRARequest | None = None,
     ) -> Request:
-        """Validate and queue a request; `prompt` in any shape of `inputs.PromptType`.
+        """Validate and queue a request; `prompt` in any shape of `inputs.PromptType`, or
+        prepared ahead (`prepare_prompt`, `with_bad_words_tokenized`: what an engine thread
+        should not spend its time on).
         `remote_kv`: its prompt's KV pulled from a prefill replica (a decode replica's
         request); `params.extra_args["kv_transfer_params"]` with `do_remote_decode` makes it
         a prefill replica's request, whose prompt blocks stay pinned for a pull.
@@ -131,18 +134,17 @@ class LLMEngine:
         """
         if request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
-        cache_salt = prompt_cache_salt(prompt)
-        prompt = parse_prompt(prompt)
-        text = prompt if isinstance(prompt, str) else None
         if self.tokenizer is None and params.stop:
             raise InvalidParameterError(
                 "stop", "this engine has no tokenizer (skip_tokenizer_init=True): use token ids"
             )
-        token_ids = self.prompt_token_ids(prompt, params)
+        prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare_prompt(prompt, params)
+        text, token_ids, cache_salt = prepared.text, prepared.token_ids, prepared.cache_salt
         self._validate_prompt(token_ids)
         self._check_kv_role(params, remote_kv, token_ids)
         self.add_lora(lora_request)
-        self._prepare_token_constraints(params)
+        params = self.with_bad_words_tokenized(params)
+        self._check_token_constraints(params)
         grammar = self.compile_grammar(params)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         request = Request(
@@ -291,10 +293,31 @@ class LLMEngine:
         keep = self.max_model_len if keep == -1 else keep
         return token_ids[-keep:]
 
-    def _prepare_token_constraints(self, params: SamplingParams) -> None:
+    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
+        """`prompt` tokenized and truncated as its request will compute it; reads no engine
+        state, so any thread may call it.
+
+        Raises:
+            InvalidParameterError: a prompt of an unknown shape, a bad `cache_salt`, or text
+                for an engine without a tokenizer.
+        """
+        cache_salt = prompt_cache_salt(prompt)
+        parsed = parse_prompt(prompt)
+        text = parsed if isinstance(parsed, str) else None
+        return PreparedPrompt(text, self.prompt_token_ids(parsed, params), cache_salt)
+
+    def with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
+        """`params`, or a copy with its `bad_words` tokenized (the caller's object is never
+        written); reads no engine state, so any thread may call it."""
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        if self.tokenizer is None:
+            raise InvalidParameterError("bad_words", "this engine has no tokenizer (skip_tokenizer_init=True)")
+        return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
+
+    def _check_token_constraints(self, params: SamplingParams) -> None:
         """Check every token id against the vocabulary and the logprobs asked for against
-        `max_logprobs`; tokenize `bad_words` (once per params object: LLM.generate shares
-        one between prompts)."""
+        `max_logprobs`."""
         vocab = self.parts.model_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
@@ -312,10 +335,6 @@ class LLMEngine:
                 raise InvalidParameterError(
                     name, f"token id {outside[0]} is out of vocabulary (token ids are in [0, {vocab}))"
                 )
-        if params.bad_words and not params.bad_words_token_ids:
-            if self.tokenizer is None:
-                raise InvalidParameterError("bad_words", "this engine has no tokenizer (skip_tokenizer_init=True)")
-            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
 
     def _stop_token_ids(self, params: SamplingParams) -> set[int]:
         eos = set() if params.ignore_eos else set(self.parts.model_config.eos_token_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -91,7 +92,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, response_i
         extra["structured_outputs"] = constraint
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens, **extra)
     lora = state.adapters.request_for(body.model)
-    prompt = chat_prompt(engine, body)
+    prompt = await asyncio.to_thread(chat_prompt, engine, body)  # a template and a tokenizer: not on the loop
     outputs = generate(state, engine, prompt, params, lora, "chat", response_id, cache_salt=body.cache_salt)
     stream = await first_and_rest(outputs)
     calling = tools if tools is not None and tools.parses_calls else None

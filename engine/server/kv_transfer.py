@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -68,7 +69,7 @@ class KVTransfers:
                 "this replica prefills (--role prefill): send do_remote_prefill to a decode replica",
             )
         remote = RemotePrefill.parse(transfer)
-        token_ids = engine.prompt_token_ids(prompt, params)
+        token_ids = await asyncio.to_thread(engine.prompt_token_ids, prompt, params)  # once, off the loop
         started = time.monotonic()
         try:
             pulled = await self.connector.pull(remote, self.layout(engine), token_ids)

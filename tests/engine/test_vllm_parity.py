@@ -105,7 +105,8 @@ def test_bad_words_are_never_completed(llm: LLM) -> None:
     assert words
     banned_params = _greedy(max_tokens=10, bad_words=words)
     constrained = llm.generate([prompt], banned_params)[0].outputs[0]
-    ids_of = {tuple(ids) for ids in banned_params.bad_words_token_ids}
+    assert not banned_params.bad_words_token_ids, "the caller's params are never written"
+    ids_of = {tuple(ids) for ids in llm.engine.with_bad_words_tokenized(banned_params).bad_words_token_ids}
     single = {ids[0] for ids in ids_of if len(ids) == 1}
     assert single and not single & set(constrained.token_ids)
     assert constrained.token_ids != free.token_ids
