@@ -1,0 +1,138 @@
+"""Start-up and shutdown of one replica, as the app's lifespan.
+
+Start-up loads the model in a thread (so `/health` answers 503 until it is loaded and
+warm), then starts publishing KV capacity (and the prefix cache's events) to Redis if a URL
+is set. Shutdown removes the Redis record and stops the engine.
+
+If the engine dies (its shared forward pass failed), the replica withdraws its Redis record
+at once, `/health` fails, and after a short grace for in-flight error responses the server
+stops and the process exits with `EXIT_ENGINE_DEAD`, so that its supervisor (Kubernetes,
+`pagefleet up`) starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.inputs import PromptType
+from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.server.lora import parse_lora_modules
+from pagefleet.engine.server.publisher import CapacityPublisher
+from pagefleet.engine.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+EXIT_ENGINE_DEAD = 3  # the process's exit code after its engine died
+EXIT_LOAD_FAILED = 4  # ... after its model failed to load
+
+
+class ReplicaLifecycle:
+    """Args:
+    state: the server's state; this class writes its `engine`, `load_error` and `exit_code`.
+    engine: one built already (tests), else one is built from the settings.
+    stop_server: makes the HTTP server stop gracefully (when the engine dies or fails to load).
+    tracer_provider: flushed at shutdown.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        engine: AsyncEngine | None,
+        stop_server: Callable[[], None] | None,
+        tracer_provider: TracerProvider | None,
+    ) -> None:
+        self.state, self.prebuilt, self.stop_server = state, engine, stop_server
+        self.tracer_provider = tracer_provider
+        self._publisher: CapacityPublisher | None = None
+        self._publishing: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: object) -> AsyncIterator[None]:
+        self._tasks.append(asyncio.create_task(self._start()))
+        yield
+        await self._stop()
+
+    async def _start(self) -> None:
+        state = self.state
+        await _load(state, self.prebuilt)
+        if state.engine is None:
+            if self.stop_server is not None:  # nothing to serve: exit, so a supervisor sees it at once
+                state.exit_code = EXIT_LOAD_FAILED
+                self.stop_server()
+            return
+        state.metrics.engine_loaded(state.engine.max_model_len)
+        assert state.metrics.vllm is not None, "engine_loaded makes vLLM's metrics"
+        state.engine.add_step_callback(state.metrics.vllm.iteration_tokens.observe)
+        loop, died = asyncio.get_running_loop(), asyncio.Event()
+        state.engine.add_death_callback(lambda _: loop.call_soon_threadsafe(died.set))
+        self._tasks.append(asyncio.create_task(self._withdraw_when_dead(died)))
+        settings = state.settings
+        if settings.redis_url:
+            state.engine.enable_kv_events()  # the fleet's prefix index (kv_events.py)
+            self._publisher = CapacityPublisher(
+                settings.redis_url,
+                settings.model_name,
+                settings.replica,
+                settings.url,
+                state.engine.max_model_len,
+                state.engine.stats,
+                settings.publish_interval,
+                settings.record_ttl,
+                settings.restarts,
+                settings.role,
+                state.adapters.paths,
+                state.engine.take_kv_events,
+            )
+            self._publishing = asyncio.create_task(self._publisher.run())
+            self._tasks.append(self._publishing)
+
+    async def _withdraw_when_dead(self, died: asyncio.Event) -> None:
+        await died.wait()
+        self.state.exit_code = EXIT_ENGINE_DEAD
+        logger.critical("the engine stopped; leaving the fleet and exiting with code %d", EXIT_ENGINE_DEAD)
+        if self._publisher is not None and self._publishing is not None:
+            self._publishing.cancel()  # no report may follow the removal
+            await asyncio.gather(self._publishing, return_exceptions=True)
+            await self._publisher.remove()
+        await asyncio.sleep(self.state.settings.exit_grace)  # in-flight requests get their error answers
+        if self.stop_server is not None:
+            self.stop_server()
+
+    async def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._publisher is not None:
+            await self._publisher.remove()
+        state = self.state
+        await state.transfers.close()
+        await state.responses.close()
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+        if self.tracer_provider is not None:
+            await asyncio.to_thread(self.tracer_provider.shutdown)  # the last spans go out
+
+
+async def _load(state: ServerState, engine: AsyncEngine | None) -> None:
+    """Load the model (in a thread) and the adapters of --lora-modules, warm it up with one
+    token, then mark ready."""
+    try:
+        config, connector = state.settings.engine_config(), state.transfers.connector
+        loaded: AsyncEngine = engine or await asyncio.to_thread(AsyncEngine, config, kv_connector=connector)
+        for name, path in parse_lora_modules(state.settings.lora_modules):
+            await state.adapters.load(loaded, name, path)
+        warm_up: PromptType = "Hello" if loaded.tokenizer is not None else {"prompt_token_ids": [0]}
+        async for _ in loaded.generate(warm_up, SamplingParams(max_tokens=1, temperature=0.0)):
+            pass
+        state.engine = loaded
+        logger.info("serving %s (max_model_len %d)", state.settings.model_name, loaded.max_model_len)
+    except Exception as error:
+        state.load_error = error
+        logger.exception("the model failed to load")

@@ -1,0 +1,35 @@
+"""The replica's own middleware: a limit on request bodies, answered in each API's shape.
+(API keys: auth.py; the last-resort error guard and the body rule: protocol/http.py.)"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagefleet.engine.server.errors import error_for
+from pagefleet.protocol.http import BodyTooLarge, read_body, replaying
+
+
+class BodySizeLimit:
+    """413 for a request body over `limit` bytes, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await read_body(scope, receive, self.limit)
+        except BodyTooLarge:
+            await self._reject(scope["path"], send)
+            return
+        await self.app(scope, replaying(body, receive), send)
+
+    async def _reject(self, path: str, send: Send) -> None:
+        response = error_for(path, 413, f"The request body exceeds {self.limit} bytes.")
+        await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
