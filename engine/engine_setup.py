@@ -56,6 +56,7 @@ class DeviceParts:
     num_blocks: int
     num_host_blocks: int
     runner: ModelRunner
+    lora: LoRAManager | None  # rank 0's adapter slots, with enable_lora
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -91,7 +92,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             raise
     try:
         shared_memory = workers.shared_memory if workers is not None else None
-        device = build_device(config, model_dir, Shard(0, config.tensor_parallel_size, shared_memory=shared_memory))
+        shard = Shard(0, config.tensor_parallel_size, shared_memory=shared_memory)
+        device = build_device(config, model_dir, shard, workers)
     except Exception:
         if workers is not None:
             workers.stop()
@@ -103,27 +105,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv_cache = KVCacheManager(
         num_blocks, config.block_size, config.enable_prefix_caching, device.num_host_blocks, config.enable_block_sharing
     )
-    runner = device.runner
-    runner.workers = workers
-    lora = None
-    if config.enable_lora:
-        lora = LoRAManager(
-            model.lora_targets(), config.max_loras, config.max_lora_rank, config.torch_dtype, config.torch_device
-        )
-        logger.info(
-            "LoRA: %d slots of rank <= %d, %.1f MiB each",
-            config.max_loras,
-            config.max_lora_rank,
-            lora.bytes_per_slot / 2**20,
-        )
-        runner.lora = lora
+    lora = device.lora
     scheduler = Scheduler(config, kv_cache, lora)
-    return EngineParts(model_dir, tokenizer, model, model_config, max_model_len, kv_cache, scheduler, runner, lora)
+    return EngineParts(
+        model_dir, tokenizer, model, model_config, max_model_len, kv_cache, scheduler, device.runner, lora
+    )
 
 
-def build_device(config: EngineConfig, model_dir: Path, shard: Shard) -> DeviceParts:
-    """This rank's model part, KV cache and runner. The block count is the least any rank
-    can hold (each computes its own from its budget), so all ranks write the same slots."""
+def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: Workers | None = None) -> DeviceParts:
+    """This rank's model part, KV cache and runner (with rank 0's `workers`, and its LoRA
+    slots with enable_lora). The block count is the least any rank can hold (each computes
+    its own from its budget), so all ranks write the same slots."""
     dtype, device = config.torch_dtype, config.torch_device
     model, model_config = load_model(model_dir, dtype, device, shard)
     block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard)
@@ -153,10 +145,35 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard) -> DeviceP
     backend = select_backend(config.attention_backend, spec)
     if shard.rank == 0:
         logger.info("attention backend: %s", backend.name)
+    lora = _lora_slots(config, model) if config.enable_lora and shard.rank == 0 else None
     runner = ModelRunner(
-        model, model_config, backend, num_blocks, num_host_blocks, config.block_size, dtype, device, config.seed, shard
+        model,
+        model_config,
+        backend,
+        num_blocks,
+        num_host_blocks,
+        config.block_size,
+        dtype,
+        device,
+        config.seed,
+        shard,
+        lora,
+        workers,
     )
-    return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner)
+    return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner, lora)
+
+
+def _lora_slots(config: EngineConfig, model: CausalLM) -> LoRAManager:
+    lora = LoRAManager(
+        model.lora_targets(), config.max_loras, config.max_lora_rank, config.torch_dtype, config.torch_device
+    )
+    logger.info(
+        "LoRA: %d slots of rank <= %d, %.1f MiB each",
+        config.max_loras,
+        config.max_lora_rank,
+        lora.bytes_per_slot / 2**20,
+    )
+    return lora
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,20 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # `del llm` frees what it holds too (its tensor-parallel workers and process group).
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave their process group, so that another
+        tensor-parallel engine can start in this process (also done by `with LLM(...) as
+        llm:` and when the LLM is collected); it cannot generate afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -88,10 +88,12 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         shard: Shard,
+        lora: LoRAManager | None = None,
+        workers: Workers | None = None,
     ) -> None:
         self.model, self.model_config, self.backend = model, model_config, backend
-        self.lora: LoRAManager | None = None  # set by the engine with enable_lora
-        self.workers: Workers | None = None  # rank 0 of a tensor-parallel group: the other ranks
+        self.lora = lora  # with enable_lora
+        self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
         self.block_size, self.device = block_size, device
         num_kv_heads = shard.kv_heads(model_config.num_heads, model_config.num_kv_heads)[1]
         shape = (block_size, num_kv_heads, model_config.head_dim)

@@ -121,13 +121,11 @@ class Workers:
             except Exception:  # a broken group: the workers are stopped by force below
                 logger.warning("could not tell the tensor-parallel workers to stop", exc_info=True)
             self._finalizer()
-            if dist.is_initialized():
-                dist.destroy_process_group()
 
 
 def _stop(processes: list[BaseProcess], shared_memory: SharedMemoryAllReduce | None) -> None:
     """Wait briefly for workers told to stop; kill the rest (an engine collected or a
-    process exiting never told them)."""
+    process exiting never told them); leave the process group."""
     deadline = time.monotonic() + 2
     for process in processes:
         if process.pid is None:  # never started
@@ -138,6 +136,11 @@ def _stop(processes: list[BaseProcess], shared_memory: SharedMemoryAllReduce | N
             process.join(5)
     if shared_memory is not None:
         shared_memory.close(remove=True)
+    try:  # this process leaves the group, so another tensor-parallel engine can start in it
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # the interpreter may be exiting: nothing more to free
+        logger.debug("could not leave the tensor-parallel process group", exc_info=True)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

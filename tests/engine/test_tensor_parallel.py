@@ -195,3 +195,23 @@ def test_the_shared_memory_all_reduce_sums_every_rank_and_hands_large_tensors_to
         owner.close(remove=True)
     expected = [6.0 * (call + 1) for _ in range(3) for call in range(3)]  # (1 + 2 + 3) x (call + 1)
     assert gathered == {rank: expected for rank in range(size)}
+
+
+def test_an_engine_that_is_done_frees_its_ranks_for_the_next(tp_models: dict[str, Path]) -> None:
+    """`del llm` (or `with LLM(...)`) stops the workers and leaves the process group, so a
+    notebook or a test suite can make the next tensor-parallel engine in the same process."""
+    import gc
+
+    import torch.distributed as dist
+
+    model_dir, (prompt,) = tp_models["llama_kv2"], random_prompts([7], TINY_VOCAB)
+    first = LLM(str(model_dir), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    expected = first.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    pids = _worker_pids(first)
+    del first
+    gc.collect()
+    assert not dist.is_initialized() and not any(_alive(pid) for pid in pids)
+    with LLM(str(model_dir), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2) as second:
+        assert second.generate([prompt], GREEDY)[0].outputs[0].token_ids == expected
+        pids = _worker_pids(second)
+    assert not dist.is_initialized() and not any(_alive(pid) for pid in pids)
