@@ -2,12 +2,12 @@
 
 One step = schedule -> run block copies -> forward pass and sampling -> bookkeeping
 (progress, forks, prefix-cache registration, detokenization, stop checks, freeing).
-`LLM` drives it in a loop; `AsyncEngine` drives it from a background thread.
+`LLM` drives it in a loop; `AsyncEngine` drives it from a background thread. What a
+request is checked and prepared with before it enters lives in request_checks.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -19,8 +19,8 @@ from pagefleet.engine.beam_search import BeamSearchState
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.detokenizer import Detokenizer
 from pagefleet.engine.engine_setup import build_engine_parts
-from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
-from pagefleet.engine.inputs import PreparedPrompt, PromptType, parse_prompt, prompt_cache_salt
+from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.inputs import PreparedPrompt, PromptType
 from pagefleet.engine.kv_transfer.connector import KVConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.kv_transfer.pins import PinnedPrompt, PinnedPrompts
@@ -29,11 +29,11 @@ from pagefleet.engine.model_runner import RequestResults, SampleRequest
 from pagefleet.engine.output_processor import OutputProcessor
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.request import Request, RequestStatus, Sequence
+from pagefleet.engine.request_checks import RequestChecks
 from pagefleet.engine.sampler import SampleResult
 from pagefleet.engine.sampling_params import SamplingParams
 from pagefleet.engine.scheduler import ScheduledChunk
 from pagefleet.engine.stats import EngineStats
-from pagefleet.engine.structured_outputs import GrammarCompiler
 from pagefleet.protocol.block_hash import chain_root
 
 logger = logging.getLogger(__name__)
@@ -41,32 +41,10 @@ logger = logging.getLogger(__name__)
 _MIN_MEASURED_PREFILL_TOKENS = 64
 
 
-def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
-    """Each bad word as token ids, as it would start the text and as it would follow a
-    space (distinct variants only)."""
-    variants: list[list[int]] = []
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = list(tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in variants:
-                variants.append(ids)
-    return variants
-
-
 def prefix_hash_root(lora_request: LoRARequest | None, cache_salt: str | None) -> int:
     """The first link of a request's prefix-cache hash chain: an adapter's KV, or a salted
     request's, is its own (protocol/block_hash.py; routers compute the same)."""
     return chain_root(lora_request.lora_name if lora_request is not None else None, cache_salt)
-
-
-def worst_case_blocks(num_prompt_tokens: int, max_tokens: int, num_sequences: int, block_size: int) -> int:
-    """The most KV blocks a request can ever hold at once: its prompt's blocks (shared by
-    every sample) plus, per sample, the blocks of `max_tokens` outputs and one copy of the
-    part-filled block the prompt ends in (copy-on-write). A lone sequence needs just the
-    blocks of prompt and output together. A request above the whole cache can never run."""
-    if num_sequences == 1:
-        return -(-(num_prompt_tokens + max_tokens) // block_size)
-    return -(-num_prompt_tokens // block_size) + num_sequences * (-(-max_tokens // block_size) + 1)
 
 
 class LLMEngine:
@@ -89,8 +67,8 @@ class LLMEngine:
         self.parts = build_engine_parts(config)
         self.tokenizer = self.parts.tokenizer
         self.max_model_len = self.parts.max_model_len
-        vocab_size = self.parts.model_config.vocab_size
-        self.max_logprobs = vocab_size if config.max_logprobs == -1 else config.max_logprobs
+        model_config = self.parts.model_config
+        self.max_logprobs = model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         self.kv_cache = self.parts.kv_cache
         self.scheduler = self.parts.scheduler
         self.runner = self.parts.runner
@@ -99,7 +77,16 @@ class LLMEngine:
             Detokenizer(self.tokenizer), self.parts.model_config.eos_token_ids, self.max_model_len
         )
         self.requests: dict[str, Request] = {}
-        self._grammars: GrammarCompiler | None = None  # made on the first constrained request
+        self.checks = RequestChecks(
+            self.tokenizer,
+            model_config.vocab_size,
+            model_config.eos_token_ids,
+            self.max_model_len,
+            self.max_logprobs,
+            self.kv_cache.block_size,
+            self.kv_cache.num_blocks,
+            config.kv_role,
+        )
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -138,15 +125,16 @@ class LLMEngine:
             raise InvalidParameterError(
                 "stop", "this engine has no tokenizer (skip_tokenizer_init=True): use token ids"
             )
-        prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare_prompt(prompt, params)
+        checks = self.checks
+        prepared = prompt if isinstance(prompt, PreparedPrompt) else checks.prepare_prompt(prompt, params)
         text, token_ids, cache_salt = prepared.text, prepared.token_ids, prepared.cache_salt
-        self._validate_prompt(token_ids)
-        self._check_kv_role(params, remote_kv, token_ids)
+        checks.validate_prompt(token_ids)
+        checks.check_kv_role(params, remote_kv, token_ids)
         self.add_lora(lora_request)
-        params = self.with_bad_words_tokenized(params)
-        self._check_token_constraints(params)
-        grammar = self.compile_grammar(params)
-        max_tokens = self._resolve_max_tokens(len(token_ids), params)
+        params = checks.with_bad_words_tokenized(params)
+        checks.check_token_constraints(params)
+        grammar = checks.compile_grammar(params)
+        max_tokens = checks.resolve_max_tokens(len(token_ids), params)
         request = Request(
             request_id,
             text,
@@ -167,7 +155,7 @@ class LLMEngine:
             request.beam = BeamSearchState(params, max_tokens, self._stop_token_ids(params))
         if grammar is not None:
             for seq in request.sequences:
-                seq.grammar = self._grammars.matcher(grammar)  # type: ignore[union-attr]
+                seq.grammar = checks.matcher(grammar)
         if request.remote_kv is None:
             hits, _ = self.kv_cache.find_prefix_hits(request.sequences[0], len(token_ids))
             request.num_expected_prefill_tokens = len(token_ids) - len(hits) * self.kv_cache.block_size
@@ -199,44 +187,21 @@ class LLMEngine:
     def list_loras(self) -> list[str]:
         return self.lora.loaded() if self.lora is not None else []
 
+    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
+        """`prompt` tokenized and truncated as its request will compute it (any thread)."""
+        return self.checks.prepare_prompt(prompt, params)
+
+    def prompt_token_ids(self, prompt: PromptType, params: SamplingParams) -> list[int]:
+        """The token ids the engine computes for `prompt` (any thread)."""
+        return self.checks.prompt_token_ids(prompt, params)
+
+    def with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
+        """`params`, or a copy with its bad words tokenized (any thread)."""
+        return self.checks.with_bad_words_tokenized(params)
+
     def compile_grammar(self, params: SamplingParams) -> Any:
-        """The compiled structured-output constraint of `params` (None without one); cached,
-        so callers that compile ahead, off the engine's lock, make `add_request` cheap.
-
-        Raises:
-            InvalidParameterError: for a constraint that does not compile, or no tokenizer.
-        """
-        if params.structured_outputs is None:
-            return None
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise InvalidParameterError(
-                    "structured_outputs", "this engine has no tokenizer (skip_tokenizer_init=True)"
-                )
-            model_config = self.parts.model_config
-            self._grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, model_config.eos_token_ids)
-        return self._grammars.compile(params.structured_outputs)
-
-    def _check_kv_role(self, params: SamplingParams, remote_kv: RemoteKV | None, token_ids: list[int]) -> None:
-        role = self.config.kv_role
-        transfer = (params.extra_args or {}).get("kv_transfer_params")
-        if transfer is not None and not isinstance(transfer, dict):
-            raise InvalidParameterError("kv_transfer_params", "must be an object")
-        if transfer and transfer.get("do_remote_decode") and role == "decode":
-            raise InvalidParameterError(
-                "kv_transfer_params", "this replica decodes (--role decode): send do_remote_decode to a prefill replica"
-            )
-        if remote_kv is not None:
-            if role == "prefill":
-                raise InvalidParameterError(
-                    "kv_transfer_params",
-                    "this replica prefills (--role prefill): send do_remote_prefill to a decode replica",
-                )
-            if (
-                remote_kv.num_tokens >= len(token_ids)
-                or remote_kv.num_blocks * self.kv_cache.block_size < remote_kv.num_tokens
-            ):
-                raise InvalidParameterError("kv_transfer_params", "the pulled KV does not fit this prompt")
+        """The compiled structured-output constraint of `params`, cached (any thread)."""
+        return self.checks.compile_grammar(params)
 
     def kv_layout(self) -> KVLayout:
         """What a KV transfer with this replica must agree on."""
@@ -275,108 +240,9 @@ class LLMEngine:
         """Free the prompts no decode replica pulled in time."""
         return self.pins.expire() if len(self.pins) else 0
 
-    def prompt_token_ids(self, prompt: PromptType, params: SamplingParams) -> list[int]:
-        """The token ids the engine computes for `prompt`: tokenized, then truncated to its
-        last `truncate_prompt_tokens` (-1: as many as the context window holds)."""
-        prompt = parse_prompt(prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidParameterError(
-                    "prompt", "this engine has no tokenizer (skip_tokenizer_init=True): use token ids"
-                )
-            token_ids = list(self.tokenizer.encode(prompt))
-        else:
-            token_ids = list(prompt)
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return token_ids
-        keep = self.max_model_len if keep == -1 else keep
-        return token_ids[-keep:]
-
-    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
-        """`prompt` tokenized and truncated as its request will compute it; reads no engine
-        state, so any thread may call it.
-
-        Raises:
-            InvalidParameterError: a prompt of an unknown shape, a bad `cache_salt`, or text
-                for an engine without a tokenizer.
-        """
-        cache_salt = prompt_cache_salt(prompt)
-        parsed = parse_prompt(prompt)
-        text = parsed if isinstance(parsed, str) else None
-        return PreparedPrompt(text, self.prompt_token_ids(parsed, params), cache_salt)
-
-    def with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
-        """`params`, or a copy with its `bad_words` tokenized (the caller's object is never
-        written); reads no engine state, so any thread may call it."""
-        if not params.bad_words or params.bad_words_token_ids:
-            return params
-        if self.tokenizer is None:
-            raise InvalidParameterError("bad_words", "this engine has no tokenizer (skip_tokenizer_init=True)")
-        return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
-
-    def _check_token_constraints(self, params: SamplingParams) -> None:
-        """Check every token id against the vocabulary and the logprobs asked for against
-        `max_logprobs`."""
-        vocab = self.parts.model_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            if asked is not None and asked > self.max_logprobs:
-                raise InvalidParameterError(
-                    name, f"requested {asked} logprobs, more than max_logprobs={self.max_logprobs} (--max-logprobs)"
-                )
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("allowed_token_ids", params.allowed_token_ids or []),
-            ("logit_bias", list(params.logit_bias or {})),
-        ):
-            outside = [t for t in ids if t >= vocab]
-            if outside:
-                raise InvalidParameterError(
-                    name, f"token id {outside[0]} is out of vocabulary (token ids are in [0, {vocab}))"
-                )
-
     def _stop_token_ids(self, params: SamplingParams) -> set[int]:
         eos = set() if params.ignore_eos else set(self.parts.model_config.eos_token_ids)
         return eos | set(params.stop_token_ids)
-
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidParameterError("prompt", "the prompt is empty")
-        vocab = self.parts.model_config.vocab_size
-        outside = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if outside:
-            raise InvalidParameterError(
-                "prompt", f"token id {outside[0]!r} is out of vocabulary (token ids are integers in [0, {vocab}))"
-            )
-        if len(token_ids) > self.max_model_len:
-            raise PromptTooLongError(
-                "prompt",
-                f"the prompt has {len(token_ids)} tokens, more than this model's context "
-                f"window of {self.max_model_len} tokens (max_model_len)",
-            )
-
-    def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
-        room = self.max_model_len - num_prompt
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise PromptTooLongError(
-                "max_tokens",
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"this model's context window of {self.max_model_len} tokens",
-            )
-        if max_tokens < 1:
-            raise PromptTooLongError(
-                "prompt", f"the prompt fills the whole context window of {self.max_model_len} tokens"
-            )
-        worst_case = worst_case_blocks(num_prompt, max_tokens, params.num_sequences, self.kv_cache.block_size)
-        if worst_case > self.kv_cache.num_blocks:
-            raise PromptTooLongError(
-                "max_tokens",
-                f"this request may need {worst_case} KV blocks but the whole cache has "
-                f"{self.kv_cache.num_blocks}; lower max_tokens, n, best_of or beam_width",
-            )
-        return max_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output."""
