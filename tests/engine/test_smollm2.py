@@ -12,11 +12,6 @@ from tests.engine.helpers import assert_no_block_leaked
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> LLM:
-    return LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=256 << 20)
-
-
 def test_chat_question_gets_a_sensible_answer(smollm2: LLM) -> None:
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     output = smollm2.chat(messages, SamplingParams(temperature=0.0, max_tokens=48))[0]

@@ -41,11 +41,6 @@ CHOICES = ["positive", "negative", "neutral"]
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> LLM:
-    return LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=256 << 20)
-
-
 @pytest.fixture(autouse=True)
 def _no_leak(smollm2: LLM):  # type: ignore[no-untyped-def]
     yield
@@ -100,13 +95,12 @@ def test_each_of_n_samples_and_each_beam_follows_the_constraint(smollm2: LLM) ->
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_the_constraint_survives_preemption(preemption_mode: str) -> None:
+def test_the_constraint_survives_preemption(smollm2: LLM, preemption_mode: str) -> None:
     """A cache too small for every request at once: requests are preempted and resumed,
     their matchers keep their place, and greedy answers equal an unpreempted run's."""
-    roomy = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=256 << 20)
-    prompts = [roomy.apply_chat_template(_ask(i)) for i in range(6)]
+    prompts = [smollm2.apply_chat_template(_ask(i)) for i in range(6)]
     params = _person(temperature=0.0)
-    expected = [o.outputs[0].text for o in roomy.generate(prompts, params)]
+    expected = [o.outputs[0].text for o in smollm2.generate(prompts, params)]
     tight = LLM(
         "smollm2-135m-instruct", dtype="float32", num_kv_blocks=40, block_size=16, preemption_mode=preemption_mode
     )
