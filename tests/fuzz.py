@@ -36,13 +36,30 @@ def _is_api_error(content: bytes, path: str) -> bool:
     return isinstance(error, dict) and {"message", "type", "code"} <= error.keys()
 
 
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+CHEAP_LENGTH = 8
+
+
 def naming_model(name: str) -> Callable[[schemathesis.Case], None]:
     """A `prepare` that sends generated bodies to the served model, so that most of them
-    reach the engine instead of stopping at "unknown model"."""
+    reach the engine instead of stopping at "unknown model", and keeps valid output
+    lengths short (a generated 500-token answer tests nothing an 8-token one does not, and
+    a chat body without a length runs to the end of the context; lengths out of bounds
+    stay as generated, to be refused)."""
 
     def prepare(case: schemathesis.Case) -> None:
-        if isinstance(case.body, dict) and "model" in case.body:
+        if not isinstance(case.body, dict):
+            return
+        if "model" in case.body:
             case.body["model"] = name
+        for field in LENGTH_FIELDS:
+            value = case.body.get(field)
+            if isinstance(value, int) and not isinstance(value, bool) and CHEAP_LENGTH < value <= 1 << 16:
+                case.body[field] = CHEAP_LENGTH
+        if "messages" in case.body or "input" in case.body:  # chat-like: no length means the whole context
+            length_field = "max_output_tokens" if "input" in case.body else "max_tokens"
+            if not any(field in case.body for field in LENGTH_FIELDS):
+                case.body[length_field] = CHEAP_LENGTH
 
     return prepare
 
