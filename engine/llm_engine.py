@@ -270,18 +270,24 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Two calls: the scheduler's plan (chunks in batch order, block copies) runs on the
+        runner, then `_update` applies what it returned."""
         self.expire_pins()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._fail_unschedulable()
-        # The attention batch puts single-token chunks (decodes) first; within each kind,
-        # chunks of one LoRA adapter are neighbours, so its rows form one run.
-        chunks = sorted(plan.chunks, key=lambda c: (c.num_new_tokens != 1, _slot_order(c.request.lora_slot)))
-        samples = self._plan_samples(chunks)
+        chunks = plan.chunks
         prompt_chunks = [i for i, c in enumerate(chunks) if c.request.wants_prompt_logprobs]
         started = time.monotonic()
+        results = self.runner.execute(chunks, self._plan_samples(chunks), prompt_chunks, plan.copies)
+        return self._update(chunks, results, started)
+
+    def _update(
+        self, chunks: list[ScheduledChunk], results: dict[str, RequestResults], started: float
+    ) -> list[RequestOutput]:
+        """The step's writes: computed tokens and forks (`_advance`), the prefill rate, then
+        each request's tokens or beams, stops, pins and freed blocks, request by request."""
         self.last_step_tokens = sum(c.num_new_tokens for c in chunks)
-        results = self.runner.execute(chunks, samples, prompt_chunks, plan.copies)
         touched = self._advance(chunks)
         now = time.monotonic()
         self._measure_prefill(sum(c.num_new_tokens for c in chunks if c.num_new_tokens > 1), now - started)
@@ -459,8 +465,3 @@ class LLMEngine:
             num_pin_timeouts=self.pins.num_timeouts,
             prefill_tokens_per_s=self._prefill_tokens_per_s,
         )
-
-
-def _slot_order(lora_slot: int | None) -> int:
-    """Chunks of one adapter side by side (one run per adapter), base-model chunks first."""
-    return -1 if lora_slot is None else lora_slot

@@ -39,6 +39,11 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulePlan:
+    """A step's work, ready for the runner: `chunks` in batch order (`schedule` sorts them:
+    single-token chunks, decodes, first, as the attention batch lays them out; within each
+    kind the chunks of one LoRA adapter side by side, so its rows form one run), the
+    requests preempted to make room, and the block copies to run first."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     copies: PendingCopies = field(default_factory=PendingCopies)
@@ -103,6 +108,7 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
         plan.copies = self.kv_cache.pending.take()
+        plan.chunks.sort(key=_batch_order)
         for chunk in plan.chunks:
             if chunk.seq.index == 0 and chunk.start < chunk.request.num_prompt_tokens:
                 chunk.request.note("prefill_chunk", start=chunk.start, tokens=chunk.num_new_tokens)
@@ -249,3 +255,9 @@ class Scheduler:
         logger.info("preempted request %s by %s", request.request_id, mode)
         plan.preempted.append(request)
         self.add(request)
+
+
+def _batch_order(chunk: ScheduledChunk) -> tuple[bool, int]:
+    """Decodes first; then by adapter slot, the base model's first (no slot)."""
+    slot = chunk.request.lora_slot
+    return chunk.num_new_tokens != 1, -1 if slot is None else slot
