@@ -25,7 +25,8 @@ class SequenceBlocks:
     """One sequence's place in the cache. Written by KVCacheManager alone; others read it
     through `KVCacheManager.block_table` and `num_computed_tokens`."""
 
-    block_ids: list[int] = field(default_factory=list)  # device blocks; host blocks while swapped out
+    block_ids: list[int] = field(default_factory=list)  # its device blocks (none while swapped out)
+    host_block_ids: list[int] = field(default_factory=list)  # its host copies while swapped out
     num_computed_tokens: int = 0  # tokens whose keys and values are in those blocks
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
@@ -307,9 +308,12 @@ class KVCacheManager:
 
     # --- swapping -----------------------------------------------------------------------
 
-    def _distinct_blocks(self, request: Request) -> list[int]:
-        """The request's blocks, each once (siblings share), in table order."""
-        return list(dict.fromkeys(b for seq in request.sequences for b in self.block_table(seq)))
+    def _distinct_blocks(self, request: Request, on_host: bool = False) -> list[int]:
+        """The request's device blocks (or, swapped out, its host copies), each once
+        (siblings share), in table order."""
+        records = [self._sequences.get(seq.seq_id) for seq in request.sequences]
+        tables = [(r.host_block_ids if on_host else r.block_ids) for r in records if r is not None]
+        return list(dict.fromkeys(b for table in tables for b in table))
 
     def can_swap_out(self, request: Request) -> bool:
         return len(self._distinct_blocks(request)) <= len(self._free_host_blocks)
@@ -326,16 +330,16 @@ class KVCacheManager:
                     self.pending.swap_out.append((block_id, to_host[block_id]))
                 host_ids.append(to_host[block_id])
             self.pool.free(record.block_ids[::-1])
-            record.block_ids = host_ids
+            record.block_ids, record.host_block_ids = [], host_ids
             record.num_registered_blocks = 0  # the device copies may be evicted meanwhile
 
     def swap_in_cost(self, request: Request) -> int:
-        return len(self._distinct_blocks(request))
+        return len(self._distinct_blocks(request, on_host=True))
 
     def swap_in(self, request: Request) -> None:
         """Bring a swapped request's blocks back to the device, keeping them shared. The
         caller has checked that `swap_in_cost(request)` blocks are free."""
-        distinct = self._distinct_blocks(request)
+        distinct = self._distinct_blocks(request, on_host=True)
         device_ids = self.pool.try_allocate(len(distinct))
         assert device_ids is not None, "swap_in without the free blocks swap_in_cost asked for"
         to_device = dict(zip(distinct, device_ids, strict=True))
@@ -343,15 +347,15 @@ class KVCacheManager:
         seen: set[int] = set()
         for seq in request.sequences:
             record = self._record(seq)
-            new_table = [to_device[b] for b in record.block_ids]
+            new_table = [to_device[b] for b in record.host_block_ids]
             # try_allocate gave each block one reference; every further sharer adds one.
             self.pool.incref([b for b in new_table if b in seen])
             seen.update(new_table)
-            record.block_ids = new_table
+            record.block_ids, record.host_block_ids = new_table, []
         self._free_host_blocks.extend(distinct)
 
     def release_host_blocks(self, request: Request) -> None:
         """Drop a swapped request's host copies (it was aborted while swapped out)."""
-        self._free_host_blocks.extend(self._distinct_blocks(request))
+        self._free_host_blocks.extend(self._distinct_blocks(request, on_host=True))
         for seq in request.sequences:
             self._sequences.pop(seq.seq_id, None)
