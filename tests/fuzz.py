@@ -52,14 +52,13 @@ def naming_model(name: str) -> Callable[[schemathesis.Case], None]:
             return
         if "model" in case.body:
             case.body["model"] = name
-        for field in LENGTH_FIELDS:
-            value = case.body.get(field)
+        for length in LENGTH_FIELDS:
+            value = case.body.get(length)
             if isinstance(value, int) and not isinstance(value, bool) and CHEAP_LENGTH < value <= 1 << 16:
-                case.body[field] = CHEAP_LENGTH
-        if "messages" in case.body or "input" in case.body:  # chat-like: no length means the whole context
-            length_field = "max_output_tokens" if "input" in case.body else "max_tokens"
-            if not any(field in case.body for field in LENGTH_FIELDS):
-                case.body[length_field] = CHEAP_LENGTH
+                case.body[length] = CHEAP_LENGTH
+        chat_like = "messages" in case.body or "input" in case.body  # no length: the whole context
+        if chat_like and not any(length in case.body for length in LENGTH_FIELDS):
+            case.body["max_output_tokens" if "input" in case.body else "max_tokens"] = CHEAP_LENGTH
 
     return prepare
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.processes import (
@@ -33,6 +35,21 @@ def start_replica(model_dir: Path, log_dir: Path, redis: RedisProcess, replica: 
 def prefix_routing_ready(gateway_url: str) -> bool:
     """The gateway has read the model's tokenizer (it does so once the model has two replicas)."""
     return 'pagefleet_gateway:prefix_routing_ready{model="tiny"} 1.0' in httpx.get(f"{gateway_url}/metrics").text
+
+
+RESPONSES_ARGS = {"model": "tiny", "instructions": "Be brief.", "max_output_tokens": 4, "temperature": 0}
+LONG_QUESTION = "Tell me about paged attention, block tables and copy on write in a few words."
+
+
+def two_turns(base_url: str) -> tuple[Any, Any]:
+    """A question and its follow-up through `previous_response_id`, sent to `base_url` (a
+    router); the two raw answers (their headers name the replica that ran each)."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    first = client.responses.with_raw_response.create(input=LONG_QUESTION, **RESPONSES_ARGS)
+    second = client.responses.with_raw_response.create(
+        previous_response_id=first.parse().id, input="And again?", **RESPONSES_ARGS
+    )
+    return first, second
 
 
 @dataclass

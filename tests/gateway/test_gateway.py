@@ -14,7 +14,7 @@ import pytest
 import redis as redis_sync
 
 from pagefleet.protocol.replica import ReplicaRecord, record_key
-from tests.gateway.conftest import Fleet, prefix_routing_ready, start_replica
+from tests.gateway.conftest import LONG_QUESTION, RESPONSES_ARGS, Fleet, prefix_routing_ready, start_replica, two_turns
 from tests.processes import (
     RedisProcess,
     idle_with_every_block_free,
@@ -75,12 +75,8 @@ def test_a_responses_conversation_follows_its_cache_across_replicas(fleet: Fleet
     wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 2)
     wait_for(lambda: prefix_routing_ready(fleet.gateway.url))
     through = openai.OpenAI(base_url=f"{fleet.gateway.url}/v1", api_key="unused", max_retries=0)
-    args = dict(model="tiny", instructions="Be brief.", max_output_tokens=4, temperature=0)
-    question = "Tell me about paged attention, block tables and copy on write in a few words."
-    first = through.responses.with_raw_response.create(input=question, **args)
-    second = through.responses.with_raw_response.create(
-        previous_response_id=first.parse().id, input="And again?", **args
-    )
+    args, question = RESPONSES_ARGS, LONG_QUESTION
+    first, second = two_turns(fleet.gateway.url)
     holder = first.headers["x-pagefleet-replica"]
     assert second.headers["x-pagefleet-replica"] == holder
     assert second.parse().usage.input_tokens_details.cached_tokens >= 16

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from pagefleet.gateway.reservations import promise_keys
 from pagefleet.protocol.replica import ReplicaRecord, model_pattern, record_key
 from tests.envoy import EnvoyProcess, PickerProcess, render_config, start_envoy, start_picker
-from tests.gateway.conftest import start_replica
+from tests.gateway.conftest import start_replica, two_turns
 from tests.processes import (
     EngineServer,
     RedisProcess,
@@ -206,12 +206,7 @@ def test_a_responses_conversation_through_envoy(envoy_fleet: EnvoyFleet) -> None
     picker, to hash its prompt) lands where the first turn ran and reads its prompt's start
     from that cache; a stored response is retrieved through Envoy from any replica."""
     client = openai.OpenAI(base_url=f"{envoy_fleet.envoy.url}/v1", api_key="unused", max_retries=0)
-    args = dict(model="tiny", instructions="Be brief.", max_output_tokens=4, temperature=0)
-    question = "Tell me about paged attention, block tables and copy on write in a few words."
-    first = client.responses.with_raw_response.create(input=question, **args)
-    second = client.responses.with_raw_response.create(
-        previous_response_id=first.parse().id, input="And again?", **args
-    )
+    first, second = two_turns(envoy_fleet.envoy.url)
     assert second.headers["x-pagefleet-replica"] == first.headers["x-pagefleet-replica"]
     assert second.parse().usage.input_tokens_details.cached_tokens >= 16
     assert client.responses.retrieve(second.parse().id).output_text == second.parse().output_text
