@@ -5,8 +5,9 @@ client, Redis, autoscaling histories, metrics) rides in kopf's memo, made once b
 `run_operator`, and `build_registry` only registers them. They only translate between
 kopf and reconcile.py / autoscale.py: a change, a resume or the periodic timer runs the
 same reconcile; the timer also runs the autoscaler; deletion removes the model's replica
-records from Redis before the finalizer lets go. kopf's own bookkeeping goes to `pagefleet.io/` annotations, so `.status` holds only our fields, and
-`_write_status` is its one writer.
+records from Redis before the finalizer lets go. kopf's own bookkeeping goes to
+`pagefleet.io/` annotations, so `.status` holds only our fields, and `_write_status` is
+its one writer.
 
 One writer per resource: the change handlers and the timer reconcile a resource under its
 lock, and the timer skips a period in which a handler holds it (the handler does the same
