@@ -98,6 +98,8 @@ def _choice_logprobs(
 
 async def create_completion(state: ServerState, body: CompletionRequest, header_id: str | None = None) -> Any:
     engine = state.ready_engine(body.model)
+    if engine.tokenizer is None:  # tokens have no text here: logprobs name them by id (vLLM's form)
+        body = body.model_copy(update={"return_tokens_as_token_ids": True})
     if body.stream and body.best_of is not None and body.best_of > body.n:
         raise OpenAIError(400, "best_of: cannot be used with stream (the best are known only at the end)", "best_of")
     state.admit(engine)

@@ -430,12 +430,13 @@ def test_token_ids_only_and_a_higher_logprobs_ceiling(tiny_llama: Path, tmp_path
         body = {"model": server.model, "prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0}
         answer = httpx.post(
             f"{server.url}/v1/completions",
-            json={**body, "logprobs": 25, "return_token_ids": True, "return_tokens_as_token_ids": True},
+            json={**body, "logprobs": 25, "return_token_ids": True},
         )
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
         assert len(choice["token_ids"]) == 5 and choice["text"] == ""
-        assert all(len(top) == 25 for top in choice["logprobs"]["top_logprobs"])
+        assert all(len(top) == 25 for top in choice["logprobs"]["top_logprobs"])  # named by id: none collide
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
         too_many = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 31})
         assert too_many.status_code == 400 and "max_logprobs=30" in too_many.json()["error"]["message"]
         text = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "Hello"})
