@@ -51,8 +51,17 @@ def _alive(pid: int) -> bool:
     return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("arch", ["llama_kv2", "llama_kv4", "llama_kv1", "qwen2", "gpt2"])
+# Every schedule on one architecture; each other sharding (KV heads split or replicated,
+# biases, GPT-2's fused projections) with a chunked prefill and swapping, which between them
+# run every path of the workers' step.
+ARCH_SCHEDULES = [("llama_kv2", schedule) for schedule in SCHEDULES] + [
+    (arch, schedule)
+    for arch in ("llama_kv4", "llama_kv1", "qwen2", "gpt2")
+    for schedule in ("chunked_prefill", "preempt_swap")
+]
+
+
+@pytest.mark.parametrize(("arch", "schedule"), ARCH_SCHEDULES)
 def test_two_ranks_give_transformers_greedy_output(tp_models: dict[str, Path], arch: str, schedule: str) -> None:
     model_dir = tp_models[arch]
     llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, **SCHEDULES[schedule])
