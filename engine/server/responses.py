@@ -59,6 +59,7 @@ class Turn:
     chat: ChatCompletionRequest
     response_id: str
     model: str
+    input_items: list[dict[str, Any]]  # the request's input, each item with an id (made once)
     created_at: float = field(default_factory=time.time)
 
     def response(
@@ -68,14 +69,14 @@ class Turn:
 
     def record(self, response: dict[str, Any], answer: Answer | None, own_url: str) -> StoredResponse:
         """The stored form: the conversation so far (without the instructions, which a
-        follow-up does not inherit) and this turn's input items, with ids."""
+        follow-up does not inherit) and this turn's input items."""
         messages = [message.model_dump(exclude_none=True) for message in self.chat.messages]
         if self.body.instructions:
             messages = messages[1:]
         if answer is not None:
             messages.append(answer.message)
         return StoredResponse(
-            response=response, conversation=messages, input_items=_input_items(self.body), replica_url=own_url
+            response=response, conversation=messages, input_items=self.input_items, replica_url=own_url
         )
 
 
@@ -129,7 +130,7 @@ async def _create(state: ServerState, body: ResponsesRequest) -> Response:
     chat = as_chat_request(body, history)
     if body.truncation == "auto":
         chat = _truncated(engine, chat, body.max_output_tokens or 1)
-    turn = Turn(body, chat, new_response_id(), state.served_name(body.model))
+    turn = Turn(body, chat, new_response_id(), state.served_name(body.model), _input_items(body))
     run = await start_chat(state, chat, turn.response_id)  # bad input fails here, before any answer
     stored = state.responses
     if body.background:

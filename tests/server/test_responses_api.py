@@ -108,8 +108,10 @@ def test_a_background_response_finishes_or_is_cancelled(tiny_server: EngineServe
     model = tiny_server.model
     done = client.responses.create(model=model, input=QUESTION, max_output_tokens=4, background=True)
     assert done.background and done.status == "in_progress"
+    items_while_running = client.responses.input_items.list(done.id).data  # their ids stay
     finished = wait_for(lambda: (r := client.responses.retrieve(done.id)).status == "incomplete" and r)
     assert finished.usage.output_tokens == 4 and finished.output_text
+    assert client.responses.input_items.list(done.id).data[0].id == items_while_running[0].id
     # A long one, cancelled while it runs: its blocks are freed, and it says so.
     long = client.responses.create(
         model=model, input=QUESTION, max_output_tokens=400, background=True, extra_body={"ignore_eos": True}
