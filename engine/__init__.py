@@ -1,15 +1,15 @@
 """pagefleet's paged-attention inference engine."""
 
-from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import EngineError, InvalidParameterError, PromptTooLongError, RequestFailedError
-from pagefleet.engine.inputs import TextPrompt, TokensPrompt
-from pagefleet.engine.llm import LLM
-from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.front.async_engine import AsyncEngine
+from pagefleet.engine.front.inputs import TextPrompt, TokensPrompt
+from pagefleet.engine.front.llm import LLM
+from pagefleet.engine.front.llm_engine import LLMEngine
+from pagefleet.engine.front.outputs import CompletionOutput, Logprob, RequestOutput, Usage
+from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.stats import EngineStats
+from pagefleet.engine.sample.sampling_params import SamplingParams
 
 __all__ = [
     "RequestFailedError",

@@ -10,7 +10,7 @@ import pytest
 
 from pagefleet.engine import LLM
 from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "engine.md"

@@ -158,7 +158,7 @@ def run_worker(
     from pathlib import Path
 
     from pagefleet.engine.distributed.shard import Shard
-    from pagefleet.engine.engine_setup import build_device
+    from pagefleet.engine.front.engine_setup import build_device
 
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     logging.basicConfig(level=os.environ.get("PAGEFLEET_LOG_LEVEL", "WARNING"))

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from fastapi import FastAPI
 from opentelemetry.sdk.trace import TracerProvider
 
-from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.front.async_engine import AsyncEngine
+from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.server.auth import APIKeyGuard
 from pagefleet.engine.server.errors import install_error_handlers
 from pagefleet.engine.server.kv_transfer import KVTransfers, add_kv_routes
@@ -27,7 +28,6 @@ from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.stored_responses import StoredResponses
 from pagefleet.engine.server.tokenizer_info import add_tokenizer_route
 from pagefleet.engine.server.tracing import RequestTracing
-from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol import tracing
 from pagefleet.protocol.anthropic import MESSAGES_PATH
 from pagefleet.protocol.http import ErrorGuard

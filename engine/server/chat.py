@@ -11,9 +11,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pagefleet.engine.async_engine import AsyncEngine
-from pagefleet.engine.chat_template import apply_chat_template, template_takes_tools
-from pagefleet.engine.outputs import CompletionOutput, RequestOutput
+from pagefleet.engine.front.async_engine import AsyncEngine
+from pagefleet.engine.front.chat_template import apply_chat_template, template_takes_tools
+from pagefleet.engine.front.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_logprobs, sse, token_name, usage
 from pagefleet.engine.server.generation import (

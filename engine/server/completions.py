@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pagefleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.front.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_logprobs, sse, token_name, usage
 from pagefleet.engine.server.generation import (

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.protocol.openai import StreamOptions
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 
-from pagefleet.engine.async_engine import AsyncEngine
-from pagefleet.engine.inputs import TextPrompt, TokensPrompt
+from pagefleet.engine.front.async_engine import AsyncEngine
+from pagefleet.engine.front.inputs import TextPrompt, TokensPrompt
+from pagefleet.engine.front.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.outputs import CompletionOutput, RequestOutput
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.server.state import ServerState
 
 Outputs = AsyncGenerator[RequestOutput, None]

@@ -1,7 +1,7 @@
 """Publishes this replica's prefix-cache contents to the fleet's index in Redis
 (protocol/prefix_index.py), so routers know exactly which replica holds which prefix.
 
-The engine's step thread only appends events to a queue (engine/block_pool.py); this class
+The engine's step thread only appends events to a queue (engine/core/block_pool.py); this class
 takes them from the server's event loop, nets each batch (a hash stored and removed within
 one batch is not sent), and writes the batch in one transaction: the replica's SET and one
 STREAM entry. It keeps its own copy of what it has published, so that after Redis was
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from pagefleet.engine.block_pool import KVEvent
+from pagefleet.engine.core.block_pool import KVEvent
 from pagefleet.protocol.block_hash import pack
 from pagefleet.protocol.prefix_index import STREAM_MAX_ENTRIES, blocks_key, events_key
 

@@ -22,13 +22,13 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.engine.inputs import PromptType
+from pagefleet.engine.front.async_engine import AsyncEngine
+from pagefleet.engine.front.inputs import PromptType
 from pagefleet.engine.kv_transfer import wire
 from pagefleet.engine.kv_transfer.connector import PULL_PATH, HTTPConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV, RemotePrefill
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings

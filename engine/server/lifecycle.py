@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from pagefleet.engine.async_engine import AsyncEngine
-from pagefleet.engine.inputs import PromptType
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.front.async_engine import AsyncEngine
+from pagefleet.engine.front.inputs import PromptType
+from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.server.lora import parse_lora_modules
 from pagefleet.engine.server.publisher import CapacityPublisher
 from pagefleet.engine.server.state import ServerState

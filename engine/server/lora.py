@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from pagefleet.engine.async_engine import AsyncEngine
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.server.errors import OpenAIError
 

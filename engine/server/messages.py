@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagefleet.engine.outputs import CompletionOutput, RequestOutput
+from pagefleet.engine.front.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.server.chat import ChatRun, chat_prompt, start_chat
 from pagefleet.engine.server.errors import status_of
 from pagefleet.engine.server.generation import DeltaTracker, last_output, response_id_for

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.structured_outputs import StructuredOutputsParams
+from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.sample.structured_outputs import StructuredOutputsParams
 from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 _PASSED_WHEN_SET = (

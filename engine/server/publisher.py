@@ -17,9 +17,9 @@ from typing import Any
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from pagefleet.engine.block_pool import KVEvent
+from pagefleet.engine.core.block_pool import KVEvent
+from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.server.kv_events import KVEventPublisher
-from pagefleet.engine.stats import EngineStats
 from pagefleet.protocol.replica import ReplicaRecord, catalog_key, record_key
 
 logger = logging.getLogger(__name__)

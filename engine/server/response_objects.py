@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.server.chat import ChatRun
 from pagefleet.engine.server.errors import status_of
 from pagefleet.protocol.responses import FunctionChoice, ResponsesRequest

@@ -26,7 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.server.chat import ChatRun, chat_prompt, start_chat
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.generation import DeltaTracker, last_output

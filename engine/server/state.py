@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.kv_transfer import KVTransfers
 from pagefleet.engine.server.lora import Adapters

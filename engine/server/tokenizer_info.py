@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 
-from pagefleet.engine.async_engine import AsyncEngine
+from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.protocol.block_hash import VERSION
 from pagefleet.protocol.tokenizer_info import TokenizerInfo

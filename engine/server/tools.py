@@ -20,8 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pagefleet.engine.sample.structured_outputs import StructuredOutputsParams
 from pagefleet.engine.server.errors import OpenAIError
-from pagefleet.engine.structured_outputs import StructuredOutputsParams
 from pagefleet.protocol.openai import ChatCompletionRequest, Tool
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)

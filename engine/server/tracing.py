@@ -15,8 +15,8 @@ from typing import Any
 
 from opentelemetry import context, trace
 
-from pagefleet.engine.outputs import RequestOutput
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.front.outputs import RequestOutput
+from pagefleet.engine.sample.sampling_params import SamplingParams
 
 
 class RequestTracing:

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pagefleet.engine.outputs import RequestOutput
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.stats import EngineStats
+from pagefleet.engine.front.outputs import RequestOutput
+from pagefleet.engine.front.stats import EngineStats
+from pagefleet.engine.sample.sampling_params import SamplingParams
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagefleet.engine.block_pool import BlockPool, KVEvent, take_events
+from pagefleet.engine.core.block_pool import BlockPool, KVEvent, take_events
 
 
 def test_allocate_and_free_return_every_block() -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pagefleet.engine.kv_cache_manager import KVCacheManager
-from pagefleet.engine.request import Request
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.core.kv_cache_manager import KVCacheManager
+from pagefleet.engine.core.request import Request
+from pagefleet.engine.sample.sampling_params import SamplingParams
 
 
 def _request(tokens: list[int], n: int = 1) -> Request:

@@ -12,7 +12,7 @@ import torch
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.errors import ModelNotFoundError, UnsupportedModelError
 from pagefleet.engine.loader import builtins
-from pagefleet.engine.model_runner import kv_bytes_per_block
+from pagefleet.engine.worker.model_runner import kv_bytes_per_block
 from tests.engine.helpers import assert_no_block_leaked
 
 

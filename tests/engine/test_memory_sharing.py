@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagefleet.engine import LLM, SamplingParams
-from pagefleet.engine.llm_engine import LLMEngine
-from pagefleet.engine.request import Request
+from pagefleet.engine.core.request import Request
+from pagefleet.engine.front.llm_engine import LLMEngine
 from tests.conftest import TINY_ARCHITECTURES, TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, hf_model, random_prompts
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagefleet.engine import LLM, PromptTooLongError, SamplingParams
-from pagefleet.engine.detokenizer import Detokenizer
-from pagefleet.engine.request import Sequence
+from pagefleet.engine.core.request import Sequence
+from pagefleet.engine.front.detokenizer import Detokenizer
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, hf_prompt_logprobs, random_prompts
 

@@ -5,10 +5,10 @@ end, as the engine does after a forward pass."""
 from __future__ import annotations
 
 from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.kv_cache_manager import KVCacheManager
-from pagefleet.engine.request import Request, RequestStatus
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.scheduler import SchedulePlan, Scheduler
+from pagefleet.engine.core.kv_cache_manager import KVCacheManager
+from pagefleet.engine.core.request import Request, RequestStatus
+from pagefleet.engine.core.scheduler import SchedulePlan, Scheduler
+from pagefleet.engine.sample.sampling_params import SamplingParams
 
 SAMPLED = 7  # the token every simulated step "samples"
 

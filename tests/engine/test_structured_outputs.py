@@ -11,7 +11,7 @@ import pytest
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.engine.structured_outputs import StructuredOutputsParams
+from pagefleet.engine.sample.structured_outputs import StructuredOutputsParams
 from tests.engine.helpers import assert_no_block_leaked
 
 pytestmark = pytest.mark.slow

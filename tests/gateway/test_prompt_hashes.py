@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from pagefleet.engine.block_pool import take_events
-from pagefleet.engine.kv_cache_manager import KVCacheManager
-from pagefleet.engine.llm_engine import prefix_hash_root
+from pagefleet.engine.core.block_pool import take_events
+from pagefleet.engine.core.kv_cache_manager import KVCacheManager
+from pagefleet.engine.core.request import Sequence
+from pagefleet.engine.front.llm_engine import prefix_hash_root
 from pagefleet.engine.loader.source import resolve_model_dir
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.request import Sequence
 from pagefleet.engine.server.chat import chat_prompt
 from pagefleet.engine.server.tokenizer_info import _describe
 from pagefleet.gateway.prompt_hashes import PromptHasher
@@ -156,7 +156,7 @@ def test_bodies_the_engine_would_refuse_have_no_hashes(smollm2_tokenizer: Any) -
 def test_the_shared_renderer_gives_transformers_tokens(smollm2_tokenizer: Any) -> None:
     """The engine renders chat prompts with protocol/chat_prompt.py, not transformers: on
     SmolLM2's template both give the same tokens, with and without a system prompt."""
-    from pagefleet.engine.chat_template import apply_chat_template
+    from pagefleet.engine.front.chat_template import apply_chat_template
 
     conversations = [
         [{"role": "user", "content": "Hi there"}],

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.sample.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -15,10 +15,10 @@ import dataclasses
 from typing import Any
 
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
-from pagefleet.engine.inputs import PreparedPrompt, PromptType, parse_prompt, prompt_cache_salt
+from pagefleet.engine.front.inputs import PreparedPrompt, PromptType, parse_prompt, prompt_cache_salt
 from pagefleet.engine.kv_transfer.params import RemoteKV
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.structured_outputs import GrammarCompiler
+from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.sample.structured_outputs import GrammarCompiler
 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:

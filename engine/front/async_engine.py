@@ -30,17 +30,17 @@ from typing import Any, TypeAlias
 
 import torch
 
-from pagefleet.engine.block_pool import KVEvent, take_events
 from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.core.block_pool import KVEvent, take_events
 from pagefleet.engine.errors import EngineDeadError, RequestFailedError
-from pagefleet.engine.inputs import PromptType
+from pagefleet.engine.front.inputs import PromptType
+from pagefleet.engine.front.llm_engine import LLMEngine
+from pagefleet.engine.front.outputs import RequestOutput
+from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.kv_transfer.connector import KVConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, RemoteKV
-from pagefleet.engine.llm_engine import LLMEngine
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.outputs import RequestOutput
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.stats import EngineStats
+from pagefleet.engine.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

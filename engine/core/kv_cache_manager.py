@@ -12,9 +12,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pagefleet.engine.block_pool import BlockPool
+from pagefleet.engine.core.block_pool import BlockPool
+from pagefleet.engine.core.request import Request, Sequence
 from pagefleet.engine.kv_transfer.params import RemoteKV
-from pagefleet.engine.request import Request, Sequence
 from pagefleet.protocol.block_hash import block_hashes
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)

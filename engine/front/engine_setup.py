@@ -16,19 +16,19 @@ import torch
 import torch.distributed as dist
 
 from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.core.host_memory import keep_freed_memory
+from pagefleet.engine.core.kv_cache_manager import KVCacheManager
+from pagefleet.engine.core.scheduler import Scheduler
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.distributed.workers import Workers, init_group
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.engine.host_memory import keep_freed_memory
-from pagefleet.engine.kv_cache_manager import KVCacheManager
 from pagefleet.engine.layers.attention import CacheSpec
 from pagefleet.engine.layers.backends import select_backend
 from pagefleet.engine.loader import resolve_model_dir
 from pagefleet.engine.lora.manager import LoRAManager
-from pagefleet.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pagefleet.engine.models import ModelConfig, load_model
 from pagefleet.engine.models.loading import CausalLM
-from pagefleet.engine.scheduler import Scheduler
+from pagefleet.engine.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,11 @@
 """The synchronous engine core: add requests, `step()` them forward, read outputs.
 
-One step = schedule -> run block copies -> forward pass and sampling -> bookkeeping
-(progress, forks, prefix-cache registration, detokenization, stop checks, freeing).
-`LLM` drives it in a loop; `AsyncEngine` drives it from a background thread. What a
-request is checked and prepared with before it enters lives in request_checks.py.
+One step is two calls: the scheduler's plan (chunks in batch order, samples, forks, block
+copies) runs on the runner (block copies, forward pass, sampling), then `StepUpdate`
+applies the results (progress, forks, prefix-cache registration, detokenization, stop
+checks, pins, freeing). `LLM` drives it in a loop; `AsyncEngine` drives it from a
+background thread. What a request is checked and prepared with before it enters lives in
+request_checks.py.
 """
 
 from __future__ import annotations
@@ -15,25 +17,23 @@ from typing import Any
 
 import torch
 
-from pagefleet.engine.beam_search import BeamSearchState
 from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.detokenizer import Detokenizer
-from pagefleet.engine.engine_setup import build_engine_parts
+from pagefleet.engine.core.request import Request, RequestStatus
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.engine.inputs import PreparedPrompt, PromptType
+from pagefleet.engine.front.detokenizer import Detokenizer
+from pagefleet.engine.front.engine_setup import build_engine_parts
+from pagefleet.engine.front.inputs import PreparedPrompt, PromptType
+from pagefleet.engine.front.output_processor import OutputProcessor
+from pagefleet.engine.front.outputs import RequestOutput
+from pagefleet.engine.front.request_checks import RequestChecks
+from pagefleet.engine.front.stats import EngineStats
+from pagefleet.engine.front.step_update import StepUpdate
 from pagefleet.engine.kv_transfer.connector import KVConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.kv_transfer.pins import PinnedPrompt, PinnedPrompts
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.model_runner import RequestResults, SampleRequest
-from pagefleet.engine.output_processor import OutputProcessor
-from pagefleet.engine.outputs import RequestOutput
-from pagefleet.engine.request import Request, RequestStatus, Sequence
-from pagefleet.engine.request_checks import RequestChecks
-from pagefleet.engine.sampler import SampleResult
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.scheduler import ScheduledChunk
-from pagefleet.engine.stats import EngineStats
+from pagefleet.engine.sample.beam_search import BeamSearchState
+from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.protocol.block_hash import chain_root
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,8 @@ class LLMEngine:
     - A request that fails inside the step (its sampling, its prompt logprobs, its
       bookkeeping) finishes alone with finish_reason "error"; the others run on.
     - Invariant: a request that finishes, fails or is aborted holds no block afterwards.
-    Reads only: request state belongs to the output processor (tokens and stop state), the
-    scheduler (status) and the KV cache manager (blocks and progress).
+    Writes only what a request starts with (`add_request`); afterwards its state belongs to
+    the scheduler, the KV cache manager and the step's update (see core/request.py).
     """
 
     def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None) -> None:
@@ -89,13 +89,10 @@ class LLMEngine:
         )
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
-        self.last_step_tokens = 0  # tokens the latest step computed (prompt chunks and decodes)
-        self._prefill_tokens_per_s = 0.0  # measured (_measure_prefill); 0 until a prefill ran
         # Prefill/decode disaggregation: prompts kept for decode replicas to pull, and how
         # they reach this replica (the server's; without one, answers name no address).
         self.pins = PinnedPrompts(self.kv_cache.pool.free, config.kv_pin_timeout)
-        self.kv_connector = kv_connector
+        self.update = StepUpdate(self.kv_cache, self.scheduler, self.outputs, self.pins, kv_connector)
 
     # --- requests -----------------------------------------------------------------------
 
@@ -249,9 +246,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        self.outputs.finish_unfinished(request, "abort")
-        self.scheduler.finish(request)
-        return self.outputs.make_output(request)
+        return self.update.retire(request, "abort")
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (as vLLM's): only while no block is in use; False
@@ -270,75 +265,24 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Two calls: the scheduler's plan (chunks in batch order, block copies) runs on the
-        runner, then `_update` applies what it returned."""
+        """Two calls: the scheduler's plan runs on the runner, then `StepUpdate.apply`
+        applies what it returned (step_update.py). An output for every request the step
+        touched; a finished request's is its last."""
         self.expire_pins()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._fail_unschedulable()
-        chunks = plan.chunks
-        prompt_chunks = [i for i, c in enumerate(chunks) if c.request.wants_prompt_logprobs]
         started = time.monotonic()
-        results = self.runner.execute(chunks, self._plan_samples(chunks), prompt_chunks, plan.copies)
-        return self._update(chunks, results, started)
-
-    def _update(
-        self, chunks: list[ScheduledChunk], results: dict[str, RequestResults], started: float
-    ) -> list[RequestOutput]:
-        """The step's writes: computed tokens and forks (`_advance`), the prefill rate, then
-        each request's tokens or beams, stops, pins and freed blocks, request by request."""
-        self.last_step_tokens = sum(c.num_new_tokens for c in chunks)
-        touched = self._advance(chunks)
-        now = time.monotonic()
-        self._measure_prefill(sum(c.num_new_tokens for c in chunks if c.num_new_tokens > 1), now - started)
-        outputs = []
-        for request in touched:
-            # Each request's own work runs apart: if it raises, that request fails alone.
-            try:
-                request_results = results.get(request.request_id)
-                if request_results is not None:
-                    self._apply_results(request, request_results, now)
-                outputs.append(self._after_step(request))
-            except Exception as error:  # a per-request boundary: fail it, free its blocks
-                outputs.append(self._fail_request(request, error))
+        outputs = self.update.apply(plan, self.runner.execute(plan), started)
+        for output in outputs:
+            if output.finished:
+                del self.requests[output.request_id]
         return outputs
 
-    def _measure_prefill(self, num_prompt_tokens: int, seconds: float) -> None:
-        """Keep a moving average of prompt tokens computed per second (the fleet's routers
-        judge how long this replica's queue of prompts takes from it). Steps with few prompt
-        tokens say more about decoding than prefill and are left out."""
-        if num_prompt_tokens < _MIN_MEASURED_PREFILL_TOKENS or seconds <= 0:
-            return
-        rate = num_prompt_tokens / seconds
-        self._prefill_tokens_per_s = (
-            rate if not self._prefill_tokens_per_s else 0.8 * self._prefill_tokens_per_s + 0.2 * rate
-        )
-
-    def _apply_results(self, request: Request, results: RequestResults, now: float) -> None:
-        """This request's part of the step: prompt logprobs, then its new tokens or beams."""
-        if results.error is not None:
-            raise results.error
-        if results.prompt_logprobs is not None:
-            self.outputs.add_prompt_logprobs(request, results.prompt_logprobs)
-        if results.sampled is None:
-            return
-        request.first_token_time = request.first_token_time or now
-        if request.beam is not None:
-            rows = {id(sample.seq): row for sample, row in zip(results.samples, results.rows, strict=True)}
-            self._step_beams(request, rows, results.sampled)
-            return
-        for sample, row in zip(results.samples, results.rows, strict=True):
-            self.outputs.append_token(request, sample.seq, results.sampled, row)
-            self._num_generation_tokens += 1
-
-    def _fail_request(self, request: Request, error: Exception) -> RequestOutput:
-        """End `request` with finish reason "error", free its blocks, and say why."""
-        logger.error("request %s failed; the other requests run on", request.request_id, exc_info=error)
-        request.error = f"{type(error).__name__}: {error}"
-        self.outputs.finish_unfinished(request, "error")
-        self.requests.pop(request.request_id, None)
-        self.scheduler.finish(request)
-        return self.outputs.make_output(request)
+    @property
+    def last_step_tokens(self) -> int:
+        """Tokens the latest step computed (prompt chunks and decodes)."""
+        return self.update.counters.last_step_tokens
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """With nothing running, every block is free: a waiting request that still cannot
@@ -350,90 +294,6 @@ class LLMEngine:
         logger.error("request %s cannot fit the KV cache even alone; failing it", request.request_id)
         output = self.abort_request(request.request_id)
         return [output] if output is not None else []
-
-    def _plan_samples(self, chunks: list[ScheduledChunk]) -> list[SampleRequest]:
-        samples = []
-        for index, chunk in enumerate(chunks):
-            request, seq = chunk.request, chunk.seq
-            if request.fork_point is not None:
-                # At the fork point every sibling that has no tokens of its own yet samples
-                # from the same logits as sequence 0.
-                if request.reaches_fork_point(chunk.end):
-                    samples += [
-                        SampleRequest(index, s, request.params) for s in request.sequences if s.num_tokens == chunk.end
-                    ]
-            elif chunk.end == seq.num_tokens:
-                samples.append(SampleRequest(index, seq, request.params))
-        return samples
-
-    def _step_beams(self, request: Request, rows: dict[int, int], result: SampleResult) -> None:
-        """One beam-search step: continuations extend their parent beam (the first one
-        takes over its sequence, the others fork it and share every block); beams with no
-        continuation free their blocks at once."""
-        assert request.beam is not None and result.beam_candidates is not None
-        beams = request.sequences
-        index = torch.tensor([result.beam_rows[rows[id(beam)]] for beam in beams])
-        candidates = result.beam_candidates
-        continuations = request.beam.step(
-            [beam.output_token_ids for beam in beams], candidates.logprobs[index], candidates.token_ids[index]
-        )
-        children: list[Sequence] = []
-        for continuation in continuations:
-            parent = beams[continuation.parent]
-            if any(child is parent for child in children):
-                child = Sequence(0, list(parent.token_ids), parent.num_prompt_tokens, hash_root=parent.hash_root)
-                child.grammar = parent.grammar.fork() if parent.grammar is not None else None
-                self.kv_cache.fork(parent, child)
-            else:
-                child = parent
-            children.append(child)
-        for beam in beams:
-            if not any(child is beam for child in children):
-                self.kv_cache.free(beam)
-        self.outputs.extend_beams(children, continuations)
-        request.sequences = children
-        self._num_generation_tokens += len(beams)
-
-    def _advance(self, chunks: list[ScheduledChunk]) -> list[Request]:
-        touched: dict[str, Request] = {}
-        for chunk in chunks:
-            computed = self.kv_cache.commit(chunk.seq, chunk.num_new_tokens)
-            request = chunk.request
-            touched[request.request_id] = request
-            if request.reaches_fork_point(computed):
-                for sibling in request.sequences[1:]:
-                    self.kv_cache.fork(chunk.seq, sibling)
-                request.mark_forked()
-        return list(touched.values())
-
-    def _after_step(self, request: Request) -> RequestOutput:
-        if request.generation_ended and request.wants_remote_decode:
-            self._pin_prompt(request)
-        for seq in request.sequences:
-            if seq.is_finished and self.kv_cache.block_table(seq):
-                self.kv_cache.free(seq)  # siblings still running keep only what they share
-        if request.generation_ended:
-            self.requests.pop(request.request_id, None)
-            self.scheduler.finish(request)
-        return self.outputs.make_output(request)
-
-    def _pin_prompt(self, request: Request) -> None:
-        """Keep a finished prefill request's prompt blocks for a decode replica's pull, and
-        say where to pull them from (vLLM's `kv_transfer_params`)."""
-        holder = next((seq for seq in request.sequences if self.kv_cache.block_table(seq)), None)
-        if holder is None or self.kv_cache.num_computed_tokens(holder) < request.num_prompt_tokens:
-            return
-        blocks = self.kv_cache.pin_prompt(holder, request.num_prompt_tokens)
-        self.pins.pin(request.request_id, blocks, request.prompt_token_ids)
-        if self.kv_connector is not None:
-            request.kv_transfer_params = self.kv_connector.transfer_params(request.request_id, blocks)
-        else:
-            request.kv_transfer_params = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": blocks,
-                "remote_request_id": request.request_id,
-            }
 
     # --- stats --------------------------------------------------------------------------
 
@@ -456,12 +316,12 @@ class LLMEngine:
             num_blocks_saved_by_sharing=usage.num_blocks_saved_by_sharing,
             peak_used_blocks=usage.peak_used_blocks,
             num_prompt_tokens=self._num_prompt_tokens,
-            num_generation_tokens=self._num_generation_tokens,
+            num_generation_tokens=self.update.counters.num_generation_tokens,
             num_waiting_prompt_tokens=sum(
                 r.num_expected_prefill_tokens for r in scheduler.waiting if r.status == RequestStatus.WAITING
             ),
             num_pinned_blocks=self.pins.num_blocks,
             num_pinned_requests=len(self.pins),
             num_pin_timeouts=self.pins.num_timeouts,
-            prefill_tokens_per_s=self._prefill_tokens_per_s,
+            prefill_tokens_per_s=self.update.counters.prefill_tokens_per_s,
         )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.engine.structured_outputs import StructuredOutputsParams
+from pagefleet.engine.sample.structured_outputs import StructuredOutputsParams
 
 # Seeds are 64-bit, as torch's generators (and vLLM's limits) take them.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1

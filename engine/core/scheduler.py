@@ -14,9 +14,10 @@ import logging
 from dataclasses import dataclass, field
 
 from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.kv_cache_manager import KVCacheManager, PendingCopies
+from pagefleet.engine.core.kv_cache_manager import KVCacheManager, PendingCopies
+from pagefleet.engine.core.request import Request, RequestStatus, Sequence
 from pagefleet.engine.lora.manager import LoRAManager
-from pagefleet.engine.request import Request, RequestStatus, Sequence
+from pagefleet.engine.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,31 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
+class SampleRequest:
+    chunk_index: int  # sample from the logits after this chunk's last token
+    seq: Sequence  # who samples: the chunk's own sequence, or a sibling forking from it
+    params: SamplingParams
+
+
+@dataclass(slots=True)
 class SchedulePlan:
-    """A step's work, ready for the runner: `chunks` in batch order (`schedule` sorts them:
-    single-token chunks, decodes, first, as the attention batch lays them out; within each
-    kind the chunks of one LoRA adapter side by side, so its rows form one run), the
-    requests preempted to make room, and the block copies to run first."""
+    """A step's work, ready for the runner and then for the step's update:
+
+    - `chunks` in batch order (single-token chunks, decodes, first, as the attention batch
+      lays them out; within each kind the chunks of one LoRA adapter side by side, so its
+      rows form one run);
+    - `samples`: who samples after which chunk (siblings at their fork point sample from
+      sequence 0's logits);
+    - `prompt_logprob_chunks`: the chunks whose prompt logprobs are computed;
+    - `forks`: the chunks that reach their request's fork point (once computed, the
+      request's other sequences share their blocks);
+    - the requests preempted to make room, and the block copies to run first.
+    """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    samples: list[SampleRequest] = field(default_factory=list)
+    prompt_logprob_chunks: list[int] = field(default_factory=list)
+    forks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     copies: PendingCopies = field(default_factory=PendingCopies)
 
@@ -60,12 +79,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Decides each step's work and owns every request's status.
+    """Decides each step's work and owns every request's status, adapter slot, fork state
+    and trace events.
 
     Contract:
     - `add` queues a request (WAITING) in arrival order; `finish` takes it out wherever it
       is, frees every block it holds (device or host) and marks it FINISHED.
-    - `schedule` returns the step's chunks and the block copies to run first. It only
+    - `schedule` returns the step's plan (chunks, samples, forks, block copies). It only
       allocates through the KV cache manager, and a request is either scheduled with every
       block it needs or not at all. Running requests come first, in admission order; when
       one cannot get its blocks the newest running request is preempted (recompute: its
@@ -109,9 +129,21 @@ class Scheduler:
             self._schedule_waiting(plan, budget)
         plan.copies = self.kv_cache.pending.take()
         plan.chunks.sort(key=_batch_order)
-        for chunk in plan.chunks:
-            if chunk.seq.index == 0 and chunk.start < chunk.request.num_prompt_tokens:
-                chunk.request.note("prefill_chunk", start=chunk.start, tokens=chunk.num_new_tokens)
+        for index, chunk in enumerate(plan.chunks):
+            request = chunk.request
+            if chunk.seq.index == 0 and chunk.start < request.num_prompt_tokens:
+                request.note("prefill_chunk", start=chunk.start, tokens=chunk.num_new_tokens)
+            if request.wants_prompt_logprobs:
+                plan.prompt_logprob_chunks.append(index)
+            if request.reaches_fork_point(chunk.end):
+                # Every sibling with no token of its own yet samples from the same logits
+                # as sequence 0; the step's update shares sequence 0's blocks with them.
+                siblings = [seq for seq in request.sequences if seq.num_tokens == chunk.end]
+                plan.samples += [SampleRequest(index, seq, request.params) for seq in siblings]
+                plan.forks.append(chunk)
+                request.mark_forked()
+            elif request.fork_point is None and chunk.end == chunk.seq.num_tokens:
+                plan.samples.append(SampleRequest(index, chunk.seq, request.params))
         return plan
 
     # --- phases -------------------------------------------------------------------------

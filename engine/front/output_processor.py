@@ -7,12 +7,12 @@ state (finish and stop reasons), and of a request's prompt logprobs.
 
 from __future__ import annotations
 
-from pagefleet.engine.beam_search import Continuation
-from pagefleet.engine.detokenizer import Detokenizer, find_stop_string
-from pagefleet.engine.model_runner import PromptLogprobs
-from pagefleet.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, Usage
-from pagefleet.engine.request import Request, Sequence
-from pagefleet.engine.sampler import SampleResult, TokenLogprobs
+from pagefleet.engine.core.request import Request, Sequence
+from pagefleet.engine.front.detokenizer import Detokenizer, find_stop_string
+from pagefleet.engine.front.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, Usage
+from pagefleet.engine.sample.beam_search import Continuation
+from pagefleet.engine.sample.sampler import SampleResult, TokenLogprobs
+from pagefleet.engine.worker.model_runner import PromptLogprobs
 
 
 def _advance_grammar(seq: Sequence, token_id: int) -> bool:

@@ -15,28 +15,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagefleet.engine.core.kv_cache_manager import PendingCopies
+from pagefleet.engine.core.scheduler import SampleRequest, ScheduledChunk, SchedulePlan
 from pagefleet.engine.distributed.shard import Shard
-from pagefleet.engine.kv_cache_manager import PendingCopies
 from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, StepLayout, allocate_kv_cache
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.loading import CausalLM
-from pagefleet.engine.request import Sequence
-from pagefleet.engine.sampler import Sampler, SampleResult, TokenLogprobs, token_logprobs
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.scheduler import ScheduledChunk
+from pagefleet.engine.sample.sampler import Sampler, SampleResult, TokenLogprobs, token_logprobs
 
 if TYPE_CHECKING:
     from pagefleet.engine.distributed.workers import Workers
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SampleRequest:
-    chunk_index: int  # sample from the logits after this chunk's last token
-    seq: Sequence  # who samples: the chunk's own sequence, or a sibling forking from it
-    params: SamplingParams
 
 
 @dataclass(slots=True)
@@ -132,28 +123,23 @@ class ModelRunner:
                 self.backend.copy_blocks(key_cache, value_cache, mapping)
 
     @torch.inference_mode()
-    def execute(
-        self,
-        chunks: list[ScheduledChunk],
-        samples: list[SampleRequest],
-        prompt_logprob_chunks: list[int],
-        copies: PendingCopies,
-    ) -> dict[str, RequestResults]:
-        """Run `copies`, then the forward pass for `chunks` (decodes must come first), then
-        sample.
+    def execute(self, plan: SchedulePlan) -> dict[str, RequestResults]:
+        """Run the plan's copies, then the forward pass for its chunks (in the plan's batch
+        order), then its samples and prompt logprobs.
 
         Returns each request's results by request id. A failure of the forward pass raises
         (every request shares it); a failure in one request's sampling or prompt logprobs
         is that request's `error`.
         """
+        chunks, samples = plan.chunks, plan.samples
         input_ids, positions, layout, last_rows = self._build_batch(chunks)
         logit_rows = [last_rows[s.chunk_index] for s in samples]
         prompt_spans = {}  # chunk index -> its rows among the logits
-        for index in prompt_logprob_chunks:
+        for index in plan.prompt_logprob_chunks:
             first_row, count = self._prompt_rows(chunks[index], last_rows[index])
             prompt_spans[index] = (len(logit_rows), len(logit_rows) + count)
             logit_rows.extend(range(first_row, first_row + count))
-        step = StepInputs(copies, input_ids, positions, layout, logit_rows)
+        step = StepInputs(plan.copies, input_ids, positions, layout, logit_rows)
         if self.workers is not None:
             self.workers.send(step)
         if self.lora is not None:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagefleet.engine.request import Sequence
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.structured_outputs import apply_grammar_masks
+from pagefleet.engine.core.request import Sequence
+from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.sample.structured_outputs import apply_grammar_masks
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagefleet.engine.request import Sequence
+from pagefleet.engine.core.request import Sequence
 
 _CONTEXT_TOKENS = 5  # prompt tokens used as context for the first output tokens
 

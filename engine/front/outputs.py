@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagefleet.engine.request import RequestEvent
+    from pagefleet.engine.core.request import RequestEvent
 
 
 @dataclass(slots=True, frozen=True)

@@ -9,14 +9,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagefleet.engine.chat_template import Message, apply_chat_template
 from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.inputs import PromptType, is_single_prompt
-from pagefleet.engine.llm_engine import LLMEngine
+from pagefleet.engine.front.chat_template import Message, apply_chat_template
+from pagefleet.engine.front.inputs import PromptType, is_single_prompt
+from pagefleet.engine.front.llm_engine import LLMEngine
+from pagefleet.engine.front.outputs import RequestOutput
+from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.outputs import RequestOutput
-from pagefleet.engine.sampling_params import SamplingParams
-from pagefleet.engine.stats import EngineStats
+from pagefleet.engine.sample.sampling_params import SamplingParams
 
 _PROGRESS_MIN_PROMPTS = 8
 

@@ -11,9 +11,17 @@ Every sequence's computed-token count (kept by the KV cache manager, with its bl
 catches up to its `num_tokens`; this one rule covers prefill, chunked prefill, prefix-cache
 hits and recompute after preemption.
 
-Who writes what: the output processor a sequence's tokens, text, logprobs and stop state;
-the scheduler a request's status; the KV cache manager every block table and computed-token
-count (not stored here at all). Other modules read.
+Who writes what, one writer per field:
+- `LLMEngine.add_request`: everything a request starts with, before it is queued.
+- the scheduler: `status`, `lora_slot`, `is_forked` (set when it plans the step that
+  reaches the fork point, reset by a recompute preemption), `remote_kv` (dropped once
+  loaded), `num_cached_tokens`, `is_prefix_counted` and `events`;
+- the KV cache manager: every block table and computed-token count (not stored here);
+- the step's update (front/step_update.py): `sequences` (beams), `first_token_time`,
+  `error` and `kv_transfer_params`; through the output processor, which it alone calls
+  after a step, each sequence's tokens, text, logprobs, detokenizer cursors and stop state,
+  and the request's prompt logprobs.
+Other modules read.
 """
 
 from __future__ import annotations
@@ -26,11 +34,11 @@ from typing import Any
 
 import torch
 
-from pagefleet.engine.beam_search import BeamSearchState
+from pagefleet.engine.front.outputs import PositionLogprobs
 from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.outputs import PositionLogprobs
-from pagefleet.engine.sampling_params import SamplingParams
+from pagefleet.engine.sample.beam_search import BeamSearchState
+from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.protocol.block_hash import chain_root
 
 

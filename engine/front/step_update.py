@@ -1,0 +1,189 @@
+"""The second half of a step: apply what the runner returned to the engine's requests.
+
+A step is two calls: the scheduler's plan runs on the runner, then `StepUpdate.apply` owns
+every write that follows from it: computed tokens (through the KV cache manager), forks at
+the fork point, each request's new tokens or beams and stop state (through the output
+processor), prefill replicas' pins, and retiring finished requests (through the scheduler).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagefleet.engine.core.kv_cache_manager import KVCacheManager
+from pagefleet.engine.core.request import Request, Sequence
+from pagefleet.engine.core.scheduler import SchedulePlan, Scheduler
+from pagefleet.engine.front.output_processor import OutputProcessor
+from pagefleet.engine.front.outputs import RequestOutput
+from pagefleet.engine.kv_transfer.connector import KVConnector
+from pagefleet.engine.kv_transfer.pins import PinnedPrompts
+from pagefleet.engine.sample.sampler import SampleResult
+from pagefleet.engine.worker.model_runner import RequestResults
+
+logger = logging.getLogger(__name__)
+
+_MIN_MEASURED_PREFILL_TOKENS = 64
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """What the steps have done so far, for the engine's statistics."""
+
+    num_generation_tokens: int = 0
+    last_step_tokens: int = 0  # tokens the latest step computed (prompt chunks and decodes)
+    prefill_tokens_per_s: float = 0.0  # a moving average; 0 until a prefill was measured
+
+
+class StepUpdate:
+    """The one writer of what a step changes in its requests (see the module docstring).
+
+    A request whose own part fails (its sampling, its prompt logprobs, its bookkeeping)
+    finishes alone with finish reason "error" and frees its blocks; the others run on.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        scheduler: Scheduler,
+        outputs: OutputProcessor,
+        pins: PinnedPrompts,
+        kv_connector: KVConnector | None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.scheduler = scheduler
+        self.outputs = outputs
+        self.pins = pins
+        self.kv_connector = kv_connector
+        self.counters = StepCounters()
+
+    def apply(self, plan: SchedulePlan, results: dict[str, RequestResults], started: float) -> list[RequestOutput]:
+        """Computed tokens and forks, the prefill rate, then request by request its tokens
+        or beams, stops, pins and freed blocks. Returns an output for every request the
+        plan touched; a finished one's is its last."""
+        chunks = plan.chunks
+        self.counters.last_step_tokens = sum(c.num_new_tokens for c in chunks)
+        touched = self._commit(plan)
+        now = time.monotonic()
+        self._measure_prefill(sum(c.num_new_tokens for c in chunks if c.num_new_tokens > 1), now - started)
+        outputs = []
+        for request in touched:
+            # Each request's own work runs apart: if it raises, that request fails alone.
+            try:
+                request_results = results.get(request.request_id)
+                if request_results is not None:
+                    self._apply_results(request, request_results, now)
+                outputs.append(self._after_step(request))
+            except Exception as error:  # a per-request boundary: fail it, free its blocks
+                outputs.append(self.fail(request, error))
+        return outputs
+
+    def fail(self, request: Request, error: Exception) -> RequestOutput:
+        """End `request` with finish reason "error", free its blocks, and say why."""
+        logger.error("request %s failed; the other requests run on", request.request_id, exc_info=error)
+        request.error = f"{type(error).__name__}: {error}"
+        return self.retire(request, "error")
+
+    def retire(self, request: Request, reason: str) -> RequestOutput:
+        """End every unfinished sequence of `request` with `reason` ("abort", "error"), free
+        its blocks; its final output."""
+        self.outputs.finish_unfinished(request, reason)
+        self.scheduler.finish(request)
+        return self.outputs.make_output(request)
+
+    def _commit(self, plan: SchedulePlan) -> list[Request]:
+        """Every chunk's tokens computed; at a fork point, the siblings share the blocks."""
+        touched: dict[str, Request] = {}
+        for chunk in plan.chunks:
+            self.kv_cache.commit(chunk.seq, chunk.num_new_tokens)
+            touched[chunk.request.request_id] = chunk.request
+        for chunk in plan.forks:
+            for sibling in chunk.request.sequences[1:]:
+                self.kv_cache.fork(chunk.seq, sibling)
+        return list(touched.values())
+
+    def _measure_prefill(self, num_prompt_tokens: int, seconds: float) -> None:
+        """Keep a moving average of prompt tokens computed per second (the fleet's routers
+        judge how long this replica's queue of prompts takes from it). Steps with few prompt
+        tokens say more about decoding than prefill and are left out."""
+        if num_prompt_tokens < _MIN_MEASURED_PREFILL_TOKENS or seconds <= 0:
+            return
+        rate = num_prompt_tokens / seconds
+        previous = self.counters.prefill_tokens_per_s
+        self.counters.prefill_tokens_per_s = rate if not previous else 0.8 * previous + 0.2 * rate
+
+    def _apply_results(self, request: Request, results: RequestResults, now: float) -> None:
+        """This request's part of the step: prompt logprobs, then its new tokens or beams."""
+        if results.error is not None:
+            raise results.error
+        if results.prompt_logprobs is not None:
+            self.outputs.add_prompt_logprobs(request, results.prompt_logprobs)
+        if results.sampled is None:
+            return
+        request.first_token_time = request.first_token_time or now
+        if request.beam is not None:
+            rows = {id(sample.seq): row for sample, row in zip(results.samples, results.rows, strict=True)}
+            self._step_beams(request, rows, results.sampled)
+            return
+        for sample, row in zip(results.samples, results.rows, strict=True):
+            self.outputs.append_token(request, sample.seq, results.sampled, row)
+            self.counters.num_generation_tokens += 1
+
+    def _step_beams(self, request: Request, rows: dict[int, int], result: SampleResult) -> None:
+        """One beam-search step: continuations extend their parent beam (the first one
+        takes over its sequence, the others fork it and share every block); beams with no
+        continuation free their blocks at once."""
+        assert request.beam is not None and result.beam_candidates is not None
+        beams = request.sequences
+        index = torch.tensor([result.beam_rows[rows[id(beam)]] for beam in beams])
+        candidates = result.beam_candidates
+        continuations = request.beam.step(
+            [beam.output_token_ids for beam in beams], candidates.logprobs[index], candidates.token_ids[index]
+        )
+        children: list[Sequence] = []
+        for continuation in continuations:
+            parent = beams[continuation.parent]
+            if any(child is parent for child in children):
+                child = Sequence(0, list(parent.token_ids), parent.num_prompt_tokens, hash_root=parent.hash_root)
+                child.grammar = parent.grammar.fork() if parent.grammar is not None else None
+                self.kv_cache.fork(parent, child)
+            else:
+                child = parent
+            children.append(child)
+        for beam in beams:
+            if not any(child is beam for child in children):
+                self.kv_cache.free(beam)
+        self.outputs.extend_beams(children, continuations)
+        request.sequences = children
+        self.counters.num_generation_tokens += len(beams)
+
+    def _after_step(self, request: Request) -> RequestOutput:
+        if request.generation_ended and request.wants_remote_decode:
+            self._pin_prompt(request)
+        for seq in request.sequences:
+            if seq.is_finished and self.kv_cache.block_table(seq):
+                self.kv_cache.free(seq)  # siblings still running keep only what they share
+        if request.generation_ended:
+            self.scheduler.finish(request)
+        return self.outputs.make_output(request)
+
+    def _pin_prompt(self, request: Request) -> None:
+        """Keep a finished prefill request's prompt blocks for a decode replica's pull, and
+        say where to pull them from (vLLM's `kv_transfer_params`)."""
+        holder = next((seq for seq in request.sequences if self.kv_cache.block_table(seq)), None)
+        if holder is None or self.kv_cache.num_computed_tokens(holder) < request.num_prompt_tokens:
+            return
+        blocks = self.kv_cache.pin_prompt(holder, request.num_prompt_tokens)
+        self.pins.pin(request.request_id, blocks, request.prompt_token_ids)
+        if self.kv_connector is not None:
+            request.kv_transfer_params = self.kv_connector.transfer_params(request.request_id, blocks)
+        else:
+            request.kv_transfer_params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": blocks,
+                "remote_request_id": request.request_id,
+            }

@@ -1,0 +1,2 @@
+"""Choosing the next tokens: sampling parameters, the sampler, beam search and structured
+outputs."""
