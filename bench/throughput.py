@@ -41,11 +41,13 @@ class EngineRun:
 
 def run_engine(workload: Workload, dtype: str, outputs: list[list[int]] | None = None) -> EngineRun:
     """pagefleet on the workload (after a warm-up on two prompts); fills `outputs` if given."""
-    from pagefleet.engine import LLM, SamplingParams
+    from pagefleet.engine import LLM, RequestOutputKind, SamplingParams
 
     llm = LLM(MODEL, dtype=dtype, kv_cache_memory=4 << 30, max_num_batched_tokens=1024)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True)
+    # Final outputs only, as LLM.generate asks for them.
+    kind = RequestOutputKind.FINAL_ONLY
+    params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True, output_kind=kind)
     llm.generate(workload.prompts[:2], params, use_tqdm=False)
     results: dict[str, list[int]] = {}
     for index, prompt in enumerate(workload.prompts):

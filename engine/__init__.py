@@ -9,7 +9,7 @@ from pagefleet.engine.front.llm_engine import LLMEngine
 from pagefleet.engine.front.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "RequestFailedError",
@@ -27,6 +27,7 @@ __all__ = [
     "LoRARequest",
     "PromptTooLongError",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "Usage",
 ]

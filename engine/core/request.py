@@ -85,6 +85,10 @@ class Sequence:
     # Incremental detokenizer cursors into token_ids (see detokenizer.py).
     prefix_offset: int = 0
     read_offset: int = 0
+    # What DELTA outputs have carried so far (output tokens, text characters, the end).
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    sent_finish: bool = False
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))  # the KV cache manager's key
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from pagefleet.engine.front.llm_engine import LLMEngine
 from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 
 _PROGRESS_MIN_PROMPTS = 8
 
@@ -71,9 +72,16 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompt_list)
         if len(loras) != len(prompt_list):
             raise ValueError(f"lora_request: got {len(loras)} for {len(prompt_list)} prompts")
+        # Only the final outputs are read: the engine builds no other (a copy per distinct
+        # params object; the caller's are not written).
+        final_only: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if id(params) not in final_only:
+                final_only[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         request_ids = []
         try:
             for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
+                params = final_only[id(params)]
                 request_id = f"offline-{next(self._ids)}"
                 self.engine.add_request(request_id, prompt, params, lora_request=lora)
                 request_ids.append(request_id)

@@ -12,6 +12,7 @@ from pagefleet.engine.front.detokenizer import Detokenizer, find_stop_string
 from pagefleet.engine.front.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, Usage
 from pagefleet.engine.sample.beam_search import Continuation
 from pagefleet.engine.sample.sampler import SampleResult, TokenLogprobs
+from pagefleet.engine.sample.sampling_params import RequestOutputKind
 from pagefleet.engine.worker.model_runner import PromptLogprobs
 
 
@@ -106,10 +107,24 @@ class OutputProcessor:
             entry.setdefault(top_id, Logprob(value, top_rank, self.detokenizer.token_text(top_id)))
         return entry
 
-    def make_output(self, request: Request) -> RequestOutput:
+    def make_output(self, request: Request) -> RequestOutput | None:
+        """The request's output after a step, in its `output_kind`; None when that kind has
+        nothing to say (FINAL_ONLY before the end, DELTA with nothing new)."""
+        finished = request.generation_ended or request.is_finished
+        kind = request.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        ranked_at_end = request.beam is not None or len(request.sequences) > request.params.n
         if request.beam is not None:
             outputs = self._beam_outputs(request)
             num_completion = sum(len(output.token_ids) for output in outputs)
+        elif kind == RequestOutputKind.DELTA and not ranked_at_end:
+            outputs = self._delta_outputs(request)
+            if not outputs and not finished:
+                return None
+            num_completion = sum(seq.num_output_tokens for seq in request.sequences)
+        elif kind == RequestOutputKind.DELTA and not finished:
+            return None  # best_of > n: the chosen samples are known only at the end
         else:
             outputs = self._sample_outputs(request)
             num_completion = sum(seq.num_output_tokens for seq in request.sequences)
@@ -121,7 +136,7 @@ class OutputProcessor:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
-            finished=request.generation_ended or request.is_finished,
+            finished=finished,
             usage=Usage(request.num_prompt_tokens, num_completion, request.num_cached_tokens),
             prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
             num_cached_tokens=request.num_cached_tokens,
@@ -148,6 +163,33 @@ class OutputProcessor:
             )
             for index, seq in enumerate(seqs)
         ]
+
+    def _delta_outputs(self, request: Request) -> list[CompletionOutput]:
+        """Each sample's news since its previous output (samples with none are left out).
+        Until a sample ends, the text that could still become the start of a stop string
+        is held back, so no text is sent that a stop string then takes away (vLLM's)."""
+        params = request.params
+        outputs = []
+        for seq in request.sequences:
+            first = seq.num_sent_tokens
+            held = 0 if seq.is_finished or not params.stop else max(map(len, params.stop)) - 1
+            visible = max(len(seq.text) - held, seq.num_sent_chars)
+            news = seq.num_output_tokens > first or visible > seq.num_sent_chars
+            if not news and not (seq.is_finished and not seq.sent_finish):
+                continue
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text[seq.num_sent_chars : visible],
+                    token_ids=seq.token_ids[seq.num_prompt_tokens + first :],
+                    cumulative_logprob=seq.cumulative_logprob if params.tracks_cumulative_logprob else None,
+                    logprobs=None if seq.logprobs is None else seq.logprobs[first:],
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+            seq.num_sent_tokens, seq.num_sent_chars, seq.sent_finish = seq.num_output_tokens, visible, seq.is_finished
+        return outputs
 
     def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
         """The n best finished beams once the search ends; the running beams before."""

@@ -63,7 +63,8 @@ class StepUpdate:
     def apply(self, plan: SchedulePlan, results: dict[str, RequestResults], started: float) -> list[RequestOutput]:
         """Computed tokens and forks, the prefill rate, then request by request its tokens
         or beams, stops, pins and freed blocks. Returns an output for every request the
-        plan touched; a finished one's is its last."""
+        plan touched that has one to give in its output kind; a finished request's is its
+        last."""
         chunks = plan.chunks
         self.counters.last_step_tokens = sum(c.num_new_tokens for c in chunks)
         touched = self._commit(plan)
@@ -76,9 +77,11 @@ class StepUpdate:
                 request_results = results.get(request.request_id)
                 if request_results is not None:
                     self._apply_results(request, request_results, now)
-                outputs.append(self._after_step(request))
+                output = self._after_step(request)
             except Exception as error:  # a per-request boundary: fail it, free its blocks
-                outputs.append(self.fail(request, error))
+                output = self.fail(request, error)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def fail(self, request: Request, error: Exception) -> RequestOutput:
@@ -92,7 +95,9 @@ class StepUpdate:
         its blocks; its final output."""
         self.outputs.finish_unfinished(request, reason)
         self.scheduler.finish(request)
-        return self.outputs.make_output(request)
+        output = self.outputs.make_output(request)
+        assert output is not None, "every output kind gives the final output"
+        return output
 
     def _commit(self, plan: SchedulePlan) -> list[Request]:
         """Every chunk's tokens computed; at a fork point, the siblings share the blocks."""
@@ -160,7 +165,7 @@ class StepUpdate:
         request.sequences = children
         self.counters.num_generation_tokens += len(beams)
 
-    def _after_step(self, request: Request) -> RequestOutput:
+    def _after_step(self, request: Request) -> RequestOutput | None:
         if request.generation_ended and request.wants_remote_decode:
             self._pin_prompt(request)
         for seq in request.sequences:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,14 @@ _SAMPLING_DEFAULTS: dict[str, object] = {
 }
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request carries (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything generated so far, after every step that changed it
+    DELTA = 1  # only what is new since the previous output; outputs with nothing new are left out
+    FINAL_ONLY = 2  # one output, when the request ends
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -61,6 +70,11 @@ class SamplingParams:
 
     `structured_outputs` constrains the text to a JSON schema, a regex, a choice or a
     grammar (`StructuredOutputsParams`, or a dict of its fields).
+
+    `output_kind` (vLLM's `RequestOutputKind`): cumulative outputs after every step, deltas,
+    or the final output only (what `LLM.generate` asks for). Beam search, and best_of > n,
+    whose results are ranked only at the end, send whole results in DELTA mode: the running
+    beams' cumulative ones, and the chosen samples at the end.
 
     Raises:
         InvalidParameterError: (a ValueError) naming the first invalid field.
@@ -98,10 +112,16 @@ class SamplingParams:
     # Free-form arguments for extensions, as vLLM's; `kv_transfer_params` (prefill/decode
     # disaggregation, see engine/kv_transfer) is read from here.
     extra_args: dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Token ids of `bad_words`, filled in by the engine from its tokenizer (as vLLM's).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            kind = self.output_kind
+            raise InvalidParameterError("output_kind", f"must be a RequestOutputKind, got {kind!r}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -5,6 +5,7 @@ into per-choice deltas."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -17,7 +18,7 @@ from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.front.inputs import TextPrompt, TokensPrompt
 from pagefleet.engine.front.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.lora.request import LoRARequest
-from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 from pagefleet.engine.server.state import ServerState
 
 Outputs = AsyncGenerator[RequestOutput, None]
@@ -64,8 +65,15 @@ async def generate(
         if cache_salt is not None:
             assert not isinstance(engine_prompt, dict), "prepare gives back the prompt or its token ids"
             engine_prompt = salted(engine_prompt, cache_salt)
-        async with aclosing(engine.generate(engine_prompt, params, request_id, remote_kv, lora_request)) as outputs:
-            async for output in outputs:
+        # The engine sends deltas (no copy of what it sent before); the routes read them
+        # gathered (`Gathered`), without copying either.
+        delta_params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        gathered = Gathered(params)
+        async with aclosing(
+            engine.generate(engine_prompt, delta_params, request_id, remote_kv, lora_request)
+        ) as outputs:
+            async for delta in outputs:
+                output = gathered.add(delta)
                 tokens = sum(len(c.token_ids) for c in output.outputs)
                 if tokens > tokens_seen:
                     now = time.monotonic()
@@ -84,6 +92,35 @@ async def generate(
         if state.tracing is not None:
             model = lora_request.lora_name if lora_request is not None else state.settings.model_name
             state.tracing.record(parent, operation, model, response_id, request_id, params, output, started, error)
+
+
+class Gathered:
+    """A request's outputs so far, gathered from the engine's DELTA outputs: each sample's
+    text, tokens and logprobs grow in place (appends only), so reading them after every
+    step costs what the step added. Beams and best_of > n come whole and pass through."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self._whole = params.use_beam_search or params.num_sequences > params.n
+        self._samples: dict[int, CompletionOutput] = {}
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        """`delta` folded in; the request's outputs so far, in the engine's cumulative shape."""
+        if self._whole:
+            return delta
+        for news in delta.outputs:
+            sample = self._samples.get(news.index)
+            if sample is None:
+                sample = self._samples[news.index] = CompletionOutput(news.index, "", [])
+            sample.text += news.text
+            sample.token_ids.extend(news.token_ids)
+            if news.logprobs is not None:
+                if sample.logprobs is None:
+                    sample.logprobs = []
+                sample.logprobs.extend(news.logprobs)
+            sample.cumulative_logprob = news.cumulative_logprob
+            sample.finish_reason, sample.stop_reason = news.finish_reason, news.stop_reason
+        delta.outputs = [self._samples[index] for index in sorted(self._samples)]
+        return delta
 
 
 async def first_and_rest(stream: Outputs) -> Outputs:

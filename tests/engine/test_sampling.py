@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagefleet.engine import LLM, PromptTooLongError, SamplingParams
+from pagefleet.engine import LLM, PromptTooLongError, RequestOutput, RequestOutputKind, SamplingParams
 from pagefleet.engine.core.request import Sequence
 from pagefleet.engine.front.detokenizer import Detokenizer
 from tests.conftest import TINY_VOCAB
@@ -236,3 +236,48 @@ def test_a_failing_step_frees_every_block(llm: LLM, monkeypatch: pytest.MonkeyPa
     with pytest.raises(RuntimeError, match="simulated"):
         llm.generate(random_prompts([8, 16], TINY_VOCAB, seed=16), _greedy(max_tokens=10))
     assert not llm.engine.has_unfinished_requests()
+
+
+def _outputs_by_step(llm: LLM, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    """Every output the engine gives one request, step by step."""
+    llm.engine.add_request("kinds", prompt, params)
+    outputs = []
+    while llm.engine.has_unfinished_requests():
+        outputs += llm.engine.step()
+    return outputs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_deltas_add_up_to_the_cumulative_output(llm: LLM, temperature: float) -> None:
+    """Greedy, both samples meet the stop string (several characters: they may span tokens,
+    and no delta may send what it then takes away); sampled, they differ."""
+    (prompt,) = random_prompts([6], TINY_VOCAB, seed=9)
+    full = llm.generate([prompt], _greedy(max_tokens=24))[0].outputs[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    common = {"n": 2, "temperature": temperature, "seed": 4, "logprobs": 2, "stop": [stop], "max_tokens": 24}
+    cumulative = _outputs_by_step(llm, prompt, SamplingParams(**common))
+    deltas = _outputs_by_step(llm, prompt, SamplingParams(**common, output_kind=RequestOutputKind.DELTA))
+    final = {c.index: c for c in cumulative[-1].outputs}
+    if temperature == 0.0:
+        assert all(c.stop_reason == stop for c in final.values())
+    for index, expected in final.items():
+        news = [c for output in deltas for c in output.outputs if c.index == index]
+        assert "".join(c.text for c in news) == expected.text
+        assert [t for c in news for t in c.token_ids] == expected.token_ids
+        assert [p for c in news for p in c.logprobs or []] == expected.logprobs
+        assert news[-1].finish_reason == expected.finish_reason and news[-1].stop_reason == expected.stop_reason
+        assert all(c.token_ids or c.text or c.finished for c in news), "a delta with nothing new"
+    assert deltas[-1].finished and not any(output.finished for output in deltas[:-1])
+    assert deltas[-1].usage == cumulative[-1].usage
+
+
+def test_final_only_gives_one_output_and_generate_leaves_the_params_alone(llm: LLM) -> None:
+    (prompt,) = random_prompts([6], TINY_VOCAB, seed=9)
+    final_only = _outputs_by_step(llm, prompt, _greedy(output_kind=RequestOutputKind.FINAL_ONLY))
+    assert len(final_only) == 1 and final_only[0].finished
+    params = _greedy()
+    (generated,) = llm.generate([prompt], params)
+    assert generated.outputs[0].token_ids == final_only[0].outputs[0].token_ids
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=7)  # type: ignore[arg-type]

@@ -253,6 +253,11 @@ def test_n_seed_stop_and_chat_logprobs(tiny_server: EngineServer, client: openai
     stop = text[3:6]
     stopped = client.completions.create(model=model, prompt="Paris is", max_tokens=8, temperature=0.0, stop=[stop])
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.index(stop)]
+    # Streamed, no chunk sends text that the stop string then takes away.
+    streamed = client.completions.create(
+        model=model, prompt="Paris is", max_tokens=8, temperature=0.0, stop=[stop], stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == stopped.choices[0].text
     chat = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=3
     )
