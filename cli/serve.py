@@ -29,7 +29,13 @@ def run(args: argparse.Namespace) -> int:
         assert server is not None, "the server exists before the engine can die"
         server.should_exit = True
 
+    import os
+    import sys
+
+    if os.environ.get("PF_SWITCH"):
+        sys.setswitchinterval(float(os.environ["PF_SWITCH"]))
     app = create_app(settings, stop_server=stop_server)
-    server = make_server(app, settings.host, settings.port, settings.log_level)
+    # SIGTERM drains: routers stop sending, requests in flight finish, then exit 0.
+    server = make_server(app, settings.host, settings.port, settings.log_level, app.state.lifecycle.drain_soon)
     server.run()
     return int(app.state.server.exit_code)  # non-zero after the engine died: restart me

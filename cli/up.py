@@ -9,6 +9,12 @@ Once the fleet is up, `pagefleet up` supervises it: a child that exits (an engin
 engine died exits non-zero on purpose) is started again after a back-off that doubles
 with each quick failure (1 s up to 30 s) and resets once it ran for a minute; restarted
 replicas report their restart count, which the dashboard shows.
+
+It also changes the fleet without losing a request. `pagefleet up --rollout` (or SIGHUP)
+replaces every engine replica one by one: a new one starts beside the old, and once it is
+ready the old one drains (SIGTERM: it leaves Redis, finishes what it runs, exits 0). A
+changed fleet file is applied the same way: models whose settings changed are rolled,
+replicas added are started, and replicas taken away drain.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field
@@ -75,6 +82,11 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser = commands.add_parser("up", help="run a local fleet: Redis, engine replicas and the gateway")
     parser.add_argument("--fleet", type=Path, default=None, help="a fleet.yaml (default: ./fleet.yaml if present)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the fleet to be ready")
+    parser.add_argument(
+        "--rollout",
+        action="store_true",
+        help="replace every engine replica of the running fleet one by one, losing no request (it sends SIGHUP)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -94,6 +106,28 @@ class Child:
     restarts: int = 0
     backoff_s: float = FIRST_BACKOFF_S
     restart_at: float | None = None  # set while it waits to be started again
+    retiring: bool = False  # drained on purpose: not started again, forgotten once it exits
+
+
+@dataclass
+class Replica:
+    """One engine replica of the fleet. A replica that replaces another in a rollout has the
+    next `generation` (its own replica id and port: both run side by side for a while)."""
+
+    model: ModelSpec
+    index: int
+    generation: int
+    url: str
+    child: Child
+
+    @property
+    def replica_id(self) -> str:
+        return replica_id(self.model, self.index, self.generation)
+
+
+def replica_id(model: ModelSpec, index: int, generation: int) -> str:
+    base = model.replica_id(index)
+    return base if generation == 0 else f"{base}-g{generation}"
 
 
 class Fleet:
@@ -102,6 +136,8 @@ class Fleet:
     def __init__(self, spec: FleetSpec) -> None:
         self.spec = spec
         self.children: list[Child] = []
+        self.replicas: list[Replica] = []  # the engines serving (those retiring are not here)
+        self._next_port = spec.first_engine_port
         spec.log_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -112,11 +148,11 @@ class Fleet:
     def gateway_url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.gateway_port}"
 
-    def spawn(self, name: str, command: list[str], threads: int = 1) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, command: list[str], threads: int = 1) -> Child:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
         child = Child(name, command, env, self._popen(name, command, env, "wb"))
         self.children.append(child)
-        return child.process
+        return child
 
     def _popen(self, name: str, command: list[str], env: dict[str, str], mode: str) -> subprocess.Popen[bytes]:
         with open(self.spec.log_dir / f"{name}.log", mode) as log:
@@ -125,7 +161,12 @@ class Fleet:
     def supervise(self) -> None:
         """Start again every child that exited, each after its back-off."""
         now = time.monotonic()
-        for child in self.children:
+        for child in list(self.children):
+            if child.retiring:
+                if child.process.poll() is not None:
+                    self.children.remove(child)
+                    _say(f"{child.name} drained and stopped (code {child.process.returncode})")
+                continue
             if child.restart_at is None and child.process.poll() is not None:
                 if now - child.started_at >= STABLE_AFTER_S:
                     child.backoff_s = FIRST_BACKOFF_S
@@ -151,13 +192,93 @@ class Fleet:
             [binary, "--port", str(self.spec.redis_port), "--bind", self.spec.host, "--save", "", "--appendonly", "no"],
         )
 
-    def start_engine(self, model: ModelSpec, index: int, port: int) -> str:
-        replica = model.replica_id(index)
+    def _free_engine_port(self) -> int:
+        """The next port from `first_engine_port` on that nothing listens on yet."""
+        while True:
+            port, self._next_port = self._next_port, self._next_port + 1
+            with socket.socket() as probe:
+                try:
+                    probe.bind((self.spec.host, port))
+                except OSError:
+                    continue
+            return port
+
+    def start_engine(self, model: ModelSpec, index: int, generation: int = 0) -> Replica:
+        port = self._free_engine_port()
+        name = replica_id(model, index, generation)
         command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", model.model]
-        command += ["--served-model-name", model.name, "--replica-id", replica, "--host", self.spec.host]
+        command += ["--served-model-name", model.name, "--replica-id", name, "--host", self.spec.host]
         command += ["--port", str(port), "--redis-url", self.redis_url, "--role", model.role, *model.flags]
-        self.spawn(replica, command)
-        return f"http://{self.spec.host}:{port}"
+        replica = Replica(model, index, generation, f"http://{self.spec.host}:{port}", self.spawn(name, command))
+        self.replicas.append(replica)
+        return replica
+
+    def retire(self, replica: Replica) -> None:
+        """Drain `replica` (SIGTERM: it leaves Redis at once and finishes what it runs); it is
+        not started again, and forgotten once it exits."""
+        self.replicas.remove(replica)
+        replica.child.retiring = True
+        if replica.child.process.poll() is None:
+            replica.child.process.terminate()
+        _say(f"{replica.replica_id} draining")
+
+    def wait_ready(self, replica: Replica, deadline: float) -> bool:
+        """Until the replica answers /ready, supervising the rest meanwhile; False if it
+        exits or the deadline passes."""
+        import httpx
+
+        while time.monotonic() < deadline:
+            self.supervise()
+            if replica.child.process.poll() is not None or replica.child.restart_at is not None:
+                return False
+            try:
+                if httpx.get(f"{replica.url}/ready", timeout=1).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        return False
+
+    def replace(self, old: Replica, model: ModelSpec, deadline: float) -> bool:
+        """A new replica beside `old` (with `model`'s settings); once it is ready, `old`
+        drains. False (and `old` kept) if the new one does not get ready."""
+        new = self.start_engine(model, old.index, old.generation + 1)
+        if not self.wait_ready(new, deadline):
+            _say(f"{new.replica_id} did not get ready; keeping {old.replica_id} (logs in {self.spec.log_dir})")
+            self.retire(new)
+            return False
+        _say(f"{new.replica_id} ready at {new.url}")
+        self.retire(old)
+        return True
+
+    def roll(self, names: set[str] | None, timeout: float) -> None:
+        """Replace the replicas of the models named (all: None), one by one."""
+        for old in [r for r in self.replicas if names is None or r.model.name in names]:
+            if not self.replace(old, old.model, time.monotonic() + timeout):
+                return
+        _say("rollout done")
+
+    def apply(self, spec: FleetSpec, timeout: float) -> None:
+        """Bring the running fleet to `spec`'s models: start what is new or added, roll what
+        changed, drain what was taken away (the ports, Redis and gateway stay as they are)."""
+        wanted = {(m.name, m.role): m for m in spec.models}
+        for old in [r for r in self.replicas if (r.model.name, r.model.role) not in wanted]:
+            self.retire(old)
+        for key, model in wanted.items():
+            current = [r for r in self.replicas if (r.model.name, r.model.role) == key]
+            for extra in current[model.replicas :]:
+                self.retire(extra)
+            for old in current[: model.replicas]:
+                if _settings(old.model) != _settings(model) and not self.replace(
+                    old, model, time.monotonic() + timeout
+                ):
+                    return
+            for index in range(len(current), model.replicas):
+                added = self.start_engine(model, index)
+                if self.wait_ready(added, time.monotonic() + timeout):
+                    _say(f"{added.replica_id} ready at {added.url}")
+        self.spec = self.spec.model_copy(update={"models": spec.models})
+        _say("fleet file applied")
 
     def start_gateway(self) -> None:
         command = [sys.executable, "-m", "pagefleet.cli.main", "gateway", "--host", self.spec.host]
@@ -214,42 +335,75 @@ class Fleet:
                 process.wait()
 
 
-def load_spec(path: Path | None) -> FleetSpec:
+def _settings(model: ModelSpec) -> dict[str, Any]:
+    """What a replica runs with (a change rolls it); the replica count is not part of it."""
+    return model.model_dump(exclude={"replicas"})
+
+
+def fleet_file(path: Path | None) -> Path | None:
     if path is None and Path("fleet.yaml").exists():
-        path = Path("fleet.yaml")
+        return Path("fleet.yaml")
+    return path
+
+
+def load_spec(path: Path | None) -> FleetSpec:
     if path is None:
         return FleetSpec()
     return FleetSpec.model_validate(yaml.safe_load(path.read_text()) or {})
 
 
+def _pid_file(spec: FleetSpec) -> Path:
+    return spec.log_dir / "up.pid"
+
+
+def _mtime(path: Path | None) -> float | None:
+    try:
+        return path.stat().st_mtime if path is not None else None
+    except OSError:
+        return None
+
+
+def request_rollout(spec: FleetSpec) -> int:
+    """`pagefleet up --rollout`: signal the running `pagefleet up` of this fleet file."""
+    try:
+        pid = int(_pid_file(spec).read_text())
+        os.kill(pid, signal.SIGHUP)
+    except (OSError, ValueError):
+        print(f"pagefleet up --rollout: no fleet is running here ({_pid_file(spec)})", file=sys.stderr)
+        return 1
+    print(f"[up] rollout requested from pagefleet up (pid {pid}); it reports progress in its own output", flush=True)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    spec = load_spec(args.fleet)
+    path = fleet_file(args.fleet)
+    spec = load_spec(path)
+    if args.rollout:
+        return request_rollout(spec)
     fleet = Fleet(spec)
     started = time.monotonic()
     deadline = started + args.timeout
+    rollouts: list[Any] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # also when started with SIGINT ignored (a background job)
+    signal.signal(signal.SIGHUP, lambda *_: rollouts.append(None))
     try:
         fleet.start_redis()
         _say(f"redis on {fleet.redis_url} (logs in {spec.log_dir}/)")
         fleet.start_gateway()
-        port = spec.first_engine_port
-        engines: list[tuple[str, str]] = []
         for model in spec.models:
             for index in range(model.replicas):
-                url = fleet.start_engine(model, index, port)
-                engines.append((model.replica_id(index), url))
-                port += 1
-                if len(engines) == 1:  # the first converts and caches shared weights for the rest
+                replica = fleet.start_engine(model, index)
+                if len(fleet.replicas) == 1:  # the first converts and caches shared weights for the rest
                     _say(f"loading {model.name} (the first start converts its weights once, ~30 s)")
-                    fleet.wait_healthy(url, deadline)
-        for name, url in engines:
-            fleet.wait_healthy(url, deadline)
-            _say(f"{name} ready at {url}")
+                    fleet.wait_healthy(replica.url, deadline)
+        for replica in fleet.replicas:
+            fleet.wait_healthy(replica.url, deadline)
+            _say(f"{replica.replica_id} ready at {replica.url}")
         fleet.wait_healthy(fleet.gateway_url, deadline)
         fleet.wait_models({m.name for m in spec.models}, deadline)
         first = spec.models[0].name
@@ -262,12 +416,26 @@ def run(args: argparse.Namespace) -> int:
             f'"What is the capital of France?"}}]}}\'',
             flush=True,
         )
-        _say("Ctrl-C stops the fleet")
+        _say("Ctrl-C stops the fleet; `pagefleet up --rollout` (or SIGHUP) replaces every replica one by one")
+        _pid_file(spec).write_text(str(os.getpid()))
+        seen = _mtime(path)
         while True:
             fleet.supervise()
+            if rollouts:
+                rollouts.clear()
+                _say("rollout: replacing every engine replica, one by one")
+                fleet.roll(None, args.timeout)
+            if (changed := _mtime(path)) != seen:
+                seen = changed
+                _say(f"{path} changed: applying it")
+                try:
+                    fleet.apply(load_spec(path), args.timeout)
+                except (ValueError, OSError, yaml.YAMLError) as error:  # half-written or invalid: run on as is
+                    _say(f"{path} not applied: {error}")
             time.sleep(0.5)
     except KeyboardInterrupt:
         _say("stopping")
         return 0
     finally:
+        _pid_file(spec).unlink(missing_ok=True)
         fleet.stop()

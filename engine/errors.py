@@ -40,3 +40,7 @@ class RequestFailedError(RuntimeError, EngineError):
     def __init__(self, request_id: str, message: str) -> None:
         super().__init__(f"request {request_id} failed: {message}")
         self.request_id = request_id
+
+
+class ShuttingDownError(RuntimeError, EngineError):
+    """The server is shutting down and this request did not finish within its drain time."""

@@ -116,6 +116,7 @@ def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int, role: st
         "--redis-url", "$(PAGEFLEET_REDIS_URL)",
         "--block-size", str(engine.block_size),
         "--max-num-seqs", str(engine.max_num_seqs),
+        "--shutdown-timeout", str(spec.rollout.drain_seconds),
     ]  # fmt: skip
     if engine.dtype != "auto":
         args += ["--dtype", engine.dtype]
@@ -191,9 +192,21 @@ def _environment(owner: Owner, spec: InferenceDeploymentSpec, settings: Operator
     return env + [variable.model_dump(by_alias=True, exclude_none=True) for variable in spec.env]
 
 
-def _probe(port: int, period: int, failures: int) -> dict[str, Any]:
+PRE_STOP_SECONDS = 5  # the pause before SIGTERM, while Services and routers let the pod go
+_STOP_MARGIN_SECONDS = 10  # after the drain: error answers go out, the engine and Redis record go away
+
+
+def termination_grace_seconds(spec: InferenceDeploymentSpec) -> int:
+    """How long Kubernetes waits before SIGKILL: the preStop pause, the engine's drain
+    (`rollout.drainSeconds`, its --shutdown-timeout) and a margin to exit on its own."""
+    return PRE_STOP_SECONDS + spec.rollout.drain_seconds + _STOP_MARGIN_SECONDS
+
+
+def _probe(port: int, period: int, failures: int, path: str = "/health") -> dict[str, Any]:
+    """`/health` answers while the replica is alive (draining too); `/ready` only while it
+    takes new requests."""
     return {
-        "httpGet": {"path": "/health", "port": "http"},
+        "httpGet": {"path": path, "port": "http"},
         "periodSeconds": period,
         "timeoutSeconds": 3,
         "failureThreshold": failures,
@@ -241,7 +254,9 @@ def deployment(
         "env": _environment(owner, spec, settings),
         "resources": _resources(spec),
         "startupProbe": _probe(port, period=5, failures=_STARTUP_SECONDS // 5),
-        "readinessProbe": _probe(port, period=5, failures=2),
+        "readinessProbe": _probe(port, period=5, failures=2, path="/ready"),
+        # Endpoints and Services drop the pod before the engine starts draining.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
         "volumeMounts": mounts,
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -261,7 +276,7 @@ def deployment(
             "fsGroup": 1000,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": 30,  # the engine drains and deletes its Redis record
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "enableServiceLinks": False,
     }
     if spec.node_selector:
@@ -275,7 +290,10 @@ def deployment(
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(owner, role)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable},
+            },
             "template": {"metadata": {"labels": labels(owner, spec, role)}, "spec": pod_spec},
         },
     }

@@ -110,6 +110,18 @@ class Autoscaling(_Spec):
         return self
 
 
+class Rollout(_Spec):
+    max_surge: int = Field(1, ge=0, le=100)
+    max_unavailable: int = Field(0, ge=0, le=100)
+    drain_seconds: int = Field(30, ge=0, le=3600)
+
+    @model_validator(mode="after")
+    def _moves(self) -> Rollout:
+        if self.max_surge + self.max_unavailable < 1:
+            raise ValueError("rollout: maxSurge and maxUnavailable cannot both be 0 (the rollout could not start)")
+        return self
+
+
 class Toleration(_Spec):
     key: str | None = None
     operator: Literal["Exists", "Equal"] | None = None
@@ -177,6 +189,7 @@ class InferenceDeploymentSpec(_Spec):
     resources: Resources = Field(default_factory=lambda: Resources.model_validate({}))
     engine: EngineSettings = Field(default_factory=lambda: EngineSettings.model_validate({}))
     autoscaling: Autoscaling = Field(default_factory=lambda: Autoscaling.model_validate({}))
+    rollout: Rollout = Field(default_factory=lambda: Rollout.model_validate({}))
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
     env: list[EnvVar] = []

@@ -32,7 +32,7 @@ import torch
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.core.block_pool import KVEvent, take_events
-from pagefleet.engine.errors import EngineDeadError, RequestFailedError
+from pagefleet.engine.errors import EngineDeadError, RequestFailedError, ShuttingDownError
 from pagefleet.engine.front.inputs import PromptType
 from pagefleet.engine.front.llm_engine import LLMEngine
 from pagefleet.engine.front.outputs import RequestOutput
@@ -45,6 +45,11 @@ from pagefleet.engine.sample.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _Item: TypeAlias = RequestOutput | BaseException
+
+
+def _put_all(items: list[tuple[asyncio.Queue[_Item], RequestOutput]]) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)
 
 
 class AsyncEngine:
@@ -107,6 +112,7 @@ class AsyncEngine:
         Raises:
             InvalidParameterError: (ValueError) before the first output, for bad input.
             RequestFailedError: this request failed inside the engine; others run on.
+            ShuttingDownError: `fail_all_requests` ended it.
             EngineDeadError: the engine loop failed.
         """
         if self._dead is not None:
@@ -125,6 +131,8 @@ class AsyncEngine:
             self._wake.set()
             while not finished:
                 item = await queue.get()
+                if isinstance(item, ShuttingDownError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item}") from item
                 finished = item.finished
@@ -143,6 +151,12 @@ class AsyncEngine:
         waiting; a no-op for a request that is unknown or already finished."""
         self._pending_aborts.append(request_id)
         self._wake.set()
+
+    def fail_all_requests(self, error: ShuttingDownError) -> None:
+        """End every request now: each caller's `generate` raises `error` (a drain that ran
+        out of time); their blocks are freed before the next step."""
+        for loop, queue in list(self._queues.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def add_step_callback(self, callback: Callable[[int], None]) -> None:
         """Call `callback(tokens the step computed)` after every step, from the engine thread."""
@@ -309,11 +323,16 @@ class AsyncEngine:
         self._stats = self.engine.stats()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to its caller's queue: one wake-up of each event loop per step,
+        however many of its requests the step touched."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], RequestOutput]]] = {}
         for output in outputs:
             target = self._queues.get(output.request_id)
             if target is not None:
                 loop, queue = target
-                loop.call_soon_threadsafe(queue.put_nowait, output)
+                by_loop.setdefault(loop, []).append((queue, output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_calls(self, error: BaseException) -> None:
         while self._calls:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -77,7 +76,7 @@ class LLM:
         final_only: dict[int, SamplingParams] = {}
         for params in params_list:
             if id(params) not in final_only:
-                final_only[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                final_only[id(params)] = params.with_output_kind(RequestOutputKind.FINAL_ONLY)
         request_ids = []
         try:
             for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):

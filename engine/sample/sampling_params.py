@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections.abc import Callable
@@ -227,6 +228,12 @@ class SamplingParams:
         for name, default in _SAMPLING_DEFAULTS.items():
             if getattr(self, name) != default:
                 fail(name, "beam search is deterministic and does not use it")
+
+    def with_output_kind(self, kind: RequestOutputKind) -> SamplingParams:
+        """A copy asking for `kind` of outputs (the fields are as validated already)."""
+        params = copy.copy(self)
+        params.output_kind = kind
+        return params
 
     @property
     def num_sequences(self) -> int:

@@ -20,7 +20,7 @@ from pagefleet.engine.server.lifecycle import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED
 from pagefleet.engine.server.lora import Adapters, add_lora_routes
 from pagefleet.engine.server.messages import add_messages_routes
 from pagefleet.engine.server.metrics import ServerMetrics
-from pagefleet.engine.server.middleware import BodySizeLimit
+from pagefleet.engine.server.middleware import BodySizeLimit, InFlight
 from pagefleet.engine.server.responses import add_responses_routes
 from pagefleet.engine.server.routes import add_core_routes, server_version
 from pagefleet.engine.server.settings import ServerSettings
@@ -79,9 +79,11 @@ def create_app(
         title="pagefleet engine", version=server_version(), lifespan=lifecycle.lifespan, root_path=settings.root_path
     )
     app.state.server = state
+    app.state.lifecycle = lifecycle  # its `drain_soon` is what SIGTERM does (cli/serve.py)
     install_error_handlers(app)
     app.add_middleware(ErrorGuard)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    app.add_middleware(InFlight, state=state)
     if settings.api_key:
         app.add_middleware(APIKeyGuard, keys=settings.api_key)
     add_core_routes(app, state)

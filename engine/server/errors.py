@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagefleet.engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError
+from pagefleet.engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError, ShuttingDownError
 from pagefleet.protocol.anthropic import MESSAGES_PATH
 from pagefleet.protocol.anthropic import error_body as anthropic_error
 from pagefleet.protocol.http import error_json
@@ -61,6 +61,8 @@ def status_of(error: BaseException) -> tuple[int, str]:
         return 400, str(error)
     if isinstance(error, EngineDeadError):
         return 503, f"The engine stopped: {error}"
+    if isinstance(error, ShuttingDownError):
+        return 503, str(error)
     if isinstance(error, RequestFailedError):
         return 500, f"The request failed inside the engine: {error}"
     return 500, "Internal server error."
@@ -90,6 +92,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def request_failed(request: Request, error: RequestFailedError) -> JSONResponse:
+        return error_for(request.url.path, *status_of(error))
+
+    @app.exception_handler(ShuttingDownError)
+    async def shutting_down(request: Request, error: ShuttingDownError) -> JSONResponse:
         return error_for(request.url.path, *status_of(error))
 
     @app.exception_handler(StarletteHTTPException)

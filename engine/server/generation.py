@@ -5,7 +5,6 @@ into per-choice deltas."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -67,7 +66,7 @@ async def generate(
             engine_prompt = salted(engine_prompt, cache_salt)
         # The engine sends deltas (no copy of what it sent before); the routes read them
         # gathered (`Gathered`), without copying either.
-        delta_params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        delta_params = params.with_output_kind(RequestOutputKind.DELTA)
         gathered = Gathered(params)
         async with aclosing(
             engine.generate(engine_prompt, delta_params, request_id, remote_kv, lora_request)

@@ -4,6 +4,13 @@ Start-up loads the model in a thread (so `/health` answers 503 until it is loade
 warm), then starts publishing KV capacity (and the prefix cache's events) to Redis if a URL
 is set. Shutdown removes the Redis record and stops the engine.
 
+On SIGTERM (`drain`, called by `pagefleet serve`'s runner) the replica drains: it withdraws
+its Redis record at once (routers stop sending it work within one refresh), reports
+not-ready on `/ready` while `/health` stays live, answers new requests with a 503 that the
+gateway retries elsewhere, lets the requests in flight finish (streams included) for up to
+`--shutdown-timeout` seconds, ends any still running with an error in its API's shape (an
+error event in a stream), then stops the server: the process exits 0.
+
 If the engine dies (its shared forward pass failed), the replica withdraws its Redis record
 at once, `/health` fails, and after a short grace for in-flight error responses the server
 stops and the process exits with `EXIT_ENGINE_DEAD`, so that its supervisor (Kubernetes,
@@ -19,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 
 from opentelemetry.sdk.trace import TracerProvider
 
+from pagefleet.engine.errors import ShuttingDownError
 from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.front.inputs import PromptType
 from pagefleet.engine.sample.sampling_params import SamplingParams
@@ -52,12 +60,50 @@ class ReplicaLifecycle:
         self._publisher: CapacityPublisher | None = None
         self._publishing: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: object) -> AsyncIterator[None]:
+        self._loop = asyncio.get_running_loop()
         self._tasks.append(asyncio.create_task(self._start()))
         yield
         await self._stop()
+
+    def drain_soon(self) -> bool:
+        """Start draining (see the module docstring), from any thread or a signal handler;
+        False if the server is not running yet or drains already."""
+        if self._loop is None or self.state.draining:
+            return False
+        self.state.draining = True  # before the hand-off: no request is admitted from now on
+        self._loop.call_soon_threadsafe(lambda: self._tasks.append(asyncio.create_task(self._drain())))
+        return True
+
+    async def _drain(self) -> None:
+        state, loop = self.state, asyncio.get_running_loop()
+        timeout = state.settings.shutdown_timeout
+        logger.info("draining: %d requests in flight get up to %.0f s to finish", state.num_in_flight, timeout)
+        await self._leave_fleet()
+        deadline = loop.time() + timeout
+        while state.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if state.num_in_flight and state.engine is not None:
+            logger.warning("draining: %d requests did not finish in time; ending them", state.num_in_flight)
+            state.engine.fail_all_requests(
+                ShuttingDownError(f"The server is shutting down and the request did not finish within {timeout:g} s.")
+            )
+            deadline = loop.time() + 5  # their error answers go out
+            while state.num_in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        logger.info("drained; stopping")
+        if self.stop_server is not None:
+            self.stop_server()
+
+    async def _leave_fleet(self) -> None:
+        """Remove the Redis record, after the last report (none may follow the removal)."""
+        if self._publisher is not None and self._publishing is not None:
+            self._publishing.cancel()
+            await asyncio.gather(self._publishing, return_exceptions=True)
+            await self._publisher.remove()
 
     async def _start(self) -> None:
         state = self.state
@@ -97,10 +143,7 @@ class ReplicaLifecycle:
         await died.wait()
         self.state.exit_code = EXIT_ENGINE_DEAD
         logger.critical("the engine stopped; leaving the fleet and exiting with code %d", EXIT_ENGINE_DEAD)
-        if self._publisher is not None and self._publishing is not None:
-            self._publishing.cancel()  # no report may follow the removal
-            await asyncio.gather(self._publishing, return_exceptions=True)
-            await self._publisher.remove()
+        await self._leave_fleet()
         await asyncio.sleep(self.state.settings.exit_grace)  # in-flight requests get their error answers
         if self.stop_server is not None:
             self.stop_server()

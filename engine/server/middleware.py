@@ -1,11 +1,13 @@
-"""The replica's own middleware: a limit on request bodies, answered in each API's shape.
-(API keys: auth.py; the last-resort error guard and the body rule: protocol/http.py.)"""
+"""The replica's own middleware: a limit on request bodies, answered in each API's shape,
+and the count of API requests in flight that a drain waits for. (API keys: auth.py; the
+last-resort error guard and the body rule: protocol/http.py.)"""
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.engine.server.errors import error_for
+from pagefleet.engine.server.state import ServerState
 from pagefleet.protocol.http import BodyTooLarge, read_body, replaying
 
 
@@ -33,3 +35,21 @@ class BodySizeLimit:
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
+
+
+class InFlight:
+    """Counts the API requests (`/v1/...`, Anthropic's included) from their first byte in to
+    their last byte out, in `state.num_in_flight`: what a drain waits for (lifecycle.py)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or "/v1/" not in scope["path"]:
+            await self.app(scope, receive, send)
+            return
+        self.state.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.num_in_flight -= 1

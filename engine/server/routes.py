@@ -56,6 +56,14 @@ def add_core_routes(app: FastAPI, state: ServerState) -> None:
             return error_json(503, "The engine stopped.")
         return JSONResponse({"status": "ok"})
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: `/health`, and not draining (after SIGTERM `/health` stays live while
+        the requests in flight finish; this one sends new work elsewhere)."""
+        if state.draining:
+            return error_json(503, "The server is shutting down.")
+        return await health()
+
     @app.get("/load")
     async def load() -> dict[str, int]:
         """vLLM's: the requests this server is handling (running and queued)."""

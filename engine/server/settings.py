@@ -82,6 +82,12 @@ class ServerSettings(BaseSettings):
         False, description="streams end with a usage chunk even when the request did not ask (vLLM's flag)"
     )
     exit_grace: float = Field(1.0, description="seconds in-flight requests get to be answered after the engine dies")
+    shutdown_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="after SIGTERM, seconds in-flight requests get to finish before they end with an error "
+        "(vLLM's flag); new requests get 503 meanwhile",
+    )
     restarts: int = Field(0, ge=0, description="times a supervisor restarted this replica (shown on the dashboard)")
     log_level: str = "INFO"
     otlp_traces_endpoint: str | None = Field(

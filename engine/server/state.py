@@ -27,6 +27,8 @@ class ServerState:
     tracing: RequestTracing | None = None  # None unless traces are exported
     load_error: BaseException | None = None
     exit_code: int = 0  # what the process exits with once the server stops (non-zero: the engine died)
+    draining: bool = False  # SIGTERM came: new requests get 503, those in flight finish (lifecycle.py)
+    num_in_flight: int = 0  # API requests not answered to their last byte yet (middleware.InFlight)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ready_engine(self, model: str | None) -> AsyncEngine:
@@ -44,7 +46,11 @@ class ServerState:
         return model if model is not None and model in self.adapters.by_name else self.settings.model_name
 
     def admit(self, engine: AsyncEngine) -> None:
-        """Refuse a new request (503) while too many already wait."""
+        """Refuse a new request (503) while the server drains or too many already wait."""
+        if self.draining:
+            raise OpenAIError(
+                503, "The server is shutting down; retry on another replica.", headers={"Retry-After": "1"}
+            )
         limit = self.settings.max_waiting_requests
         if engine.stats().num_waiting_requests >= limit:
             raise OpenAIError(

@@ -97,6 +97,7 @@ def test_the_crd_passes_the_official_schema_and_every_example_passes_the_crd() -
         ),
         ({"loraAdapters": [{"name": "a", "source": {}}]}, "spec.loraAdapters.0.source"),
         ({"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}}, "spec"),
+        ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "spec.rollout"),
     ],
 )
 def test_cel_rules_hold_in_pydantic_where_the_json_schema_alone_lets_them_pass(
@@ -119,6 +120,7 @@ def test_cel_rules_hold_in_pydantic_where_the_json_schema_alone_lets_them_pass(
         ({"autoscaling": {"targetKVUtilization": 0}}, "spec.autoscaling.targetKVUtilization"),
         ({"resources": {"memory": "3 gigs"}}, "spec.resources.memory"),
         ({"unknownField": 1}, "spec.unknownField"),
+        ({"rollout": {"drainSeconds": -1}}, "spec.rollout.drainSeconds"),
     ],
 )
 def test_schema_violations_fail_both_the_crd_and_pydantic_naming_the_field(change: dict[str, Any], field: str) -> None:
@@ -165,6 +167,16 @@ def test_engine_arguments_follow_the_spec() -> None:
     assert limits["nvidia.com/gpu"] == 1
     two_gib = parse_spec({"model": {"builtin": "smollm2-135m-instruct"}, "engine": {"kvCacheMemory": "2Gi"}})
     assert two_gib.engine.kv_cache_bytes_or_fraction == 2 * 2**30
+
+
+def test_the_rollout_reaches_the_strategy_the_drain_and_the_grace_period() -> None:
+    spec = parse_spec({"model": {"builtin": "smollm2-135m-instruct"}, "rollout": {"maxSurge": 2, "drainSeconds": 120}})
+    deployment = manifests.deployment(OWNER, spec, OperatorSettings())
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 2, "maxUnavailable": 0}
+    pod = deployment["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--shutdown-timeout") + 1] == "120"
+    assert pod["terminationGracePeriodSeconds"] == manifests.PRE_STOP_SECONDS + 120 + 10
 
 
 def test_a_disaggregated_spec_builds_one_deployment_per_pool_with_its_role() -> None:

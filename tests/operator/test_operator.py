@@ -61,8 +61,15 @@ def test_a_resource_becomes_a_deployment_service_and_pdb_owned_by_it(
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["PAGEFLEET_REDIS_URL"] == operator.redis_url
     assert env["PAGEFLEET_SERVED_MODEL_NAME"] == "smol"
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+    for probe in ("livenessProbe", "startupProbe"):  # alive while it drains too
         assert container[probe]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"  # not while it drains
+    # A rollout never drops below the current capacity, and a stopping pod drains: the
+    # preStop pause, then 30 s for requests in flight, within the grace period.
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert args[args.index("--shutdown-timeout") + 1] == "30"
+    assert pod["terminationGracePeriodSeconds"] == 5 + 30 + 10
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
