@@ -10,6 +10,10 @@ engine died exits non-zero on purpose) is started again after a back-off that do
 with each quick failure (1 s up to 30 s) and resets once it ran for a minute; restarted
 replicas report their restart count, which the dashboard shows.
 
+A model with `min_replicas: 0` starts with no replica: the gateway holds its first requests
+and asks for one in Redis (protocol/demand.py), `pagefleet up` starts its replicas, and
+stops them again after `idle_seconds` without a request.
+
 It also changes the fleet without losing a request. `pagefleet up --rollout` (or SIGHUP)
 replaces every engine replica one by one: a new one starts beside the old, and once it is
 ready the old one drains (SIGTERM: it leaves Redis, finishes what it runs, exits 0). A
@@ -34,6 +38,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field
 
+from pagefleet.protocol.demand import demand_key, read_demand, scalable_key
+
 REDIS_SERVER = "/usr/bin/redis-server"
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 STABLE_AFTER_S = 60.0  # a child that ran this long before it exited starts again at once
@@ -48,6 +54,18 @@ class ModelSpec(BaseModel):
         description="prefill/decode disaggregation: a model listed with prefill and decode entries is served split",
     )
     flags: list[str] = Field(default_factory=list, description="extra `pagefleet serve` flags")
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        description="0: no replica until the first request (the gateway holds it), none after idle_seconds",
+    )
+    idle_seconds: float = Field(
+        default=300.0, gt=0, description="with min_replicas 0: stop after this long without requests"
+    )
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.min_replicas == 0
 
     def replica_id(self, index: int) -> str:
         return f"{self.name}-{index}" if self.role == "both" else f"{self.name}-{self.role}-{index}"
@@ -138,6 +156,8 @@ class Fleet:
         self.children: list[Child] = []
         self.replicas: list[Replica] = []  # the engines serving (those retiring are not here)
         self._next_port = spec.first_engine_port
+        self._stopped_at: dict[str, float] = {}  # model scaled to zero -> Unix time its replicas stopped
+        self._redis: Any = None
         spec.log_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -251,9 +271,9 @@ class Fleet:
         self.retire(old)
         return True
 
-    def roll(self, names: set[str] | None, timeout: float) -> None:
-        """Replace the replicas of the models named (all: None), one by one."""
-        for old in [r for r in self.replicas if names is None or r.model.name in names]:
+    def roll(self, timeout: float) -> None:
+        """Replace every engine replica, one by one."""
+        for old in list(self.replicas):
             if not self.replace(old, old.model, time.monotonic() + timeout):
                 return
         _say("rollout done")
@@ -273,11 +293,12 @@ class Fleet:
                     old, model, time.monotonic() + timeout
                 ):
                     return
-            for index in range(len(current), model.replicas):
+            for index in range(len(current), 0 if model.scales_to_zero and not current else model.replicas):
                 added = self.start_engine(model, index)
                 if self.wait_ready(added, time.monotonic() + timeout):
                     _say(f"{added.replica_id} ready at {added.url}")
         self.spec = self.spec.model_copy(update={"models": spec.models})
+        self.offer_scaling_to_zero()
         _say("fleet file applied")
 
     def start_gateway(self) -> None:
@@ -321,7 +342,52 @@ class Fleet:
             time.sleep(0.3)
         raise SystemExit("pagefleet up: the gateway did not see every model in time")
 
+    def offer_scaling_to_zero(self) -> None:
+        """Tell the routers which models may have no replica (they hold those requests)."""
+        import redis
+
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(self.redis_url, socket_timeout=1.0)
+        for model in self.spec.models:
+            if model.scales_to_zero:
+                self._redis.set(scalable_key(model.name), "{}")
+                self._stopped_at.setdefault(model.name, time.time())
+            else:
+                self._redis.delete(scalable_key(model.name))
+
+    def scale_on_demand(self) -> None:
+        """Start the replicas of a model scaled to zero that was asked for since they
+        stopped; stop those of one idle for its `idle_seconds`."""
+        import redis
+
+        if self._redis is None:
+            return
+        for model in self.spec.models:
+            if not model.scales_to_zero:
+                continue
+            try:
+                asked = read_demand(self._redis.get(demand_key(model.name)))
+            except redis.RedisError:
+                return  # Redis restarting: decide next time
+            running = [r for r in self.replicas if r.model.name == model.name and r.model.role == model.role]
+            if not running and asked is not None and asked > self._stopped_at.get(model.name, 0.0):
+                _say(f"{model.name} asked for: starting {model.replicas} replica(s)")
+                for index in range(model.replicas):
+                    self.start_engine(model, index)
+            elif running and (asked is None or time.time() - asked > model.idle_seconds):
+                _say(f"{model.name} idle for {model.idle_seconds:g} s: stopping its replicas")
+                self._stopped_at[model.name] = time.time()
+                for replica in running:
+                    self.retire(replica)
+
     def stop(self) -> None:
+        if self._redis is not None:
+            for model in self.spec.models:
+                if model.scales_to_zero:
+                    try:
+                        self._redis.delete(scalable_key(model.name))
+                    except Exception:  # Redis may be gone already; it is stopped below anyway
+                        pass
         processes = [child.process for child in self.children]
         for process in reversed(processes):
             if process.poll() is None:
@@ -396,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
         _say(f"redis on {fleet.redis_url} (logs in {spec.log_dir}/)")
         fleet.start_gateway()
         for model in spec.models:
-            for index in range(model.replicas):
+            for index in range(0 if model.scales_to_zero else model.replicas):
                 replica = fleet.start_engine(model, index)
                 if len(fleet.replicas) == 1:  # the first converts and caches shared weights for the rest
                     _say(f"loading {model.name} (the first start converts its weights once, ~30 s)")
@@ -405,7 +471,8 @@ def run(args: argparse.Namespace) -> int:
             fleet.wait_healthy(replica.url, deadline)
             _say(f"{replica.replica_id} ready at {replica.url}")
         fleet.wait_healthy(fleet.gateway_url, deadline)
-        fleet.wait_models({m.name for m in spec.models}, deadline)
+        fleet.offer_scaling_to_zero()
+        fleet.wait_models({m.name for m in spec.models}, deadline)  # those scaled to zero too
         first = spec.models[0].name
         _say(f"fleet ready in {time.monotonic() - started:.0f} s: gateway at {fleet.gateway_url}")
         _say(f"dashboard: {fleet.gateway_url}/dashboard")
@@ -421,10 +488,11 @@ def run(args: argparse.Namespace) -> int:
         seen = _mtime(path)
         while True:
             fleet.supervise()
+            fleet.scale_on_demand()
             if rollouts:
                 rollouts.clear()
                 _say("rollout: replacing every engine replica, one by one")
-                fleet.roll(None, args.timeout)
+                fleet.roll(args.timeout)
             if (changed := _mtime(path)) != seen:
                 seen = changed
                 _say(f"{path} changed: applying it")

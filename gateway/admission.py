@@ -4,12 +4,15 @@ The gateway and the picker both ask it; each refusal is counted and carries its 
 
 from __future__ import annotations
 
+import asyncio
+
 from pagefleet.gateway import errors
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.limits import RateLimiter
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.shape import RequestShape, describe
+from pagefleet.protocol.demand import DemandSignal
 
 
 def bearer_key(authorization: str) -> str | None:
@@ -18,10 +21,25 @@ def bearer_key(authorization: str) -> str | None:
 
 
 class Admission:
+    """Args:
+    demand: says in Redis that a model scaled to zero is asked for (protocol/demand.py).
+    hold_timeout, hold_max_requests: how long, and how many requests, a model scaled to
+        zero holds while a replica starts.
+    """
+
     def __init__(
-        self, api_keys: set[str], registry: ReplicaRegistry, limiter: RateLimiter, metrics: GatewayMetrics
+        self,
+        api_keys: set[str],
+        registry: ReplicaRegistry,
+        limiter: RateLimiter,
+        metrics: GatewayMetrics,
+        demand: DemandSignal,
+        hold_timeout: float,
+        hold_max_requests: int,
     ) -> None:
         self.api_keys, self.registry, self.limiter, self.metrics = api_keys, registry, limiter, metrics
+        self.demand, self.hold_timeout, self.hold_max_requests = demand, hold_timeout, hold_max_requests
+        self._held: dict[str, int] = {}  # model -> requests held for it now
 
     def authorize(self, authorization: str) -> str | None:
         """The caller's API key; raises a Refusal (401) when keys are required and this is
@@ -51,4 +69,27 @@ class Admission:
             if not verdict.allowed:
                 self.metrics.rate_limited.labels(shape.model).inc()
                 raise errors.rate_limited(shape.model, verdict.reason, verdict.retry_after)
+        if shape.model in self.registry.scalable:
+            await self.demand.note(shape.model)  # keeps it from being stopped as idle
+            if self.registry.is_scaled_to_zero(shape.model):
+                await self._hold(shape.model)
         return shape
+
+    async def _hold(self, model: str) -> None:
+        """Wait while a replica of `model` starts (the demand signal asks for one)."""
+        held = self._held.get(model, 0)
+        if held >= self.hold_max_requests:
+            raise errors.hold_full(model, self.hold_max_requests)
+        self._held[model] = held + 1
+        self.metrics.held_requests.labels(model).inc()
+        try:
+            deadline = asyncio.get_running_loop().time() + self.hold_timeout
+            while not self.registry.by_model.get(model):
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    raise errors.not_started(model, self.hold_timeout)
+                await self.demand.note(model)  # once a second: it may have been stopped meanwhile
+                await self.registry.until_served(model, min(remaining, 1.0))
+        finally:
+            self._held[model] -= 1
+            self.metrics.held_requests.labels(model).dec()

@@ -18,6 +18,7 @@ from pagefleet.gateway.prompt_hashes import PromptHashers
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import PrefixRouting, Router
 from pagefleet.gateway.settings import RoutingSettings
+from pagefleet.protocol.demand import DemandSignal
 from pagefleet.protocol.response_store import RedisResponseStore
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,16 @@ class RoutingCore:
             settings.forget_model_after_s,
         )
         limiter = RateLimiter(self.client, settings.requests_per_minute, settings.tokens_per_minute)
-        self.admission = Admission(settings.keys(), self.registry, limiter, metrics)
+        demand = DemandSignal(self.client)
+        self.admission = Admission(
+            settings.keys(),
+            self.registry,
+            limiter,
+            metrics,
+            demand,
+            settings.hold_timeout_s,
+            settings.hold_max_requests,
+        )
         self.prefix_index = PrefixIndex(self.client, self.registry)
         self.responses = RedisResponseStore(self.client)  # read to route a follow-up to its conversation
         self.hashers = PromptHashers(on_ready=lambda model: metrics.prefix_routing_ready.labels(model).set(1))

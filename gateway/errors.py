@@ -64,3 +64,13 @@ def rate_limited(model: str, reason: str, retry_after: int) -> Refusal:
 def no_replica(model: str) -> Refusal:
     message = f"No replica of `{model}` could take the request; retry shortly."
     return Refusal(503, message, "no_replica", headers={"Retry-After": "1"}, model=model)
+
+
+def hold_full(model: str, limit: int) -> Refusal:
+    message = f"`{model}` is starting from zero replicas and {limit} requests already wait for it; retry shortly."
+    return Refusal(503, message, "hold_full", headers={"Retry-After": "5"}, model=model)
+
+
+def not_started(model: str, seconds: float) -> Refusal:
+    message = f"No replica of `{model}` started within {seconds:g} s of asking for one; retry shortly."
+    return Refusal(503, message, "not_started", headers={"Retry-After": "10"}, model=model)

@@ -58,6 +58,10 @@ class GatewayMetrics:
         self.rate_limited = Counter(
             f"{namespace}:rate_limited", "Requests refused by a rate limit.", ["model"], registry=self.registry
         )
+        self.held_requests = Gauge(
+            f"{namespace}:held_requests", "Requests waiting for a replica of a model scaled to zero to start.",
+            ["model"], registry=self.registry,
+        )  # fmt: skip
         self.upstream_latency = Histogram(
             f"{namespace}:upstream_first_byte_seconds", "Time until the replica's response starts.",
             ["model", "replica"], registry=self.registry, buckets=_BUCKETS,

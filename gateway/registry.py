@@ -6,6 +6,9 @@ last good view is kept for `grace` seconds, then the registry reports itself una
 A model whose replicas all went away stays known for `forget_after` seconds (its requests
 get 503 "retry shortly", not 404 "no such model", while it restarts), then is forgotten.
 
+A model that may scale to zero (`pagefleet:scalable:<model>`, protocol/demand.py) is known
+with no replica at all: its requests wait in `until_served` until one publishes.
+
 LoRA adapters are models too: a request names one in `model`, and its candidates are the
 replicas whose records list it. The catalog (`pagefleet:lora:<base model>`: adapter ->
 path, written by the replicas that loaded one) says where an adapter no replica serves now
@@ -22,6 +25,7 @@ import redis.asyncio as redis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from pagefleet.protocol.demand import SCALABLE_PREFIX
 from pagefleet.protocol.replica import CATALOG_PREFIX, ReplicaRecord, model_pattern
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,8 @@ class ReplicaRegistry:
         self.last_refresh: float | None = None  # monotonic time of the last good refresh
         self._excluded: dict[str, float] = {}  # replica url -> monotonic time it may be used again
         self._redis_down = False
+        self.scalable: set[str] = set()  # models that may have no replica (scaled to zero)
+        self._served: dict[str, asyncio.Event] = {}  # model -> set once a replica of it publishes
 
     async def refresh(self) -> None:
         keys = [key async for key in self.client.scan_iter(match=model_pattern(), count=1000)]
@@ -63,6 +69,12 @@ class ReplicaRegistry:
                     by_adapter.setdefault(adapter, []).append(record)
         self.by_model, self.by_adapter = by_model, by_adapter
         self.catalog = await self._read_catalog()
+        self.scalable = {
+            (key.decode() if isinstance(key, bytes) else key).removeprefix(SCALABLE_PREFIX)
+            async for key in self.client.scan_iter(match=f"{SCALABLE_PREFIX}*", count=1000)
+        }
+        for model in [m for m in self._served if by_model.get(m)]:
+            self._served.pop(model).set()  # the held requests go, in the order they came
         self.last_refresh = time.monotonic()
         self._last_seen.update(dict.fromkeys(by_model, self.last_refresh))
         forgotten = [m for m, seen in self._last_seen.items() if self.last_refresh - seen > self.forget_after]
@@ -98,8 +110,9 @@ class ReplicaRegistry:
         return self.last_refresh is not None and time.monotonic() - self.last_refresh <= self.grace
 
     def models(self) -> list[str]:
-        """The base models and the adapters served now."""
-        return sorted(model for model, records in (self.by_model | self.by_adapter).items() if records)
+        """The base models and the adapters served now, and the models scaled to zero."""
+        served = {model for model, records in (self.by_model | self.by_adapter).items() if records}
+        return sorted(served | self.scalable)
 
     def parent(self, model: str) -> str | None:
         """The base model of an adapter (None for a base model)."""
@@ -126,9 +139,30 @@ class ReplicaRegistry:
                     self.by_adapter.setdefault(adapter, []).append(record)
 
     def is_known(self, model: str) -> bool:
-        """Served now, or lately enough that it is likely coming back; or an adapter served
-        now or in the catalog."""
-        return model in self._last_seen or bool(self.by_adapter.get(model)) or model in self.catalog
+        """Served now, or lately enough that it is likely coming back; one that may scale to
+        zero; or an adapter served now or in the catalog."""
+        return (
+            model in self._last_seen
+            or model in self.scalable
+            or bool(self.by_adapter.get(model))
+            or model in self.catalog
+        )
+
+    def is_scaled_to_zero(self, model: str) -> bool:
+        """A model that may scale to zero and has no live replica now."""
+        return model in self.scalable and not self.by_model.get(model)
+
+    async def until_served(self, model: str, timeout: float) -> bool:
+        """Wait until a replica of `model` publishes (callers resume in the order they
+        came); False after `timeout` seconds."""
+        if self.by_model.get(model):
+            return True
+        served = self._served.setdefault(model, asyncio.Event())
+        try:
+            await asyncio.wait_for(served.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def candidates(self, model: str, skip: set[str] = frozenset()) -> list[ReplicaRecord]:  # type: ignore[assignment]
         now = time.monotonic()

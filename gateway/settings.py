@@ -40,6 +40,12 @@ class RoutingSettings(BaseSettings):
     record_ttl_s: float = seconds(RECORD_TTL_S, "a replica's record lives unless refreshed")
     redis_grace_s: float = seconds(30.0, "to keep routing on the last registry without Redis")
     forget_model_after_s: float = seconds(600.0, "a model with no live replica stays known (503 retry, not 404)")
+    hold_timeout_s: float = seconds(
+        300.0, "a request for a model scaled to zero is held while a replica starts (then 503 with Retry-After)"
+    )
+    hold_max_requests: int = Field(
+        256, ge=0, description="requests held at most per model scaled to zero; more get 503 at once"
+    )
     saturation_s: float = Field(
         1.0,
         gt=0,

@@ -5,6 +5,11 @@
     wanted = current                          if |utilization / target - 1| <= 10 % and none wait
     wanted = clamp(wanted, minReplicas, maxReplicas)
 
+With `minReplicas: 0` the model also scales to zero and back, on the demand the routers
+write in Redis (protocol/demand.py): no request for `idleSeconds` takes every replica away;
+a request since then (the gateway holds it) brings one back at once. The KV rules above
+never go below one replica by themselves.
+
 Like the Horizontal Pod Autoscaler, recommendations are remembered for the stabilization
 windows: a scale-up takes the lowest recommendation of the scale-up window (0 s: at once),
 a scale-down the highest of the scale-down window, and only once the operator has watched
@@ -40,6 +45,8 @@ class ScaleHistory:
     started_s: float
     recommendations: list[tuple[float, int]] = field(default_factory=list)
     last_reason: str = ""  # events are posted when the reason changes, not every period
+    stopped_at: float | None = None  # Unix time it was scaled to zero (None: watched since `started_at`)
+    started_at: float = 0.0  # Unix time the operator started watching it
 
     def remember(self, now_s: float, replicas: int, keep_s: float) -> None:
         self.recommendations.append((now_s, replicas))
@@ -69,16 +76,46 @@ def recommend(current: int, kv: KVSummary, policy: Autoscaling, prefill: bool = 
     else:
         wanted = math.ceil(kv.reporting_replicas * ratio)
         why = f"mean KV utilization {kv.mean_utilization:.0%} against a target of {target:.0%}"
-    bounded = min(max(wanted, policy.min_replicas), policy.max_replicas)
+    floor = max(1, policy.min_replicas)  # to zero only when idle (`from_demand`)
+    bounded = min(max(wanted, floor), policy.max_replicas)
     if bounded != wanted:
-        why += f" (wanted {wanted}, bounded to {policy.min_replicas}..{policy.max_replicas})"
+        why += f" (wanted {wanted}, bounded to {floor}..{policy.max_replicas})"
     return bounded, why
 
 
+def from_demand(
+    current: int, policy: Autoscaling, history: ScaleHistory, last_request: float | None, wall_now: float
+) -> Decision | None:
+    """A model that may scale to zero: to zero when idle, back to one when asked for since;
+    None when the KV rules decide. `last_request` and `wall_now` are Unix times."""
+    if current == 0:
+        stopped = history.stopped_at if history.stopped_at is not None else history.started_at
+        if last_request is not None and last_request > stopped:
+            return Decision(1, "ScaledUpFromZero", "a request came for a model with no replica")
+        return Decision(0, "Idle", "no request since its replicas stopped")
+    idle = wall_now - max(last_request or 0.0, history.started_at)
+    if idle > policy.idle_seconds:
+        history.stopped_at = wall_now
+        return Decision(0, "ScaledToZero", f"no request for {idle:.0f} s (idleSeconds {policy.idle_seconds})")
+    return None
+
+
 def decide(
-    current: int, kv: KVSummary, policy: Autoscaling, history: ScaleHistory, now_s: float, prefill: bool = False
+    current: int,
+    kv: KVSummary,
+    policy: Autoscaling,
+    history: ScaleHistory,
+    now_s: float,
+    prefill: bool = False,
+    last_request: float | None = None,
+    wall_now: float = 0.0,
 ) -> Decision:
-    """The next replica count for a resource (or pool) with `current` replicas."""
+    """The next replica count for a resource (or pool) with `current` replicas; with
+    minReplicas 0, `last_request` and `wall_now` (Unix times) decide about zero first."""
+    if policy.min_replicas == 0:
+        demand = from_demand(current, policy, history, last_request, wall_now)
+        if demand is not None:
+            return demand
     if not policy.min_replicas <= current <= policy.max_replicas:
         bounded = min(max(current, policy.min_replicas), policy.max_replicas)
         reason = "ScaledUp" if bounded > current else "ScaledDown"

@@ -32,13 +32,14 @@ from redis.exceptions import RedisError
 
 from pagefleet.operator.autoscale import ScaleHistory, decide
 from pagefleet.operator.kube import INFERENCE_DEPLOYMENTS, ApiError, KubeApi
-from pagefleet.operator.manifests import GROUP, PLURAL, VERSION, Owner
+from pagefleet.operator.manifests import GROUP, PLURAL, VERSION, Owner, served_model_name
 from pagefleet.operator.metrics import OperatorMetrics
 from pagefleet.operator.reconcile import Outcome, Runtime, reconcile
 from pagefleet.operator.replicas import remove_records
 from pagefleet.operator.settings import OperatorSettings
 from pagefleet.operator.spec import InferenceDeploymentSpec
 from pagefleet.operator.status import now_text
+from pagefleet.protocol.demand import demand_key, read_demand, scalable_key
 
 FINALIZER = "pagefleet.io/finalizer"
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -134,6 +135,7 @@ async def deleted(
     model = spec.get("servedModelName") or name
     try:
         removed = await remove_records(runtime.redis, model)
+        await runtime.redis.delete(scalable_key(model))
     except (RedisError, OSError) as error:
         message = f"cannot reach Redis to remove {model}'s records: {error}"
         raise kopf.TemporaryError(message, delay=_backoff(retry)) from error
@@ -199,9 +201,25 @@ async def _autoscale(
     runtime, metrics, owner = shared.runtime, shared.metrics, Owner.of(body)
     now = time.monotonic()
     key = owner.key + (f"/{role}" if role else "")
-    history = runtime.histories.setdefault(key, ScaleHistory(started_s=now))
+    history = runtime.histories.setdefault(key, ScaleHistory(started_s=now, started_at=time.time()))
     current = spec.replicas
-    decision = decide(current, kv, spec.autoscaling, history, now, prefill=role == "prefill")
+    last_request = None
+    if spec.autoscaling.min_replicas == 0:
+        try:
+            last_request = read_demand(await runtime.redis.get(demand_key(served_model_name(owner, spec))))
+        except (RedisError, OSError) as error:  # without the demand, nothing is scaled to or from zero
+            logger.warning("autoscaler: cannot read the demand from Redis (%s); not scaling", error)
+            return False
+    decision = decide(
+        current,
+        kv,
+        spec.autoscaling,
+        history,
+        now,
+        prefill=role == "prefill",
+        last_request=last_request,
+        now=time.time(),
+    )
     if decision.changes(current):
         metrics.scaling_events.labels(owner.namespace, owner.name, role or "", decision.reason).inc()
         if role is None:

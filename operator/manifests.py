@@ -213,11 +213,19 @@ def _probe(port: int, period: int, failures: int, path: str = "/health") -> dict
     }
 
 
+def _cache_volume(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """Converted weights (the root filesystem stays read-only): each pod's own emptyDir, or
+    `spec.modelCache`, shared, so that a model's second replica starts from the first's."""
+    cache = spec.model_cache
+    if cache is None:
+        return {"name": "cache", "emptyDir": {}}
+    if cache.claim_name is not None:
+        return {"name": "cache", "persistentVolumeClaim": {"claimName": cache.claim_name}}
+    return {"name": "cache", "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
+
+
 def _volumes(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes: list[dict[str, Any]] = [
-        {"name": "cache", "emptyDir": {}},  # converted weights; the root filesystem stays read-only
-        {"name": "tmp", "emptyDir": {}},
-    ]
+    volumes: list[dict[str, Any]] = [_cache_volume(spec), {"name": "tmp", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": _CACHE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
     source = spec.model.volume
     if source is not None:

@@ -22,6 +22,7 @@ from pagefleet.operator.kube import DEPLOYMENTS, KINDS_BY_API_KIND, ApiError, Ku
 from pagefleet.operator.replicas import KVSummary, read_records
 from pagefleet.operator.settings import OperatorSettings
 from pagefleet.operator.spec import ROLES, InferenceDeploymentSpec, InvalidSpec, parse_spec
+from pagefleet.protocol.demand import scalable_key
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ async def reconcile(runtime: Runtime, body: Any) -> Outcome:
     applied += await _delete_other_layouts(runtime.kube, owner, spec)
     name = manifests.served_model_name(owner, spec)
     try:
+        await _offer_scaling_to_zero(runtime.redis, name, spec)
         records = await read_records(runtime.redis, name)
     except (RedisError, OSError) as error:  # the objects are still applied; KV figures unknown
         logger.warning("cannot read the replicas of %s from Redis: %s", name, error)
@@ -148,6 +150,15 @@ async def reconcile(runtime: Runtime, body: Any) -> Outcome:
     if spec.lora_adapters or current_status.get("adapters"):
         wanted["adapters"] = served
     return Outcome(spec, applied, status.changed_fields(current_status, wanted), kv, pools=pools)
+
+
+async def _offer_scaling_to_zero(client: redis.Redis, model: str, spec: InferenceDeploymentSpec) -> None:
+    """Tell the routers whether the model may have no replica (they then hold its requests
+    while one starts, instead of answering 404): autoscaling with minReplicas 0."""
+    if spec.autoscaling.enabled and spec.autoscaling.min_replicas == 0:
+        await client.set(scalable_key(model), "{}")
+    else:
+        await client.delete(scalable_key(model))
 
 
 async def _delete_other_layouts(kube: KubeApi, owner: manifests.Owner, spec: InferenceDeploymentSpec) -> list[str]:

@@ -55,6 +55,17 @@ class ModelSource(_Spec):
         return f"{MODELS_MOUNT}/{location.lstrip('/')}" if self.volume is not None else location
 
 
+class ModelCache(_Spec):
+    claim_name: str | None = Field(None, min_length=1)
+    host_path: str | None = Field(None, pattern=r"^/")
+
+    @model_validator(mode="after")
+    def _one_place(self) -> ModelCache:
+        if (self.claim_name is None) == (self.host_path is None):
+            raise ValueError("set exactly one of modelCache.claimName and modelCache.hostPath")
+        return self
+
+
 Quantity = int | Annotated[str, StringConstraints(pattern=_QUANTITY_TEXT)]
 """A Kubernetes quantity: 500m, 2, 4Gi."""
 
@@ -102,6 +113,8 @@ class Autoscaling(_Spec):
     scale_down_stabilization_window_seconds: int = Field(300, ge=0, le=3600)
     # A prefill pool scales on this instead: queued prompt tokens per replica it aims at.
     target_waiting_prompt_tokens: int = Field(4096, ge=1, le=10_000_000)
+    # With minReplicas 0: no request for this long stops every replica (protocol/demand.py).
+    idle_seconds: int = Field(300, ge=1, le=86400)
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
@@ -182,6 +195,7 @@ class Disaggregation(_Spec):
 
 class InferenceDeploymentSpec(_Spec):
     model: ModelSource
+    model_cache: ModelCache | None = None
     served_model_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
     image: str | None = Field(None, min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"

@@ -2,11 +2,14 @@
 
 Dequantizing SmolLM2's GGUF takes ~30 s; the cached safetensors load in about a second.
 The cache key covers the file's path, size and modification time, so a new file is
-converted again.
+converted again. The cache may be shared by the replicas of a model (a volume every pod
+mounts: the operator's `spec.modelCache`; the processes of `pagefleet up`): a lock file
+makes one of them convert while the others wait, then load what it wrote.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -35,7 +38,15 @@ def converted_dir(gguf_path: Path) -> Path:
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
     if (target / _DONE_MARKER).exists():
         return target
-    _convert(gguf_path, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes or the process dies
+        except BlockingIOError:
+            logger.info("another process is converting %s; waiting for it", gguf_path.name)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / _DONE_MARKER).exists():  # another process may have converted it meanwhile
+            _convert(gguf_path, target)
     return target
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -263,6 +264,40 @@ def test_a_rollout_and_a_scale_down_under_load_lose_no_request(slow_llama: Path,
         assert len(_children(up.pid)) == 3, "redis, the gateway and one engine"
         listed = httpx.get(f"{gateway}/v1/models").json()["data"]
         assert [m["replicas"] for m in listed if m["id"] == "slow"] == [1]
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_a_model_with_min_replicas_0_starts_on_its_first_requests_and_stops_when_idle(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    engine = '["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "8"]'
+    up, gateway = _start_up(
+        tmp_path, [f"{{name: lazy, model: {tiny_llama}, min_replicas: 0, idle_seconds: 3, flags: {engine}}}"]
+    )
+    try:
+        lines = _Lines(up)
+        lines.wait_for("fleet ready", timeout=240)
+        assert len(_children(up.pid)) == 2, "redis and the gateway: no engine yet"
+        body = {"model": "lazy", "prompt": "hi", "max_tokens": 3}
+
+        def ask(_: int) -> httpx.Response:
+            return httpx.post(f"{gateway}/v1/completions", json=body, timeout=120)
+
+        # Requests that come while nothing runs are held, then served: none fails.
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+        assert [a.status_code for a in answers] == [200] * 8
+        assert all(a.json()["usage"]["completion_tokens"] == 3 for a in answers)
+        lines.wait_for("lazy asked for: starting 1 replica(s)", timeout=5)
+        lines.wait_for("lazy idle for 3 s: stopping its replicas", timeout=30)
+        lines.wait_for("lazy-0 drained and stopped (code 0)", timeout=30)
+        assert len(_children(up.pid)) == 2
+        # And back: the next request starts it again.
+        assert ask(0).status_code == 200
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import torch
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.errors import ModelNotFoundError, UnsupportedModelError
-from pagefleet.engine.loader import builtins
+from pagefleet.engine.loader import builtins, gguf_cache
 from pagefleet.engine.worker.model_runner import kv_bytes_per_block
 from tests.engine.helpers import assert_no_block_leaked
 
@@ -46,3 +48,33 @@ def test_bfloat16_runs_and_frees_everything(tiny_llama: Path) -> None:
     assert len(output.outputs[0].token_ids) == 12
     assert llm.engine.parts.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert_no_block_leaked(llm)
+
+
+def _convert_slowly(gguf_path: Path, target: Path) -> None:
+    """A conversion that takes a while and notes that it ran (the real one takes ~30 s)."""
+    import time
+
+    with open(target.parent / "conversions.log", "a") as log:
+        log.write(f"{os.getpid()}\n")
+    time.sleep(1.0)
+    target.mkdir()
+    (target / gguf_cache._DONE_MARKER).write_text(str(gguf_path))
+
+
+def _open_cached(gguf_path: Path, cache: Path) -> str:
+    os.environ["PAGEFLEET_CACHE_DIR"] = str(cache)
+    gguf_cache._convert = _convert_slowly  # type: ignore[assignment]
+    return str(gguf_cache.converted_dir(gguf_path))
+
+
+def test_replicas_sharing_a_model_cache_convert_a_gguf_file_once(tmp_path: Path) -> None:
+    """Three processes start on one cache at once: one converts, the others wait for it and
+    use what it wrote (the operator's `spec.modelCache`, the replicas of `pagefleet up`)."""
+    gguf_path = tmp_path / "model.gguf"
+    gguf_path.write_bytes(b"GGUF")
+    cache = tmp_path / "cache"
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        targets = pool.starmap(_open_cached, [(gguf_path, cache)] * 3)
+    assert len(set(targets)) == 1
+    (log,) = list(cache.glob("gguf/conversions.log"))
+    assert len(log.read_text().split()) == 1, "converted more than once"

@@ -26,6 +26,7 @@ from pagefleet.gateway.routing import LeastRequestsPolicy, PrefixPolicy, RoundRo
 from pagefleet.gateway.settings import PickerSettings
 from pagefleet.gateway.shape import RequestShape, describe
 from pagefleet.gateway.upstream import UpstreamError, UpstreamPool
+from pagefleet.protocol.demand import DemandSignal, demand_key, read_demand, scalable_key
 from pagefleet.protocol.replica import ReplicaRecord, record_key
 from tests.processes import RedisProcess
 
@@ -248,7 +249,9 @@ def test_admission_refuses_with_the_right_status_and_counts_each_refusal(redis_s
         await client.set(record_key("m", "a"), _replica("a", 10, reported=time.time()).model_dump_json())
         registry = ReplicaRegistry(client, 0.1, 60, 30)
         metrics = GatewayMetrics()
-        admission = Admission({"good-key"}, registry, RateLimiter(client, 1, 0), metrics)
+        admission = Admission(
+            {"good-key"}, registry, RateLimiter(client, 1, 0), metrics, DemandSignal(client), 300, 256
+        )
         body = json.dumps({"model": "m", "prompt": "hi"}).encode()
         statuses = []
         for authorization, payload in [
@@ -416,3 +419,52 @@ def test_metrics_on_their_own_port_keep_their_names_whatever_format_the_scraper_
             assert 'pagefleet_picker:requests_total{model="m",replica="r1",status="200"} 1.0' in answer.text
     finally:
         server.close()
+
+
+def test_a_model_scaled_to_zero_holds_its_requests_until_a_replica_publishes(redis_server: RedisProcess) -> None:
+    """Known with no replica (`pagefleet:scalable:<model>`): requests wait, ask for a replica
+    in Redis, and go in the order they came once one publishes; past the bounds, 503s."""
+
+    async def scenario() -> None:
+        client = aioredis.from_url(redis_server.url)
+        await client.flushdb()
+        await client.set(scalable_key("idle"), "{}")
+        registry = ReplicaRegistry(client, 0.1, 60, 30)
+        await registry.refresh()
+        limiter, metrics = RateLimiter(client, 0, 0), GatewayMetrics()
+        admission = Admission(
+            set(), registry, limiter, metrics, DemandSignal(client), hold_timeout=5, hold_max_requests=3
+        )
+        body = json.dumps({"model": "idle", "prompt": "hi"}).encode()
+        order: list[int] = []
+
+        async def ask(index: int) -> None:
+            await admission.admit("", body, chat=False)
+            order.append(index)
+
+        held = []
+        for index in range(3):
+            held.append(asyncio.create_task(ask(index)))
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert not order and read_demand(await client.get(demand_key("idle"))) is not None
+        with pytest.raises(Refusal) as full:  # a fourth is one too many
+            await admission.admit("", body, chat=False)
+        assert full.value.status == 503 and full.value.headers["Retry-After"] == "5"
+        with pytest.raises(Refusal) as unknown:  # nothing is held for a model nobody runs
+            await admission.admit("", json.dumps({"model": "nobody", "prompt": "hi"}).encode(), chat=False)
+        assert unknown.value.status == 404
+        record = _replica("a", 10, reported=time.time()).model_copy(update={"model": "idle"})
+        await client.set(record_key("idle", "a"), record.model_dump_json())
+        await registry.refresh()
+        await asyncio.gather(*held)
+        assert order == [0, 1, 2]
+        await client.delete(record_key("idle", "a"))
+        await registry.refresh()
+        admission.hold_timeout = 0.3
+        with pytest.raises(Refusal) as late:
+            await admission.admit("", body, chat=False)
+        assert late.value.status == 503 and "within 0.3 s" in late.value.message
+        await client.aclose()
+
+    asyncio.run(scenario())

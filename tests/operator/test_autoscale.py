@@ -63,3 +63,26 @@ def test_out_of_bounds_replicas_come_back_at_once_and_no_reports_change_nothing(
     assert decide(0, kv(0, 0.0), POLICY, history, now_s=0.0).replicas == 1
     decision = decide(3, KVSummary.of([]), POLICY, history, now_s=0.0)
     assert (decision.replicas, decision.reason) == (3, "NoReports")
+
+
+ZERO = Autoscaling(enabled=True, min_replicas=0, max_replicas=3, target_kv_utilization=0.5, idle_seconds=60)
+
+
+def test_an_idle_model_scales_to_zero_and_a_request_brings_one_back() -> None:
+    history = ScaleHistory(started_s=0.0, started_at=1000.0)
+    busy = kv(1, 0.5)
+    # Watched for less than idleSeconds with no request: the KV rules decide (never below one).
+    assert decide(1, kv(1, 0.0), ZERO, history, 0.0, last_request=None, wall_now=1050.0).replicas == 1
+    assert decide(1, busy, ZERO, history, 0.0, last_request=1030.0, wall_now=1080.0).replicas == 1
+    gone = decide(1, busy, ZERO, history, 0.0, last_request=1030.0, wall_now=1091.0)
+    assert (gone.replicas, gone.reason) == (0, "ScaledToZero")
+    # At zero: nothing asked since it stopped keeps it there; a request brings one back.
+    assert decide(0, kv(0, 0.0), ZERO, history, 0.0, last_request=1030.0, wall_now=1200.0).replicas == 0
+    back = decide(0, kv(0, 0.0), ZERO, history, 0.0, last_request=1201.0, wall_now=1202.0)
+    assert (back.replicas, back.reason) == (1, "ScaledUpFromZero")
+
+
+def test_with_min_replicas_above_zero_the_demand_changes_nothing() -> None:
+    history = ScaleHistory(started_s=0.0, started_at=0.0)
+    decision = decide(1, kv(1, 0.5), POLICY, history, 0.0, last_request=None, wall_now=1e9)
+    assert decision.replicas == 1

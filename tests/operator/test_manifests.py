@@ -98,6 +98,8 @@ def test_the_crd_passes_the_official_schema_and_every_example_passes_the_crd() -
         ({"loraAdapters": [{"name": "a", "source": {}}]}, "spec.loraAdapters.0.source"),
         ({"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}}, "spec"),
         ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "spec.rollout"),
+        ({"modelCache": {"claimName": "c", "hostPath": "/var/cache/models"}}, "spec.modelCache"),
+        ({"modelCache": {}}, "spec.modelCache"),
     ],
 )
 def test_cel_rules_hold_in_pydantic_where_the_json_schema_alone_lets_them_pass(
@@ -177,6 +179,32 @@ def test_the_rollout_reaches_the_strategy_the_drain_and_the_grace_period() -> No
     args = pod["containers"][0]["args"]
     assert args[args.index("--shutdown-timeout") + 1] == "120"
     assert pod["terminationGracePeriodSeconds"] == manifests.PRE_STOP_SECONDS + 120 + 10
+
+
+@pytest.mark.parametrize(
+    ("cache", "volume"),
+    [
+        (None, {"emptyDir": {}}),
+        ({"claimName": "models-cache"}, {"persistentVolumeClaim": {"claimName": "models-cache"}}),
+        (
+            {"hostPath": "/var/cache/pagefleet"},
+            {"hostPath": {"path": "/var/cache/pagefleet", "type": "DirectoryOrCreate"}},
+        ),
+    ],
+)
+def test_the_model_cache_is_the_pods_own_or_a_shared_volume(cache: dict[str, str] | None, volume: dict) -> None:
+    body: dict[str, Any] = {"model": {"builtin": "smollm2-135m-instruct"}}
+    if cache is not None:
+        body["modelCache"] = cache
+    deployment = manifests.deployment(OWNER, parse_spec(body), OperatorSettings())
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (cache_volume,) = [v for v in pod["volumes"] if v["name"] == "cache"]
+    assert cache_volume == {"name": "cache", **volume}
+    container = pod["containers"][0]
+    assert {"name": "cache", "mountPath": "/var/cache/pagefleet"} in container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PAGEFLEET_CACHE_DIR"] == "/var/cache/pagefleet"
 
 
 def test_a_disaggregated_spec_builds_one_deployment_per_pool_with_its_role() -> None:

@@ -12,6 +12,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagefleet.operator.settings import OperatorSettings
+from pagefleet.protocol.demand import demand_key, scalable_key
 from pagefleet.protocol.replica import ReplicaRecord, record_key
 from tests.operator.cluster import Cluster
 from tests.operator.conftest import NAMESPACE, Client, eventually
@@ -313,6 +314,27 @@ def test_low_pressure_scales_down_only_after_the_window_and_never_below_min(
     assert len(scaled) == 1 and scaled[0].startswith("4 -> 2 replicas")  # to minReplicas, not below
     wait_for_reconciles(cluster, "idle", 2, operator)
     assert replicas_after_report() == 2
+
+
+def test_an_idle_model_with_min_replicas_0_scales_to_zero_and_a_request_brings_it_back(
+    operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
+) -> None:
+    autoscaling = {"enabled": True, "minReplicas": 0, "maxReplicas": 2, "idleSeconds": 2}
+    client.create(resource("lazy", replicas=1, autoscaling=autoscaling))
+    # The routers learn that it may have no replica (they hold its requests, not 404).
+    eventually(lambda: redis_client.exists(scalable_key("lazy")))
+    publish(redis_client, "lazy", "lazy-a", free=50)
+    eventually(lambda: client.get("lazy")["spec"]["replicas"] == 0, timeout=2 + 4 * operator.reconcile_interval_s)
+    eventually(lambda: client.deployment("lazy")["spec"]["replicas"] == 0)
+    redis_client.delete(record_key("lazy", "lazy-a"))
+    wait_for_reconciles(cluster, "lazy", 2, operator)
+    assert client.get("lazy")["spec"]["replicas"] == 0, "nothing asked for it: it stays at zero"
+    redis_client.set(demand_key("lazy"), repr(time.time()))  # what a router holding a request writes
+    eventually(lambda: client.get("lazy")["spec"]["replicas"] == 1, timeout=3 * operator.reconcile_interval_s + 2)
+    reasons = [e.get("reason") for e in cluster.objects.values()]
+    assert "ScaledToZero" in reasons and "ScaledUpFromZero" in reasons
+    client.delete("lazy")
+    eventually(lambda: not redis_client.exists(scalable_key("lazy")))
 
 
 def publish_role(
