@@ -210,16 +210,8 @@ async def _autoscale(
         except (RedisError, OSError) as error:  # without the demand, nothing is scaled to or from zero
             logger.warning("autoscaler: cannot read the demand from Redis (%s); not scaling", error)
             return False
-    decision = decide(
-        current,
-        kv,
-        spec.autoscaling,
-        history,
-        now,
-        prefill=role == "prefill",
-        last_request=last_request,
-        now=time.time(),
-    )
+    prefill = role == "prefill"
+    decision = decide(current, kv, spec.autoscaling, history, now, prefill, last_request, wall_now=time.time())
     if decision.changes(current):
         metrics.scaling_events.labels(owner.namespace, owner.name, role or "", decision.reason).inc()
         if role is None:
