@@ -1,8 +1,9 @@
 """Per-token bookkeeping after sampling: append, logprobs, detokenize, stop checks, and
 building the `RequestOutput` a caller sees.
 
-The output processor is the one writer of a sequence's tokens, text, logprobs and stop
-state (finish and stop reasons), and of a request's prompt logprobs.
+The output processor is the one writer of a sequence's tokens, text, logprobs, stop state
+(finish and stop reasons) and what its DELTA outputs have sent, and of a request's prompt
+logprobs. Only the step's update (and an abort, through it) calls it.
 """
 
 from __future__ import annotations
