@@ -157,6 +157,7 @@ class Fleet:
         self.replicas: list[Replica] = []  # the engines serving (those retiring are not here)
         self._next_port = spec.first_engine_port
         self._stopped_at: dict[str, float] = {}  # model scaled to zero -> Unix time its replicas stopped
+        self._started_at: dict[str, float] = {}  # ... and when they were last started on demand
         self._redis: Any = None
         spec.log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -370,11 +371,15 @@ class Fleet:
             except redis.RedisError:
                 return  # Redis restarting: decide next time
             running = [r for r in self.replicas if r.model.name == model.name and r.model.role == model.role]
+            # Idle since the last request, or since the start: a replica that took longer to
+            # load than the idle period still gets a whole one to serve.
+            active = max(asked or 0.0, self._started_at.get(model.name, 0.0))
             if not running and asked is not None and asked > self._stopped_at.get(model.name, 0.0):
                 _say(f"{model.name} asked for: starting {model.replicas} replica(s)")
+                self._started_at[model.name] = time.time()
                 for index in range(model.replicas):
                     self.start_engine(model, index)
-            elif running and (asked is None or time.time() - asked > model.idle_seconds):
+            elif running and time.time() - active > model.idle_seconds:
                 _say(f"{model.name} idle for {model.idle_seconds:g} s: stopping its replicas")
                 self._stopped_at[model.name] = time.time()
                 for replica in running:

@@ -46,7 +46,7 @@ class ScaleHistory:
     recommendations: list[tuple[float, int]] = field(default_factory=list)
     last_reason: str = ""  # events are posted when the reason changes, not every period
     stopped_at: float | None = None  # Unix time it was scaled to zero (None: watched since `started_at`)
-    started_at: float = 0.0  # Unix time the operator started watching it
+    started_at: float = 0.0  # Unix time the operator started watching it, or last scaled it up from zero
 
     def remember(self, now_s: float, replicas: int, keep_s: float) -> None:
         self.recommendations.append((now_s, replicas))
@@ -91,6 +91,7 @@ def from_demand(
     if current == 0:
         stopped = history.stopped_at if history.stopped_at is not None else history.started_at
         if last_request is not None and last_request > stopped:
+            history.started_at = wall_now  # a replica that starts slowly still gets a whole idle period
             return Decision(1, "ScaledUpFromZero", "a request came for a model with no replica")
         return Decision(0, "Idle", "no request since its replicas stopped")
     idle = wall_now - max(last_request or 0.0, history.started_at)
