@@ -10,7 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -82,9 +84,11 @@ def _replica_record(gateway: str, replica_id: str) -> dict | None:
     return None
 
 
-def _start_up(tmp_path: Path, models: list[str]) -> tuple[subprocess.Popen[str], str]:
-    """`pagefleet up` with a fleet.yaml of `models` (YAML flow mappings) on free ports;
-    the process and the gateway's URL."""
+@contextmanager
+def _running_up(tmp_path: Path, models: list[str]) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`pagefleet up` with a fleet.yaml of `models` (YAML flow mappings) on free ports; the
+    process and the gateway's URL. If a test leaves it running (it failed), it is stopped as
+    a user stops it (Ctrl-C: it stops its children), and killed only if that hangs."""
     gateway_port = free_port()
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(
@@ -97,19 +101,26 @@ def _start_up(tmp_path: Path, models: list[str]) -> tuple[subprocess.Popen[str],
         stderr=subprocess.STDOUT,
         text=True,
     )
-    return up, f"http://127.0.0.1:{gateway_port}"
+    try:
+        yield up, f"http://127.0.0.1:{gateway_port}"
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                up.kill()
 
 
 def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
     engine = '["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "8"]'
-    up, gateway = _start_up(
+    with _running_up(
         tmp_path,
         [
             f"{{name: tiny, model: {tiny_llama}, replicas: 1, flags: {engine}}}",
             f"{{name: tiny-bf16, model: {tiny_llama}, replicas: 1, flags: {engine.replace('float32', 'bfloat16')}}}",
         ],
-    )
-    try:
+    ) as (up, gateway):
         lines = _Lines(up)
         lines.wait_for("fleet ready", timeout=240)
         models = {m["id"] for m in httpx.get(f"{gateway}/v1/models").json()["data"]}
@@ -142,23 +153,19 @@ def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Pat
         while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in children), "an orphan process outlived pagefleet up"
-    finally:
-        if up.poll() is None:
-            up.kill()
 
 
 def test_up_serves_a_model_declared_with_prefill_and_decode_roles_disaggregated(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     engine = '["--dtype", "float32", "--num-kv-blocks", "128"]'
-    up, gateway = _start_up(
+    with _running_up(
         tmp_path,
         [
             f"{{name: tiny-pd, model: {tiny_llama}, role: prefill, flags: {engine}}}",
             f"{{name: tiny-pd, model: {tiny_llama}, role: decode, flags: {engine}}}",
         ],
-    )
-    try:
+    ) as (up, gateway):
         lines = _Lines(up)
         lines.wait_for("fleet ready", timeout=240)
         body = {"model": "tiny-pd", "prompt": "the prompt's KV moves between replicas", "max_tokens": 4}
@@ -172,9 +179,6 @@ def test_up_serves_a_model_declared_with_prefill_and_decode_roles_disaggregated(
         assert answer.headers["x-pagefleet-replica"] == "tiny-pd-decode-0"
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
 
 
 class _SteadyLoad:
@@ -230,9 +234,8 @@ class _SteadyLoad:
 
 def test_a_rollout_and_a_scale_down_under_load_lose_no_request(slow_llama: Path, tmp_path: Path) -> None:
     engine = '["--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "8"]'
-    up, gateway = _start_up(tmp_path, [f"{{name: slow, model: {slow_llama}, replicas: 2, flags: {engine}}}"])
     fleet = tmp_path / "fleet.yaml"
-    try:
+    with _running_up(tmp_path, [f"{{name: slow, model: {slow_llama}, replicas: 2, flags: {engine}}}"]) as (up, gateway):
         lines = _Lines(up)
         lines.wait_for("fleet ready", timeout=240)
         with _SteadyLoad(gateway, "slow") as load:
@@ -266,19 +269,15 @@ def test_a_rollout_and_a_scale_down_under_load_lose_no_request(slow_llama: Path,
         assert [m["replicas"] for m in listed if m["id"] == "slow"] == [1]
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
 
 
 def test_a_model_with_min_replicas_0_starts_on_its_first_requests_and_stops_when_idle(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     engine = '["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "8"]'
-    up, gateway = _start_up(
+    with _running_up(
         tmp_path, [f"{{name: lazy, model: {tiny_llama}, min_replicas: 0, idle_seconds: 3, flags: {engine}}}"]
-    )
-    try:
+    ) as (up, gateway):
         lines = _Lines(up)
         lines.wait_for("fleet ready", timeout=240)
         assert len(_children(up.pid)) == 2, "redis and the gateway: no engine yet"
@@ -300,6 +299,3 @@ def test_a_model_with_min_replicas_0_starts_on_its_first_requests_and_stops_when
         assert ask(0).status_code == 200
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
