@@ -94,13 +94,19 @@ def test_each_of_n_samples_and_each_beam_follows_the_constraint(smollm2: LLM) ->
     assert [b.text in CHOICES for b in beams] == [True] * 3, [b.text for b in beams]
 
 
+@pytest.fixture(scope="module")
+def unpreempted(smollm2: LLM) -> tuple[list[str], list[str]]:
+    """Six constrained greedy questions and their answers with room for all at once."""
+    prompts = [smollm2.apply_chat_template(_ask(i)) for i in range(6)]
+    return prompts, [o.outputs[0].text for o in smollm2.generate(prompts, _person(temperature=0.0))]
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_the_constraint_survives_preemption(smollm2: LLM, preemption_mode: str) -> None:
+def test_the_constraint_survives_preemption(unpreempted: tuple[list[str], list[str]], preemption_mode: str) -> None:
     """A cache too small for every request at once: requests are preempted and resumed,
     their matchers keep their place, and greedy answers equal an unpreempted run's."""
-    prompts = [smollm2.apply_chat_template(_ask(i)) for i in range(6)]
+    prompts, expected = unpreempted
     params = _person(temperature=0.0)
-    expected = [o.outputs[0].text for o in smollm2.generate(prompts, params)]
     tight = LLM(
         "smollm2-135m-instruct", dtype="float32", num_kv_blocks=40, block_size=16, preemption_mode=preemption_mode
     )

@@ -60,7 +60,7 @@ class Fleet:
     logs: Path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fleet(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("fleet")
     with running_redis() as redis:
