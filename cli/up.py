@@ -78,6 +78,15 @@ class FleetSpec(BaseModel):
     first_engine_port: int = 8001
     gateway_flags: list[str] = Field(default_factory=list)
     log_dir: Path = Path(".fleet/logs")
+    kv_tier: bool = Field(default=True, description="the KV file tier: a model's replicas share full blocks")
+    kv_cache_dir: Path | None = Field(default=None, description="its directory (default: kv/ beside log_dir)")
+    kv_cache_dir_size_gib: float = Field(default=2.0, gt=0, description="the file tier's size limit per model")
+
+    def kv_dir(self, model: ModelSpec) -> Path | None:
+        """Where `model`'s replicas share their KV blocks: one directory per served name."""
+        if not self.kv_tier or "--kv-cache-dir" in model.flags:
+            return None
+        return (self.kv_cache_dir or self.log_dir.parent / "kv") / model.name
     models: list[ModelSpec] = Field(
         default_factory=lambda: [
             ModelSpec(
@@ -230,6 +239,9 @@ class Fleet:
         command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", model.model]
         command += ["--served-model-name", model.name, "--replica-id", name, "--host", self.spec.host]
         command += ["--port", str(port), "--redis-url", self.redis_url, "--role", model.role, *model.flags]
+        kv_dir = self.spec.kv_dir(model)
+        if kv_dir is not None:
+            command += ["--kv-cache-dir", str(kv_dir), "--kv-cache-dir-size-gib", str(self.spec.kv_cache_dir_size_gib)]
         replica = Replica(model, index, generation, f"http://{self.spec.host}:{port}", self.spawn(name, command))
         self.replicas.append(replica)
         return replica

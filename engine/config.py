@@ -65,6 +65,12 @@ class EngineConfig:
             Megatron-style; this process is rank 0 and starts the others (docs/engine.md).
         max_logprobs: the most `logprobs` and `prompt_logprobs` a request may ask for (as
             vLLM's, 20 by default); -1 for the whole vocabulary.
+        kv_cache_dir: a directory for the file tier of the KV cache, shared by a model's
+            replicas: full blocks are written there in the background and a prompt's
+            stored prefix is read back when that beats computing it (docs/kv-tiers.md).
+            None (default): no file tier.
+        kv_cache_dir_size_gib: the most the file tier's directory holds, in GiB (least
+            recently used blocks are evicted first).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -94,6 +100,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size_gib: float = 10.0
 
     def __post_init__(self) -> None:
         def fail(param: str, message: str) -> None:
@@ -109,6 +117,10 @@ class EngineConfig:
             fail("kv_cache_memory", f"must be > 0, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_dir_size_gib <= 0:
+            fail("kv_cache_dir_size_gib", f"must be > 0, got {self.kv_cache_dir_size_gib}")
+        if self.kv_cache_dir is not None and self.tensor_parallel_size > 1:
+            fail("kv_cache_dir", "the file tier serves one process's cache: not with tensor_parallel_size > 1")
         if self.max_logprobs < -1:
             fail("max_logprobs", f"must be >= 0, or -1 for the whole vocabulary; got {self.max_logprobs}")
         if self.max_num_seqs < 1:

@@ -78,7 +78,10 @@ class AffinityPolicy:
         self.metrics.predicted_cached_tokens.labels(shape.model).inc(cached_tokens)
         self.metrics.prefix_index_blocks.labels(base).set(self.index.num_blocks(base))
         cancel = functools.partial(self._cancel, sent)
-        return Route(decision.replica, cancel, blocks, fallbacks=decision.fallbacks, reason=decision.reason)
+        peer = decision.holder.url if decision.holder is not None else None
+        return Route(
+            decision.replica, cancel, blocks, fallbacks=decision.fallbacks, reason=decision.reason, kv_peer=peer
+        )
 
     def _hash(self, shape: RequestShape, candidates: list[ReplicaRecord]) -> tuple[int, list[int]]:
         """The prompt's length and block hashes; no hashes (and the shape's estimate) with a

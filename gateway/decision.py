@@ -96,6 +96,7 @@ class Decision:
     fallbacks: list[ReplicaRecord]  # every other candidate, best first
     reason: str  # one of REASONS
     cached_blocks: int  # predicted prefix-cache hit on the chosen replica
+    holder: ReplicaRecord | None = None  # "saturated": the prefix's holder, which the chosen replica may pull from
 
 
 def decide(
@@ -124,4 +125,5 @@ def decide(
             session = None
         chosen, reason = (session, "session") if session is not None else (by_load[0], "load")
     fallbacks = [c.replica for c in by_load if c is not chosen]
-    return Decision(chosen.replica, fallbacks, reason, chosen.cached_blocks)
+    peer = holder.replica if reason == "saturated" else None
+    return Decision(chosen.replica, fallbacks, reason, chosen.cached_blocks, peer)

@@ -40,6 +40,7 @@ from pagefleet.gateway.routing import Route, Router
 from pagefleet.gateway.shape import RequestShape
 from pagefleet.gateway.tracing import ProxyTracing
 from pagefleet.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from pagefleet.protocol.http import KV_PEER_HEADER
 from pagefleet.protocol.openai import error_response
 from pagefleet.protocol.tracing import TRACE_HEADERS
 
@@ -60,7 +61,7 @@ HOP_BY_HOP = frozenset(
         b"authorization",  # the gateway's key stays at the gateway
     }
 )
-_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
+_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id", KV_PEER_HEADER.encode()}  # the peer is the gateway's to name
 # The routes whose requests carry vLLM's kv_transfer_params; Anthropic's go whole to a replica.
 _DISAGGREGATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -156,6 +157,8 @@ class Proxy:
             tried.add(replica.url)
             started = time.monotonic()
             span, sent_headers = None, headers
+            if route.kv_peer is not None and route.kv_peer != replica.url:  # pull the prefix rather than compute it
+                sent_headers += b"%s: %s\r\n" % (KV_PEER_HEADER.encode(), route.kv_peer.encode("latin-1"))
             if self.tracing is not None:
                 span, trace_lines = self.tracing.call(path, replica, phase)
                 sent_headers = headers + trace_lines

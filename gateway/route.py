@@ -38,6 +38,7 @@ class Route:
     num_candidates: int = 0  # how many replicas it was chosen from (set by the Router)
     fallbacks: list[ReplicaRecord] = field(default_factory=list)  # the next best, for a proxy that retries
     reason: str = ""  # why this replica (the affinity policy: decision.REASONS)
+    kv_peer: str | None = None  # the URL of a replica caching the prompt's prefix, for the chosen one to pull from
 
 
 class RoutingPolicy(Protocol):

@@ -8,11 +8,19 @@ tests validate it against the official schemas.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from pagefleet.operator.settings import OperatorSettings
-from pagefleet.operator.spec import ADAPTERS_MOUNT, MODELS_MOUNT, ROLES, InferenceDeploymentSpec, LoRAAdapter
+from pagefleet.operator.spec import (
+    ADAPTERS_MOUNT,
+    MODELS_MOUNT,
+    ROLES,
+    InferenceDeploymentSpec,
+    KVCacheTier,
+    LoRAAdapter,
+)
 
 GROUP, VERSION, KIND, PLURAL = "pagefleet.io", "v1alpha1", "InferenceDeployment", "inferencedeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -21,6 +29,7 @@ MODEL_LABEL = "pagefleet.io/model"
 ROLE_LABEL = "pagefleet.io/role"  # prefill or decode, on a disaggregated model's pools
 MANAGED_BY = {"app.kubernetes.io/managed-by": "pagefleet-operator"}
 _CACHE_MOUNT = "/var/cache/pagefleet"
+KV_TIER_MOUNT = "/var/cache/pagefleet-kv"  # the KV file tier (spec.kvCache)
 _STARTUP_SECONDS = 900  # converting a GGUF model or loading a large one takes minutes
 
 
@@ -130,6 +139,8 @@ def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int, role: st
         args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     if role is not None:
         args += ["--role", role]
+    if spec.kv_cache is not None:
+        args += ["--kv-cache-dir", KV_TIER_MOUNT, "--kv-cache-dir-size-gib", f"{spec.kv_cache.size_gib:g}"]
     if spec.lora_adapters:
         args += ["--enable-lora", "--max-loras", str(engine.max_loras), "--max-lora-rank", str(engine.max_lora_rank)]
         for adapter in spec.lora_adapters:
@@ -224,9 +235,22 @@ def _cache_volume(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     return {"name": "cache", "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
 
 
+def _kv_tier_volume(tier: KVCacheTier) -> dict[str, Any]:
+    """The KV file tier's directory: shared through a claim or a node's path, else the pod's
+    own emptyDir (bounded a little above what the engine keeps it under)."""
+    if tier.claim_name is not None:
+        return {"name": "kv-tier", "persistentVolumeClaim": {"claimName": tier.claim_name}}
+    if tier.host_path is not None:
+        return {"name": "kv-tier", "hostPath": {"path": tier.host_path, "type": "DirectoryOrCreate"}}
+    return {"name": "kv-tier", "emptyDir": {"sizeLimit": f"{math.ceil(tier.size_gib * 1.1 * 1024)}Mi"}}
+
+
 def _volumes(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [_cache_volume(spec), {"name": "tmp", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": _CACHE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.kv_cache is not None:
+        volumes.append(_kv_tier_volume(spec.kv_cache))
+        mounts.append({"name": "kv-tier", "mountPath": KV_TIER_MOUNT})
     source = spec.model.volume
     if source is not None:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True}})

@@ -70,6 +70,29 @@ Quantity = int | Annotated[str, StringConstraints(pattern=_QUANTITY_TEXT)]
 """A Kubernetes quantity: 500m, 2, 4Gi."""
 
 
+class KVCacheTier(_Spec):
+    """The KV file tier (docs/kv-tiers.md): where a model's replicas share full KV blocks,
+    and how much it may hold. `claimName` (ReadWriteMany) shares it across nodes, `hostPath`
+    among the pods of a node; with neither, each pod has its own emptyDir (a restarted
+    container still finds its blocks)."""
+
+    size: Annotated[str, StringConstraints(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")] = "10Gi"
+    claim_name: str | None = Field(None, min_length=1)
+    host_path: str | None = Field(None, pattern=r"^/")
+
+    @model_validator(mode="after")
+    def _one_place(self) -> KVCacheTier:
+        if self.claim_name is not None and self.host_path is not None:
+            raise ValueError("set at most one of kvCache.claimName and kvCache.hostPath")
+        return self
+
+    @property
+    def size_gib(self) -> float:
+        match = _QUANTITY.match(self.size)
+        assert match is not None, "the field's pattern admits only quantities"
+        return float(match.group(1)) * _QUANTITY_SCALE[match.group(2)] / 2**30
+
+
 class Resources(_Spec):
     cpu: Quantity | None = None
     memory: Quantity | None = None
@@ -196,6 +219,7 @@ class Disaggregation(_Spec):
 class InferenceDeploymentSpec(_Spec):
     model: ModelSource
     model_cache: ModelCache | None = None
+    kv_cache: KVCacheTier | None = None
     served_model_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
     image: str | None = Field(None, min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"

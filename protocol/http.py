@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# From the gateway to a replica: the URL of another replica that caches the prompt's prefix
+# (the gateway routed away from it), to pull the prefix from rather than compute it. Only
+# the gateway sets it: it never forwards a client's.
+KV_PEER_HEADER = "x-pagefleet-kv-peer"
+
 
 def error_json(
     status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None

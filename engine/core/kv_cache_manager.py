@@ -32,6 +32,14 @@ class SequenceBlocks:
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
 
 
+class FullBlock(NamedTuple):
+    """A block a step made full and published: where it is, its chain hash, its tokens."""
+
+    block_id: int
+    block_hash: int
+    token_ids: tuple[int, ...]
+
+
 class SlotAllocation(NamedTuple):
     """What `KVCacheManager.allocate_slots` did for one sequence."""
 
@@ -112,6 +120,9 @@ class KVCacheManager:
         self._sequences: dict[int, SequenceBlocks] = {}  # by Sequence.seq_id
         self.stats = CacheStats()
         self.pending = PendingCopies()
+        # Blocks made full since the last `take_full_blocks`, kept only for a KV tier.
+        self.collect_full_blocks = False
+        self._full_blocks: list[FullBlock] = []
 
     # --- reading ------------------------------------------------------------------------
 
@@ -270,8 +281,16 @@ class KVCacheManager:
         num_full = min(record.num_computed_tokens // self.block_size, len(record.block_ids))
         self._extend_hashes(seq, record, num_full)
         for index in range(record.num_registered_blocks, num_full):
-            self.pool.register(record.block_ids[index], record.block_hashes[index], self._block_tokens(seq, index))
+            block = FullBlock(record.block_ids[index], record.block_hashes[index], self._block_tokens(seq, index))
+            self.pool.register(*block)
+            if self.collect_full_blocks:
+                self._full_blocks.append(block)
         record.num_registered_blocks = max(record.num_registered_blocks, num_full)
+
+    def take_full_blocks(self) -> list[FullBlock]:
+        """The blocks made full since the last call (with `collect_full_blocks` on)."""
+        taken, self._full_blocks = self._full_blocks, []
+        return taken
 
     def _extend_hashes(self, seq: Sequence, record: SequenceBlocks, num_blocks: int) -> None:
         if len(record.block_hashes) < num_blocks:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.core.kv_cache_manager import KVCacheManager, PendingCopies
 from pagefleet.engine.core.request import Request, RequestStatus, Sequence
+from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.sample.sampling_params import SamplingParams
 
@@ -176,6 +177,8 @@ class Scheduler:
                 request.sequences[0]
             )
             remote = request.remote_kv if starts_afresh else None
+            if remote is not None and remote.origin != "prefill" and not self._stored_prefix_is_longer(request, remote):
+                request.remote_kv = remote = None  # the local prefix cache has as much now
             if request.status == RequestStatus.SWAPPED:
                 if not self._try_swap_in(request):
                     self._release_adapter(request)
@@ -184,6 +187,8 @@ class Scheduler:
                 if not self.kv_cache.take_remote_prefix(request.sequences[0], remote):
                     self._release_adapter(request)
                     break
+                if remote.origin != "prefill":
+                    self._count_prefix(request, remote.num_tokens, local_hit_tokens=0)
             elif starts_afresh:
                 self._take_prefix_hits(request)
             scheduled = self._try_schedule_request(request, plan, budget)
@@ -223,12 +228,25 @@ class Scheduler:
         hits, cost = self.kv_cache.find_prefix_hits(seq, request.compute_target(seq))
         if hits and cost > self.kv_cache.num_free_blocks:
             hits = []
-        if not request.is_prefix_counted:  # count a request's prompt once, not per retry
-            request.is_prefix_counted = True
-            request.num_cached_tokens = len(hits) * self.kv_cache.block_size
-            self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
+        hit_tokens = len(hits) * self.kv_cache.block_size
+        self._count_prefix(request, hit_tokens, hit_tokens)
         if hits:
             self.kv_cache.take_cached_prefix(seq, hits)
+
+    def _count_prefix(self, request: Request, cached_tokens: int, local_hit_tokens: int) -> None:
+        """Count a request's prompt once, not per retry: `cached_tokens` came from any
+        tier, `local_hit_tokens` of them from this replica's prefix cache."""
+        if not request.is_prefix_counted:
+            request.is_prefix_counted = True
+            request.num_cached_tokens = cached_tokens
+            self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, local_hit_tokens)
+
+    def _stored_prefix_is_longer(self, request: Request, stored: RemoteKV) -> bool:
+        """Whether a prefix read while the request was prepared (file tier, peer) still
+        covers more than the local prefix cache does now."""
+        seq = request.sequences[0]
+        hits, _ = self.kv_cache.find_prefix_hits(seq, request.compute_target(seq))
+        return len(hits) * self.kv_cache.block_size < stored.num_tokens
 
     def _try_swap_in(self, request: Request) -> bool:
         needed = self.kv_cache.swap_in_cost(request) + len(request.active_sequences)

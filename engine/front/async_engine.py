@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import threading
@@ -73,7 +74,7 @@ class AsyncEngine:
         # Aborts handed over by callers that cannot wait (cancelled tasks); the engine
         # thread applies them before its next step. deque.append is thread-safe.
         self._pending_aborts: collections.deque[str] = collections.deque()
-        self._pin_updates: collections.deque[tuple[Callable[[str], Any], str]] = collections.deque()
+        self._releases: collections.deque[Callable[[], Any]] = collections.deque()  # pins and held blocks
         self._calls: collections.deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         # add_request runs here: off the event loop, and as a Future an abort can wait on.
         self._adder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagefleet-add")
@@ -236,7 +237,7 @@ class AsyncEngine:
         """Tokenize the prompt and its bad words, compile its structured-output constraint
         and read its adapter here, in an adder thread (a long prompt, a large schema or a
         new adapter must not stall the steps), then add it on the engine thread."""
-        prepared = self.engine.prepare_prompt(prompt, params)
+        prepared = self.engine.prepare_prompt(prompt, params, lora_request)
         params = self.engine.with_bad_words_tokenized(params)
         self.engine.compile_grammar(params)
         self.engine.add_lora(lora_request)
@@ -261,14 +262,35 @@ class AsyncEngine:
             raise
         return pinned.token_ids, blocks
 
+    def count_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> int:
+        """How many of the prompt's full blocks this replica has (a peek, any thread)."""
+        return self.engine.count_cached_prefix(hashes, token_ids)
+
+    async def read_cached_prefix(
+        self, hashes: list[int], token_ids: list[int]
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Copies of the KV of the longest prefix of `hashes` this replica caches (for a
+        peer's pull): its block count and each layer's keys and values. The blocks are held
+        only while they are copied, without stalling the steps."""
+        blocks = await asyncio.wrap_future(
+            self._on_engine_thread(self.engine.checkout_cached_prefix, hashes, token_ids)
+        )
+        if not blocks:
+            return 0, []
+        try:
+            return len(blocks), await asyncio.to_thread(self.engine.read_blocks, blocks)
+        finally:
+            self._releases.append(functools.partial(self.engine.release_blocks, blocks))
+            self._wake.set()
+
     def release_pinned(self, request_id: str) -> None:
         """Free a pulled prompt's blocks before the next step (from any thread, no wait)."""
-        self._pin_updates.append((self.engine.pins.release, request_id))
+        self._releases.append(functools.partial(self.engine.pins.release, request_id))
         self._wake.set()
 
     def checkin_pinned(self, request_id: str) -> None:
         """A pull that failed: keep the blocks pinned for another (from any thread, no wait)."""
-        self._pin_updates.append((self.engine.pins.checkin, request_id))
+        self._releases.append(functools.partial(self.engine.pins.checkin, request_id))
         self._wake.set()
 
     def _on_engine_thread(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -282,13 +304,17 @@ class AsyncEngine:
         return future
 
     def _run_loop(self) -> None:
+        writing = False
         while not self._stopping.is_set():
             self._wake.clear()  # before looking for work, so a wake-up is never lost
             self._apply_pending()
             if not self.engine.has_unfinished_requests() and self.engine.expire_pins():
                 self._stats = self.engine.stats()
             if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
+                if writing:  # the file tier's writer still holds blocks: free them as it finishes
+                    writing = self.engine.settle_kv_tier()
+                    self._stats = self.engine.stats()
+                self._wake.wait(timeout=0.01 if writing else 0.5)
                 continue
             try:
                 outputs = self.engine.step()
@@ -298,13 +324,14 @@ class AsyncEngine:
                 self._fail_all(error)
                 return
             self._deliver(outputs)
+            writing = self.engine.tier is not None
             for callback in self._step_callbacks:
                 callback(self.engine.last_step_tokens)
 
     def _apply_pending(self) -> None:
         """Apply what callers handed over: their calls in the order they came, then pin
         releases, then aborts."""
-        if not self._calls and not self._pending_aborts and not self._pin_updates:
+        if not self._calls and not self._pending_aborts and not self._releases:
             return
         while self._calls:
             future, function, args = self._calls.popleft()
@@ -313,9 +340,8 @@ class AsyncEngine:
                     future.set_result(function(*args))
                 except BaseException as error:  # the caller's error, raised where it waits
                     future.set_exception(error)
-        while self._pin_updates:
-            update, request_id = self._pin_updates.popleft()
-            update(request_id)
+        while self._releases:
+            self._releases.popleft()()
         while self._pending_aborts:
             request_id = self._pending_aborts.popleft()
             if self.engine.abort_request(request_id) is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, TypedDict
 
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.kv_transfer.params import RemoteKV
 
 
 class TextPrompt(TypedDict, total=False):
@@ -70,3 +71,4 @@ class PreparedPrompt:
     text: str | None  # the prompt's text, if it came as text
     token_ids: list[int]  # what the engine computes: tokenized, then truncated
     cache_salt: str | None
+    stored_kv: RemoteKV | None = None  # its longest prefix read from the file tier, if worth it

@@ -10,6 +10,7 @@ request_checks.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -28,13 +29,16 @@ from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.front.request_checks import RequestChecks
 from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.front.step_update import StepUpdate
+from pagefleet.engine.kv_tiers.cost import TierCost
+from pagefleet.engine.kv_tiers.file_store import FileStore
+from pagefleet.engine.kv_tiers.file_tier import FileTier
 from pagefleet.engine.kv_transfer.connector import KVConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.kv_transfer.pins import PinnedPrompt, PinnedPrompts
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.beam_search import BeamSearchState
 from pagefleet.engine.sample.sampling_params import SamplingParams
-from pagefleet.protocol.block_hash import chain_root
+from pagefleet.protocol.block_hash import block_hashes, chain_root
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,16 @@ class LLMEngine:
         # they reach this replica (the server's; without one, answers name no address).
         self.pins = PinnedPrompts(self.kv_cache.pool.free, config.kv_pin_timeout)
         self.update = StepUpdate(self.kv_cache, self.scheduler, self.outputs, self.pins, kv_connector)
+        self.tier = self._file_tier(config.kv_cache_dir, int(config.kv_cache_dir_size_gib * (1 << 30)))
+
+    def _file_tier(self, directory: str | None, max_bytes: int) -> FileTier | None:
+        if directory is None:
+            return None
+        self.kv_cache.collect_full_blocks = True
+        store = FileStore(directory, self.kv_layout(), max_bytes)
+        logger.info("kv file tier: %s (up to %d bytes)", directory, max_bytes)
+        counters = self.update.counters
+        return FileTier(store, self.kv_cache.pool, self.read_blocks, TierCost(lambda: counters.prefill_tokens_per_s))
 
     # --- requests -----------------------------------------------------------------------
 
@@ -123,10 +137,12 @@ class LLMEngine:
                 "stop", "this engine has no tokenizer (skip_tokenizer_init=True): use token ids"
             )
         checks = self.checks
-        prepared = prompt if isinstance(prompt, PreparedPrompt) else checks.prepare_prompt(prompt, params)
+        prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare_prompt(prompt, params, lora_request)
         text, token_ids, cache_salt = prepared.text, prepared.token_ids, prepared.cache_salt
         checks.validate_prompt(token_ids)
-        checks.check_kv_role(params, remote_kv, token_ids)
+        if remote_kv is None or remote_kv.origin == "prefill":
+            checks.check_kv_role(params, remote_kv, token_ids)
+        remote_kv = _longest_prefix(remote_kv, prepared.stored_kv, len(token_ids))
         self.add_lora(lora_request)
         params = checks.with_bad_words_tokenized(params)
         checks.check_token_constraints(params)
@@ -156,6 +172,8 @@ class LLMEngine:
         if request.remote_kv is None:
             hits, _ = self.kv_cache.find_prefix_hits(request.sequences[0], len(token_ids))
             request.num_expected_prefill_tokens = len(token_ids) - len(hits) * self.kv_cache.block_size
+        elif request.remote_kv.origin != "prefill":
+            request.num_expected_prefill_tokens = len(token_ids) - request.remote_kv.num_tokens
         self.outputs.start(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -184,9 +202,24 @@ class LLMEngine:
     def list_loras(self) -> list[str]:
         return self.lora.loaded() if self.lora is not None else []
 
-    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
-        """`prompt` tokenized and truncated as its request will compute it (any thread)."""
-        return self.checks.prepare_prompt(prompt, params)
+    def prepare_prompt(
+        self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> PreparedPrompt:
+        """`prompt` tokenized and truncated as its request will compute it, with its
+        longest prefix from the file tier if reading it beats computing it (any thread)."""
+        prepared = self.checks.prepare_prompt(prompt, params)
+        if (
+            self.tier is None
+            or params.prompt_logprobs is not None
+            or len(prepared.token_ids) <= self.kv_cache.block_size
+        ):
+            return prepared
+        size = self.kv_cache.block_size
+        token_ids = prepared.token_ids
+        full = token_ids[: (len(token_ids) - 1) // size * size]  # the last token is always computed
+        hashes = block_hashes(full, size, prefix_hash_root(lora_request, prepared.cache_salt))
+        stored = self.tier.read_prefix(hashes, full)
+        return prepared if stored is None else dataclasses.replace(prepared, stored_kv=stored)
 
     def prompt_token_ids(self, prompt: PromptType, params: SamplingParams) -> list[int]:
         """The token ids the engine computes for `prompt` (any thread)."""
@@ -233,6 +266,25 @@ class LLMEngine:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.runner.device)
         return [(k[index].cpu(), v[index].cpu()) for k, v in self.runner.kv_caches]
 
+    def count_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> int:
+        """How many of the prompt's full blocks this replica has now, in its prefix cache or
+        its file tier (any thread: a peek)."""
+        local = self.kv_cache.pool.count_cached(hashes, token_ids, self.kv_cache.block_size)
+        return max(local, self.tier.store.count_present(hashes)) if self.tier is not None else local
+
+    def checkout_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> list[int]:
+        """A reference on each cached block of the longest prefix of `hashes` (full blocks of
+        `token_ids`) this replica holds, for a peer to read; `release_blocks` drops them."""
+        size, pool = self.kv_cache.block_size, self.kv_cache.pool
+        count = pool.count_cached(hashes, token_ids, size)
+        blocks = [pool.try_lookup(h, tuple(token_ids[i * size : (i + 1) * size])) for i, h in enumerate(hashes[:count])]
+        for block_id in blocks:
+            pool.touch(block_id)  # type: ignore[arg-type]
+        return blocks  # type: ignore[return-value]
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.kv_cache.pool.free(block_ids[::-1])
+
     def expire_pins(self) -> int:
         """Free the prompts no decode replica pulled in time."""
         return self.pins.expire() if len(self.pins) else 0
@@ -256,9 +308,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def settle_kv_tier(self, wait: bool = False) -> bool:
+        """Drop the references the file tier's writer no longer needs (between steps, or
+        while idle); `wait`: after every queued write. True while writes are pending."""
+        if self.tier is None:
+            return False
+        if wait:
+            self.tier.flush()
+        self.tier.release_written()
+        return self.tier.has_pending_writes
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected
-        or the process exits); the engine cannot step afterwards."""
+        or the process exits), and the file tier's writer; the engine cannot step afterwards."""
+        if self.tier is not None:
+            self.tier.close()
         if self.runner.workers is not None:
             self.runner.workers.stop()
 
@@ -269,11 +333,15 @@ class LLMEngine:
         applies what it returned (step_update.py). An output for every request the step
         touched; a finished request's is its last."""
         self.expire_pins()
+        if self.tier is not None:
+            self.tier.release_written()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._fail_unschedulable()
         started = time.monotonic()
         outputs = self.update.apply(plan, self.runner.execute(plan), started)
+        if self.tier is not None:
+            self.tier.offer(self.kv_cache.take_full_blocks())
         for output in outputs:
             if output.finished:
                 del self.requests[output.request_id]
@@ -324,4 +392,15 @@ class LLMEngine:
             num_pinned_requests=len(self.pins),
             num_pin_timeouts=self.pins.num_timeouts,
             prefill_tokens_per_s=self.update.counters.prefill_tokens_per_s,
+            kv_tier=self.tier.snapshot() if self.tier is not None else None,
         )
+
+
+def _longest_prefix(given: RemoteKV | None, stored: RemoteKV | None, num_prompt_tokens: int) -> RemoteKV | None:
+    """The KV a request starts from: a prefill replica's always; else the longer of a peer's
+    and the file tier's prefix (a stored prefix never covers the last prompt token)."""
+    if given is not None and (given.origin == "prefill" or stored is None or given.num_tokens >= stored.num_tokens):
+        return given
+    if stored is not None and stored.num_tokens < num_prompt_tokens:
+        return stored
+    return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagefleet.engine.kv_tiers.file_tier import TierStats
+
 
 @dataclass(slots=True, frozen=True)
 class EngineStats:
@@ -32,6 +34,7 @@ class EngineStats:
     num_pinned_requests: int = 0
     num_pin_timeouts: int = 0  # pinned prompts freed because nobody pulled them in time
     prefill_tokens_per_s: float = 0.0  # prompt tokens computed per second, a moving average
+    kv_tier: TierStats | None = None  # the file tier's counters, if it is on
 
     @property
     def kv_usage(self) -> float:

@@ -99,7 +99,7 @@ class HTTPConnector:
             ) from None
         except ValueError as error:
             raise KVTransferError(f"the prefill replica {remote.engine_id} sent a broken stream: {error}") from None
-        return _assemble(frames, layout, token_ids[:num_tokens], num_blocks, f"the prefill replica {remote.engine_id}")
+        return assemble(frames, layout, token_ids[:num_tokens], num_blocks, f"the prefill replica {remote.engine_id}")
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -118,7 +118,7 @@ async def _reason(response: aiohttp.ClientResponse) -> str:
         return f"HTTP {response.status}"
 
 
-def _assemble(
+def assemble(
     frames: list[tuple[dict[str, Any], bytes]], layout: KVLayout, token_ids: list[int], num_blocks: int, source: str
 ) -> RemoteKV:
     """Check the frames against what was asked and stack them per layer."""

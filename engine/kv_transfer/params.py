@@ -97,14 +97,22 @@ class KVLayout:
 
 @dataclass(slots=True)
 class RemoteKV:
-    """A prompt's KV pulled from a prefill replica, in host memory until the scheduler loads
-    it into freshly allocated blocks: `keys[layer]` and `values[layer]` are shaped
-    [blocks, block_size, kv_heads, head_dim] and hold the first `num_tokens` tokens."""
+    """A prompt's KV from outside this engine, in host memory until the scheduler loads it
+    into freshly allocated blocks: `keys[layer]` and `values[layer]` are shaped
+    [blocks, block_size, kv_heads, head_dim] and hold the first `num_tokens` tokens.
+    `origin`: "prefill" (pulled from a prefill replica), "file" (the file tier's full
+    blocks) or "peer" (another replica's cached blocks); the last two are counted as cached
+    tokens, and dropped if the local prefix cache has as many when the request starts."""
 
     num_tokens: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    origin: str = "prefill"
 
     @property
     def num_blocks(self) -> int:
         return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -15,6 +15,7 @@ from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.server.auth import APIKeyGuard
 from pagefleet.engine.server.errors import install_error_handlers
+from pagefleet.engine.server.kv_peers import PeerHint, add_peer_routes
 from pagefleet.engine.server.kv_transfer import KVTransfers, add_kv_routes
 from pagefleet.engine.server.lifecycle import EXIT_ENGINE_DEAD, EXIT_LOAD_FAILED, ReplicaLifecycle
 from pagefleet.engine.server.lora import Adapters, add_lora_routes
@@ -84,10 +85,12 @@ def create_app(
     app.add_middleware(ErrorGuard)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     app.add_middleware(InFlight, state=state)
+    app.add_middleware(PeerHint)
     if settings.api_key:
         app.add_middleware(APIKeyGuard, keys=settings.api_key)
     add_core_routes(app, state)
     add_kv_routes(app, state.transfers, lambda: state.ready_engine(None))
+    add_peer_routes(app, state.transfers, lambda: state.ready_engine(None))
     add_lora_routes(app, state.adapters, lambda: state.ready_engine(None))
     if settings.enable_tokenizer_info_endpoint:
         add_tokenizer_route(app, settings.model_name, lambda: state.ready_engine(None))

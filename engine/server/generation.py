@@ -15,9 +15,11 @@ from opentelemetry import context as otel_context
 
 from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.front.inputs import TextPrompt, TokensPrompt
+from pagefleet.engine.front.llm_engine import prefix_hash_root
 from pagefleet.engine.front.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.sampling_params import RequestOutputKind, SamplingParams
+from pagefleet.engine.server.kv_peers import PEER_HINT
 from pagefleet.engine.server.state import ServerState
 
 Outputs = AsyncGenerator[RequestOutput, None]
@@ -61,6 +63,10 @@ async def generate(
     request_id = f"{response_id}-{prompt_index}-{uuid.uuid4().hex[:8]}"
     try:
         engine_prompt, remote_kv = await state.transfers.prepare(engine, prompt, params)
+        if remote_kv is None and PEER_HINT.get() is not None and params.prompt_logprobs is None:
+            engine_prompt = await asyncio.to_thread(engine.prompt_token_ids, engine_prompt, params)  # once
+            root = prefix_hash_root(lora_request, cache_salt)
+            remote_kv = await state.transfers.peers.pull(engine, engine_prompt, root)
         if cache_salt is not None:
             assert not isinstance(engine_prompt, dict), "prepare gives back the prompt or its token ids"
             engine_prompt = salted(engine_prompt, cache_salt)

@@ -30,6 +30,7 @@ from pagefleet.engine.kv_transfer.connector import PULL_PATH, HTTPConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV, RemotePrefill
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
+from pagefleet.engine.server.kv_peers import PeerPrefixes
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
 from pagefleet.protocol.http import error_json
@@ -49,6 +50,7 @@ class KVTransfers:
         self.model_name = settings.model_name
         self.metrics = metrics
         self.connector = HTTPConnector(settings.replica, settings.url, settings.kv_transfer_timeout)
+        self.peers = PeerPrefixes(metrics, self.layout, settings.kv_peer_pulls, settings.kv_transfer_timeout)
 
     async def prepare(
         self, engine: AsyncEngine, prompt: PromptType, params: SamplingParams
@@ -77,7 +79,7 @@ class KVTransfers:
             self.metrics.kv_transfer_failures.inc()
             logger.warning("KV pull failed: %s", error)
             raise OpenAIError(502, f"KV transfer failed: {error}", "kv_transfer_params") from None
-        self.metrics.kv_transferred("received", pulled.num_blocks, _nbytes(pulled), time.monotonic() - started)
+        self.metrics.kv_transferred("received", pulled.num_blocks, pulled.num_bytes, time.monotonic() - started)
         return token_ids, pulled
 
     def layout(self, engine: AsyncEngine) -> KVLayout:
@@ -87,10 +89,7 @@ class KVTransfers:
 
     async def close(self) -> None:
         await self.connector.close()
-
-
-def _nbytes(remote: RemoteKV) -> int:
-    return sum(t.numel() * t.element_size() for t in remote.keys + remote.values)
+        await self.peers.close()
 
 
 def add_kv_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> None:

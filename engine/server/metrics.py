@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pagefleet.engine.front.stats import EngineStats
+from pagefleet.engine.kv_tiers.file_tier import TierStats
 from pagefleet.engine.server.vllm_metrics import VLLMRequestMetrics, engine_families
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -75,6 +76,8 @@ class EngineCollector(Collector):
         yield gauge("kv_pinned_blocks", "KV blocks of prefilled prompts waiting to be pulled.", stats.num_pinned_blocks)
         yield gauge("kv_pinned_requests", "Prefilled prompts waiting to be pulled.", stats.num_pinned_requests)
         yield counter("kv_pin_timeouts", "Prefilled prompts freed because nobody pulled them.", stats.num_pin_timeouts)
+        if stats.kv_tier is not None:
+            yield from _tier_families(counter, stats.kv_tier)
         yield counter("prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
 
@@ -94,7 +97,8 @@ class ServerMetrics:
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time from request to its first token.")
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between a request's tokens.")
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Time from request to its last token.")
-        # Prefill/decode disaggregation, by direction: "sent" (prefill side), "received" (decode side).
+        # Prefill/decode disaggregation, by direction: "sent" (prefill side), "received" (decode
+        # side); peer pulls of cached prefixes: "peer_sent", "peer_received" (kv_peers.py).
         labels = ["model_name", "direction"]
         self._kv_blocks = Counter(
             "pagefleet:kv_transfer_blocks", "KV blocks moved between replicas.", labels, registry=self.registry
@@ -115,6 +119,13 @@ class ServerMetrics:
             ["model_name"],
             registry=self.registry,
         ).labels(model_name)
+        self._kv_peer_pulls = Counter(
+            "pagefleet:kv_peer_pulls",
+            "Prefixes asked of a peer, by outcome: hit, miss (it had no more), failed, refused (the "
+            "cost model), not_needed (this replica had as much).",
+            ["model_name", "outcome"],
+            registry=self.registry,
+        )
         self._model_name = model_name
         self.vllm: VLLMRequestMetrics | None = None  # once the engine is loaded
 
@@ -128,7 +139,28 @@ class ServerMetrics:
         if self.vllm is not None:
             (self.vllm.time_to_first_token if first else self.vllm.inter_token_latency).observe(seconds)
 
+    def kv_peer_pull(self, outcome: str) -> None:
+        self._kv_peer_pulls.labels(self._model_name, outcome).inc()
+
     def kv_transferred(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
         self._kv_blocks.labels(self._model_name, direction).inc(blocks)
         self._kv_bytes.labels(self._model_name, direction).inc(nbytes)
         self._kv_seconds.labels(self._model_name, direction).observe(seconds)
+
+
+def _tier_families(counter: Callable[[str, str, float], CounterMetricFamily], tier: TierStats) -> Iterator[Metric]:
+    """The file tier's counters (docs/kv-tiers.md)."""
+    yield counter("kv_tier_lookups", "Prompts looked up in the KV file tier.", tier.lookups)
+    yield counter("kv_tier_hits", "Prompts whose prefix was read from the KV file tier.", tier.hits)
+    yield counter(
+        "kv_tier_hit_tokens", "Prompt tokens read from the KV file tier instead of computed.", tier.hit_tokens
+    )
+    yield counter("kv_tier_read_bytes", "Bytes read from the KV file tier.", tier.read_bytes)
+    yield counter("kv_tier_written_blocks", "Blocks written to the KV file tier.", tier.written_blocks)
+    yield counter("kv_tier_written_bytes", "Bytes written to the KV file tier.", tier.written_bytes)
+    yield counter("kv_tier_skipped_blocks", "Blocks not written because the writer was behind.", tier.skipped_blocks)
+    yield counter("kv_tier_refused", "Reads the cost model turned down (recomputing was faster).", tier.refused)
+    yield counter("kv_tier_bad_files", "Files found unusable (another layout, torn, corrupted).", tier.bad_files)
+    yield counter(
+        "kv_tier_seconds_saved", "Estimated prefill time saved, net of the measured read time.", tier.seconds_saved
+    )

@@ -41,6 +41,8 @@ ENGINE_FIELDS = (
     "tensor_parallel_size",
     "max_logprobs",
     "skip_tokenizer_init",
+    "kv_cache_dir",
+    "kv_cache_dir_size_gib",
 )
 
 
@@ -125,6 +127,15 @@ class ServerSettings(BaseSettings):
     device: str = _default("device")
     attention_backend: str = _default("attention_backend")
     max_logprobs: int = Field(_default("max_logprobs"), description="the most logprobs a request may ask for; -1: all")
+    kv_cache_dir: str | None = Field(
+        None, description="the KV file tier's directory, shared by a model's replicas (docs/kv-tiers.md)"
+    )
+    kv_cache_dir_size_gib: float = Field(_default("kv_cache_dir_size_gib"), description="the file tier's size limit")
+    kv_peer_pulls: Literal["auto", "always", "off"] = Field(
+        "auto",
+        description="pull a prompt's prefix from the replica the gateway names as its holder: when the cost "
+        "model says it beats computing it (auto), whenever the peer may have more (always), never (docs/kv-tiers.md)",
+    )
     skip_tokenizer_init: bool = Field(
         _default("skip_tokenizer_init"), description="load no tokenizer: token ids in, token ids out (vLLM's)"
     )

@@ -67,6 +67,16 @@ def engine_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
             stats.prefix_cache_queries,
         ),
         ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
+        (
+            "external_prefix_cache_queries",
+            "External prefix cache queries (the KV file tier), in terms of number of queried tokens.",
+            stats.kv_tier.lookup_tokens if stats.kv_tier is not None else 0,
+        ),
+        (
+            "external_prefix_cache_hits",
+            "External prefix cache hits (the KV file tier), in terms of number of cached tokens.",
+            stats.kv_tier.hit_tokens if stats.kv_tier is not None else 0,
+        ),
     ):
         counter = CounterMetricFamily(f"vllm:{name}", doc, labels=LABELS)
         counter.add_metric(label, total)

@@ -130,6 +130,13 @@ def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Pat
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
         children = _children(up.pid)
         assert len(children) == 4, "redis, the gateway and two engines"
+        # The model's replicas share a KV file tier: what one computed, a restart reads back.
+        long_prompt = {"model": "tiny", "prompt": list(range(10, 50)), "max_tokens": 3}
+        assert httpx.post(f"{gateway}/v1/completions", json=long_prompt).status_code == 200
+        deadline = time.monotonic() + 10
+        while len(list((tmp_path / "kv" / "tiny").glob("*/*.kv"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(list((tmp_path / "kv" / "tiny").glob("*/*.kv"))) >= 4  # the prompt's 4 full blocks of 8
 
         # A replica that dies is started again, and says how often it was restarted.
         (doomed,) = [pid for pid in children if "--replica-id tiny-0 " in _command_line(pid) + " "]
@@ -144,6 +151,8 @@ def test_up_serves_every_model_and_stops_cleanly(tiny_llama: Path, tmp_path: Pat
         assert record is not None and record["restarts"] == 1, record
         answer = httpx.post(f"{gateway}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
         assert answer.status_code == 200
+        again = httpx.post(f"{gateway}/v1/completions", json=long_prompt).json()  # the restart has an empty cache
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32, again["usage"]
         children = _children(up.pid)
         assert len(children) == 4 and doomed not in children
 

@@ -25,6 +25,7 @@ from tests.processes import (
     EngineServer,
     GatewayProcess,
     RedisProcess,
+    metrics,
     running_redis,
     start_gateway,
     stop_process,
@@ -131,6 +132,15 @@ def test_a_burst_beyond_the_holders_threshold_spills_to_the_other(affinity_fleet
             served = list(pool.map(ask, range(16)))
         assert sorted(set(served)) == ["tiny-a", "tiny-b"], served
         assert 'reason="saturated"' in httpx.get(f"{gateway.url}/metrics").text
+        # Each spilled request named the holder for its replica to pull the prefix from (the
+        # tiny model computes faster than a pull: the replicas' cost model turns them down).
+        hinted = sum(
+            value
+            for replica in affinity_fleet.replicas.values()
+            for name, value in metrics(replica).items()
+            if name.startswith("pagefleet:kv_peer_pulls_total")
+        )
+        assert hinted > 0
     finally:
         stop_process(gateway.process)
 

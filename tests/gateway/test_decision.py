@@ -47,8 +47,10 @@ def test_a_saturated_holder_spills_to_where_the_request_costs_least() -> None:
     roomy, cramped = Candidate(_replica("b", free=150)), Candidate(_replica("c", free=50))
     decision = decide([holder, cramped, roomy], PROMPT, saturation_s=1.0)
     assert (decision.replica.replica_id, decision.reason) == ("b", "saturated"), "ties: the most room"
+    assert decision.holder is not None and decision.holder.replica_id == "a", "b may pull the prefix from a"
     shorter_queue = Candidate(_replica("a", queued_tokens=1500), cached_blocks=30)
-    assert decide([shorter_queue, roomy], PROMPT, saturation_s=2.0).reason == "affinity", "below the threshold"
+    below = decide([shorter_queue, roomy], PROMPT, saturation_s=2.0)
+    assert (below.reason, below.holder) == ("affinity", None), "below the threshold: no peer to pull from"
     over = decide([shorter_queue, roomy], PROMPT, saturation_s=1.0)
     assert over.reason == "affinity", "over the threshold, but 2 s of cold prefill elsewhere cost more than 1.5 s here"
     # Tokens this router sent since the holder's report count as queued too.

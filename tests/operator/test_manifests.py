@@ -100,6 +100,7 @@ def test_the_crd_passes_the_official_schema_and_every_example_passes_the_crd() -
         ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "spec.rollout"),
         ({"modelCache": {"claimName": "c", "hostPath": "/var/cache/models"}}, "spec.modelCache"),
         ({"modelCache": {}}, "spec.modelCache"),
+        ({"kvCache": {"claimName": "c", "hostPath": "/var/cache/kv"}}, "spec.kvCache"),
     ],
 )
 def test_cel_rules_hold_in_pydantic_where_the_json_schema_alone_lets_them_pass(
@@ -205,6 +206,38 @@ def test_the_model_cache_is_the_pods_own_or_a_shared_volume(cache: dict[str, str
     assert {"name": "cache", "mountPath": "/var/cache/pagefleet"} in container["volumeMounts"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["PAGEFLEET_CACHE_DIR"] == "/var/cache/pagefleet"
+
+
+@pytest.mark.parametrize(
+    ("tier", "volume"),
+    [
+        ({"size": "20Gi", "claimName": "kv-shared"}, {"persistentVolumeClaim": {"claimName": "kv-shared"}}),
+        (
+            {"size": "512Mi", "hostPath": "/var/cache/kv"},
+            {"hostPath": {"path": "/var/cache/kv", "type": "DirectoryOrCreate"}},
+        ),
+        ({}, {"emptyDir": {"sizeLimit": "11264Mi"}}),
+    ],
+)
+def test_the_kv_file_tier_is_mounted_and_named_to_the_engine(tier: dict[str, str], volume: dict) -> None:
+    spec = parse_spec({"model": {"builtin": "smollm2-135m-instruct"}, "kvCache": tier})
+    deployment = manifests.deployment(OWNER, spec, OperatorSettings())
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (kv_volume,) = [v for v in pod["volumes"] if v["name"] == "kv-tier"]
+    assert kv_volume == {"name": "kv-tier", **volume}
+    container = pod["containers"][0]
+    assert {"name": "kv-tier", "mountPath": "/var/cache/pagefleet-kv"} in container["volumeMounts"]
+    args = container["args"]
+    size = {"20Gi": "20", "512Mi": "0.5"}.get(tier.get("size", ""), "10")
+    assert args[args.index("--kv-cache-dir") + 1 :][:3] == ["/var/cache/pagefleet-kv", "--kv-cache-dir-size-gib", size]
+
+
+def test_without_kv_cache_there_is_no_file_tier() -> None:
+    deployment = manifests.deployment(
+        OWNER, parse_spec({"model": {"builtin": "smollm2-135m-instruct"}}), OperatorSettings()
+    )
+    assert "--kv-cache-dir" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_a_disaggregated_spec_builds_one_deployment_per_pool_with_its_role() -> None:

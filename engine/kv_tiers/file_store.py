@@ -1,0 +1,214 @@
+"""The file tier's on-disk format: one file per full KV block, named by its block hash, in a
+directory a model's replicas share (node-local, or a ReadWriteMany volume).
+
+A file is `PFKV`, a 4-byte header length, a JSON header, then the block's keys and values
+layer by layer (keys then values, each [block_size, kv_heads, head_dim] in the cache's
+dtype). The header names what must agree before the bytes are used (`KVLayout`: model,
+layer count, heads, head size, block size, dtype), the block's own token ids (the chain
+hash names the prefix; the tokens guard against a collision, as the in-memory prefix cache
+does) and a CRC-32 of the payload. A file is written under a temporary name and renamed,
+so a reader never sees half of one; a file that is torn anyway, of another layout, of
+other tokens or whose checksum fails is a miss, never used.
+
+Each layout has its own sub-directory (`layout_folder`). Size: it is kept under
+`max_bytes` by whichever writer finds it over: the files least recently used (a hit
+refreshes a file's time) go first. Several processes may write and evict at once; a file
+that vanishes under a reader is a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagefleet.engine.kv_transfer.params import KVLayout
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PFKV"
+FORMAT = 1
+SUFFIX = ".kv"
+_HEADER_LENGTH = struct.Struct("<I")
+
+
+class UnusableBlockError(ValueError):
+    """A block file that must not be used (a miss, never wrong output)."""
+
+
+@dataclass(slots=True)
+class StoredBlock:
+    """One block read back: its keys and values per layer, [block_size, kv_heads, head_dim]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    num_bytes: int
+
+
+def layout_folder(layout: KVLayout) -> str:
+    """The sub-directory of one layout: replicas of other dtypes or block sizes may share the
+    directory without ever reading each other's files (the hash names only the tokens)."""
+    key = json.dumps(layout.as_dict(), sort_keys=True).encode()
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(layout.model).name)[:40]
+    return f"{name}-{layout.dtype}-b{layout.block_size}-{zlib.crc32(key):08x}"
+
+
+class FileStore:
+    """Reads and writes blocks of one layout under `directory` (any thread; no state but
+    the files and a running estimate of their size)."""
+
+    def __init__(self, directory: str | Path, layout: KVLayout, max_bytes: int) -> None:
+        self.directory = Path(directory) / layout_folder(layout)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.layout = layout
+        self.max_bytes = max_bytes
+        self._dtype = getattr(torch, layout.dtype)
+        self._shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self._tensor_bytes = torch.Size(self._shape).numel() * torch.empty(0, dtype=self._dtype).element_size()
+        self.block_bytes = 2 * layout.num_layers * self._tensor_bytes
+        self._size_estimate: int | None = None  # of the whole directory, refreshed by scans
+
+    def path(self, block_hash: int) -> Path:
+        return self.directory / f"{block_hash:016x}{SUFFIX}"
+
+    def contains(self, block_hash: int) -> bool:
+        return self.path(block_hash).exists()
+
+    def count_present(self, hashes: list[int]) -> int:
+        """How many of `hashes`, from the first, have a file (a cheap look before reading)."""
+        for index, block_hash in enumerate(hashes):
+            if not self.contains(block_hash):
+                return index
+        return len(hashes)
+
+    # --- writing --------------------------------------------------------------------------
+
+    def write(
+        self, block_hash: int, token_ids: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> int:
+        """Store one block (a no-op if its file exists); the bytes written."""
+        target = self.path(block_hash)
+        if target.exists():
+            return 0
+        payload = b"".join(
+            tensor.contiguous().view(torch.uint8).numpy().tobytes()
+            for pair in zip(keys, values, strict=True)
+            for tensor in pair
+        )
+        header = json.dumps(
+            {
+                "format": FORMAT,
+                "layout": self.layout.as_dict(),
+                "hash": f"{block_hash:016x}",
+                "tokens": list(token_ids),
+                "crc32": zlib.crc32(payload),
+                "payload_bytes": len(payload),
+            }
+        ).encode()
+        temporary = self.directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(temporary, "wb") as handle:
+            handle.write(MAGIC + _HEADER_LENGTH.pack(len(header)) + header + payload)
+        os.replace(temporary, target)
+        written = len(MAGIC) + _HEADER_LENGTH.size + len(header) + len(payload)
+        self._grow(written)
+        return written
+
+    def _grow(self, written: int) -> None:
+        if self._size_estimate is None:
+            self._size_estimate = self.scan_size()
+        self._size_estimate += written
+        if self._size_estimate > self.max_bytes:
+            self._size_estimate = self.evict(int(self.max_bytes * 0.9))
+
+    def scan_size(self) -> int:
+        return sum(entry.stat().st_size for entry in self._entries())
+
+    def evict(self, target_bytes: int) -> int:
+        """Delete least recently used files until the directory holds at most
+        `target_bytes`; the size left."""
+        files = []
+        for entry in self._entries():
+            try:
+                stat = entry.stat()
+            except FileNotFoundError:
+                continue  # another writer evicted it
+            files.append((stat.st_mtime, stat.st_size, entry.path))
+        total = sum(size for _, size, _ in files)
+        evicted = 0
+        for _, size, path in sorted(files):
+            if total <= target_bytes:
+                break
+            try:
+                os.unlink(path)
+                evicted += 1
+            except FileNotFoundError:
+                pass
+            total -= size
+        if evicted:
+            logger.info("kv file tier: evicted %d least recently used blocks (%d bytes left)", evicted, total)
+        return total
+
+    def _entries(self) -> list[os.DirEntry[str]]:
+        with os.scandir(self.directory) as entries:
+            return [entry for entry in entries if entry.name.endswith(SUFFIX) and not entry.name.startswith(".")]
+
+    # --- reading --------------------------------------------------------------------------
+
+    def read(self, block_hash: int, token_ids: tuple[int, ...]) -> StoredBlock | None:
+        """The block, or None if it is absent.
+
+        Raises:
+            UnusableBlockError: the file is torn, corrupted, of another layout or of other
+                tokens (it is removed, so that a writer may store a sound copy).
+        """
+        path = self.path(block_hash)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        problem = self._check(data, block_hash, token_ids)
+        if isinstance(problem, str):
+            logger.warning("kv file tier: %s is not used, and removed: %s", path.name, problem)
+            path.unlink(missing_ok=True)
+            raise UnusableBlockError(problem)
+        payload = memoryview(data)[problem:]
+        tensors = torch.frombuffer(bytearray(payload), dtype=self._dtype).view(2 * self.layout.num_layers, *self._shape)
+        try:
+            now = time.time()
+            os.utime(path, (now, now))  # recently used: evicted last
+        except FileNotFoundError:
+            pass
+        return StoredBlock(list(tensors[0::2]), list(tensors[1::2]), len(data))
+
+    def _check(self, data: bytes, block_hash: int, token_ids: tuple[int, ...]) -> int | str:
+        """The payload's offset, or why the file cannot be used."""
+        start = len(MAGIC) + _HEADER_LENGTH.size
+        if len(data) < start or data[: len(MAGIC)] != MAGIC:
+            return "not a block file"
+        (header_length,) = _HEADER_LENGTH.unpack_from(data, len(MAGIC))
+        try:
+            header = json.loads(data[start : start + header_length])
+            layout = KVLayout.from_dict(header["layout"])
+        except (ValueError, KeyError, TypeError, RuntimeError):
+            return "unreadable header (torn file?)"
+        if header.get("format") != FORMAT:
+            return f"format {header.get('format')}, this engine reads {FORMAT}"
+        mismatch = self.layout.mismatch(layout, "this replica", "the file")
+        if mismatch:
+            return mismatch
+        if header.get("hash") != f"{block_hash:016x}" or tuple(header.get("tokens", ())) != token_ids:
+            return "other tokens under this hash"
+        payload = memoryview(data)[start + header_length :]
+        if len(payload) != header.get("payload_bytes") or len(payload) != self.block_bytes:
+            return f"{len(payload)} payload bytes, expected {self.block_bytes} (torn file?)"
+        if zlib.crc32(payload) != header.get("crc32"):
+            return "checksum mismatch"
+        return start + header_length

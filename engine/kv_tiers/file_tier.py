@@ -1,0 +1,207 @@
+"""The file tier of one engine: full blocks written to a shared directory in the background,
+and a prompt's longest stored prefix read back when that beats computing it.
+
+Writing: after each step the engine offers the blocks that step made full (`offer`, engine
+thread). The tier takes a reference on each (so no step frees or rewrites it meanwhile) and
+a writer thread copies it out and stores it; the engine drops those references before its
+next step (`release_written`). The queue is bounded: when the writer falls behind, blocks
+are skipped, never waited for, so writing never slows a step.
+
+Reading: `read_prefix` (any thread; the engine calls it while preparing a request, off the
+engine thread) finds how many of the prompt's full blocks the local prefix cache holds
+(a peek: the scheduler decides again) and how many the directory holds; if the directory
+holds more and the cost model says reading them beats computing the difference, it reads
+them into a `RemoteKV` that the scheduler loads into fresh blocks like a pulled prompt.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pagefleet.engine.core.block_pool import BlockPool
+from pagefleet.engine.core.kv_cache_manager import FullBlock
+from pagefleet.engine.kv_tiers.cost import TierCost
+from pagefleet.engine.kv_tiers.file_store import FileStore, UnusableBlockError
+from pagefleet.engine.kv_transfer.params import RemoteKV
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUED_BLOCKS = 512  # blocks held for the writer at most; more are skipped
+
+ReadBlocks = Callable[[list[int]], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier (each written under the tier's lock)."""
+
+    lookups: int = 0  # prompts looked up
+    lookup_tokens: int = 0  # their full-block tokens
+    hits: int = 0  # prompts that read a prefix
+    hit_tokens: int = 0  # prompt tokens read instead of computed
+    read_bytes: int = 0
+    refused: int = 0  # reads the cost model turned down
+    bad_files: int = 0  # files found unusable (another layout, torn, corrupted)
+    written_blocks: int = 0
+    written_bytes: int = 0
+    skipped_blocks: int = 0  # offered while the writer was behind
+    seconds_saved: float = 0.0  # estimated recompute time minus the measured read time
+
+
+@dataclass(slots=True)
+class _Pending:
+    blocks: queue.SimpleQueue[list[FullBlock] | None] = field(default_factory=queue.SimpleQueue)
+    written: collections.deque[list[int]] = field(default_factory=collections.deque)
+    queued: int = 0  # blocks offered and not yet released (engine thread only)
+
+
+class FileTier:
+    def __init__(
+        self, store: FileStore, pool: BlockPool, read_blocks: ReadBlocks, cost: TierCost | None = None
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.read_blocks = read_blocks
+        self.cost = cost or TierCost()
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._pending = _Pending()
+        self._writer = threading.Thread(target=self._write_loop, name="pagefleet-kv-writer", daemon=True)
+        self._writer.start()
+
+    @property
+    def block_size(self) -> int:
+        return self.store.layout.block_size
+
+    # --- writing (engine thread) ------------------------------------------------------------
+
+    def offer(self, blocks: list[FullBlock]) -> None:
+        """Queue the blocks a step made full for writing, holding a reference on each."""
+        fresh = [block for block in blocks if not self.store.contains(block.block_hash)]
+        if not fresh:
+            return
+        room = MAX_QUEUED_BLOCKS - self._pending.queued
+        if len(fresh) > room:
+            with self._lock:
+                self.stats.skipped_blocks += len(fresh) - max(room, 0)
+            fresh = fresh[: max(room, 0)]
+        held = [block for block in fresh if self.pool.try_hold(block.block_id, block.block_hash)]
+        if held:
+            self._pending.queued += len(held)
+            self._pending.blocks.put(held)
+
+    def release_written(self) -> None:
+        """Drop the references of blocks the writer is done with (before a step)."""
+        written = self._pending.written
+        while written:
+            block_ids = written.popleft()
+            self._pending.queued -= len(block_ids)
+            self.pool.free(block_ids[::-1])
+
+    @property
+    def has_pending_writes(self) -> bool:
+        return self._pending.queued > 0
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued block is copied out, releasing them (engine thread)."""
+        deadline = time.monotonic() + timeout
+        while self._pending.queued > 0 and time.monotonic() < deadline:
+            self.release_written()
+            if self._pending.queued > 0:
+                time.sleep(0.002)
+
+    def close(self) -> None:
+        self._pending.blocks.put(None)
+        self._writer.join(timeout=30)
+        self.release_written()
+
+    def _write_loop(self) -> None:
+        while (blocks := self._pending.blocks.get()) is not None:
+            block_ids = [block.block_id for block in blocks]
+            try:
+                layers = self.read_blocks(block_ids)  # copies: the references keep them intact
+            except Exception:  # a task boundary: a failed copy loses these blocks, not the engine
+                logger.exception("kv file tier: could not copy %d blocks out", len(blocks))
+                self._pending.written.append(block_ids)
+                continue
+            self._pending.written.append(block_ids)  # copied: the engine may free them
+            for index, block in enumerate(blocks):
+                try:
+                    written = self.store.write(
+                        block.block_hash,
+                        block.token_ids,
+                        [keys[index] for keys, _ in layers],
+                        [values[index] for _, values in layers],
+                    )
+                except OSError as error:
+                    logger.warning("kv file tier: writing a block failed: %s", error)
+                    continue
+                if written:
+                    with self._lock:
+                        self.stats.written_blocks += 1
+                        self.stats.written_bytes += written
+
+    # --- reading (any thread) -----------------------------------------------------------------
+
+    def read_prefix(self, hashes: list[int], token_ids: list[int]) -> RemoteKV | None:
+        """The KV of the prompt's longest stored prefix of full blocks (`hashes`, excluding
+        the block of the last prompt token), or None: nothing stored beyond what this
+        replica caches, or computing it is estimated faster than reading it."""
+        size = self.block_size
+        local = self.pool.count_cached(hashes, token_ids, size)
+        stored = self.store.count_present(hashes)
+        with self._lock:
+            self.stats.lookups += 1
+            self.stats.lookup_tokens += len(hashes) * size
+        if stored <= local:
+            return None
+        if not self.cost.worth_reading(stored, (stored - local) * size):
+            with self._lock:
+                self.stats.refused += 1
+            return None
+        started = time.perf_counter()
+        keys: list[list[torch.Tensor]] = []
+        values: list[list[torch.Tensor]] = []
+        read_bytes = 0
+        for index in range(stored):
+            try:
+                block = self.store.read(hashes[index], tuple(token_ids[index * size : (index + 1) * size]))
+            except UnusableBlockError:
+                with self._lock:
+                    self.stats.bad_files += 1
+                break
+            if block is None:  # evicted since the look
+                break
+            keys.append(block.keys)
+            values.append(block.values)
+            read_bytes += block.num_bytes
+        blocks = len(keys)
+        elapsed = time.perf_counter() - started
+        self.cost.observe_read(blocks, elapsed)
+        if blocks <= local:
+            return None
+        num_layers = len(keys[0])
+        remote = RemoteKV(
+            blocks * size,
+            [torch.stack([block[layer] for block in keys]) for layer in range(num_layers)],
+            [torch.stack([block[layer] for block in values]) for layer in range(num_layers)],
+            origin="file",
+        )
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.hit_tokens += (blocks - local) * size
+            self.stats.read_bytes += read_bytes
+            self.stats.seconds_saved += self.cost.recompute_seconds((blocks - local) * size) - elapsed
+        return remote
+
+    def snapshot(self) -> TierStats:
+        with self._lock:
+            return TierStats(**{name: getattr(self.stats, name) for name in TierStats.__slots__})  # type: ignore[attr-defined]
