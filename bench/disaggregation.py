@@ -105,6 +105,7 @@ def start(layout: str, logs: Path) -> Fleet:
             for role in ("prefill", "decode")
         ]
     spec = FleetSpec(
+        kv_tier=False,  # each replica computes what it has not cached (docs/kv-tiers.md)
         redis_port=free_port(),
         gateway_port=free_port(),
         first_engine_port=free_port(),
@@ -118,7 +119,7 @@ def start(layout: str, logs: Path) -> Fleet:
     urls = []
     for model in models:
         for index in range(model.replicas):
-            urls.append(fleet.start_engine(model, index, free_port()))
+            urls.append(fleet.start_engine(model, index).url)
     for url in urls:
         fleet.wait_healthy(url, deadline)
     fleet.wait_healthy(fleet.gateway_url, deadline)

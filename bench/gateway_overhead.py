@@ -59,6 +59,7 @@ ONE_TOKEN = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0.0
 def start_fleet(log_dir: Path, policy: str, model_dir: Path, replicas: int = 1) -> tuple[Fleet, list[str]]:
     """Redis, the gateway and `replicas` engines of the small model; the engines' URLs."""
     spec = FleetSpec(
+        kv_tier=False,  # each replica computes what it has not cached (docs/kv-tiers.md)
         gateway_flags=["--policy", policy],
         redis_port=free_port(),
         gateway_port=free_port(),
@@ -70,7 +71,7 @@ def start_fleet(log_dir: Path, policy: str, model_dir: Path, replicas: int = 1) 
     deadline = time.monotonic() + 600
     fleet.start_redis()
     fleet.start_gateway()
-    urls = [fleet.start_engine(spec.models[0], index, free_port()) for index in range(replicas)]
+    urls = [fleet.start_engine(spec.models[0], index).url for index in range(replicas)]
     for url in urls:
         fleet.wait_healthy(url, deadline)
     fleet.wait_healthy(fleet.gateway_url, deadline)

@@ -9,7 +9,9 @@ the same replicas, one router at a time: pagefleet's gateway with `affinity` (it
 `kv` and `round_robin`; vLLM's router (PyPI `vllm-router`, installed into `.peers/`) with
 `cache_aware` (its default), `sticky_least_loaded`, `consistent_hash`, `power_of_two` and
 `round_robin`. Every router replays the same arrival schedule at each rate, on replicas
-whose prefix caches were emptied first (`POST /reset_prefix_cache`).
+whose prefix caches were emptied first (`POST /reset_prefix_cache`). With `--kv-tiers on`
+(or `both`: on, then off, in one run) the replicas run as `pagefleet up` runs them, with a
+shared file tier (emptied before every cell too) and peer pulls (docs/kv-tiers.md).
 
 Reported per workload, router and rate: goodput (requests whose TTFT met the SLO, per
 second of the run), TTFT p50/p90/p99, inter-token latency p50/p99, the share of prompt
@@ -46,18 +48,22 @@ RATES = {"shared": [1.0, 2.0, 4.0], "sessions": [0.2, 0.4, 0.8], "decode": [0.5,
 REQUESTS = {"shared": 100, "sessions": 48, "decode": 32}
 
 
-def start_fleet(log_dir: Path) -> tuple[Fleet, list[str]]:
+def start_fleet(log_dir: Path, kv_tiers: bool = False) -> tuple[Fleet, list[str]]:
+    """The replicas; with `kv_tiers`, as `pagefleet up` runs them (a shared file tier, peer
+    pulls), else each computes what it has not cached itself (docs/kv-tiers.md)."""
+    flags = ENGINE_FLAGS if kv_tiers else [*ENGINE_FLAGS, "--kv-peer-pulls", "off"]
     spec = FleetSpec(
+        kv_tier=kv_tiers,
         redis_port=free_port(),
         gateway_port=free_port(),
         first_engine_port=free_port(),
         log_dir=log_dir,
-        models=[ModelSpec(name=MODEL, model=MODEL, replicas=REPLICAS, flags=ENGINE_FLAGS)],
+        models=[ModelSpec(name=MODEL, model=MODEL, replicas=REPLICAS, flags=flags)],
     )
     fleet = Fleet(spec)
     deadline = time.monotonic() + 600
     fleet.start_redis()
-    urls = [fleet.start_engine(spec.models[0], i, free_port()) for i in range(REPLICAS)]
+    urls = [fleet.start_engine(spec.models[0], i).url for i in range(REPLICAS)]
     for url in urls:
         fleet.wait_healthy(url, deadline)
     return fleet, urls
@@ -97,8 +103,11 @@ def stop_router(fleet: Fleet, router: str) -> None:
         fleet.children.remove(child)
 
 
-def reset_caches(replicas: list[str]) -> None:
-    """Wait until every replica is idle, then empty its prefix cache."""
+def reset_caches(replicas: list[str], tier: Path | None = None) -> None:
+    """Wait until every replica is idle, then empty its prefix cache (and the file tier)."""
+    if tier is not None:
+        for path in tier.rglob("*.kv"):
+            path.unlink(missing_ok=True)
     deadline = time.monotonic() + 300
     pending = list(replicas)
     while pending and time.monotonic() < deadline:
@@ -144,9 +153,16 @@ def summarize(outcomes: list[Outcome], seconds: float, slo_s: float, preempted: 
 
 
 def run_cell(
-    url: str, replicas: list[str], workload: str, rate: float, seed: int, slo_s: float, requests: int
+    url: str,
+    replicas: list[str],
+    workload: str,
+    rate: float,
+    seed: int,
+    slo_s: float,
+    requests: int,
+    tier: Path | None = None,
 ) -> dict[str, object]:
-    reset_caches(replicas)
+    reset_caches(replicas, tier)
     before, reasons_before = [preemptions(r) for r in replicas], routing_reasons(url)
     turns = WORKLOADS[workload](rate, requests or REQUESTS[workload], seed)
     outcomes, seconds = asyncio.run(replay(url, MODEL, turns))
@@ -197,6 +213,9 @@ def report(workload: str, cells: dict[str, dict[float, dict[str, object]]]) -> l
     knee = {router: max(float(c["goodput"]) for c in by_rate.values()) for router, by_rate in cells.items()}
     lines += ["", "Goodput at the knee (best over the rates):", ""]
     lines += [f"- {router}: {value:.3f}/s" for router, value in knee.items()]
+    if "pagefleet:affinity +kv-tiers" in knee and "pagefleet:affinity" in knee:
+        tiers = ratio(knee["pagefleet:affinity +kv-tiers"], knee["pagefleet:affinity"])
+        lines += ["", f"- affinity with the KV tiers / without: {tiers:.2f}x"]
     ours = knee.get("pagefleet:affinity")
     peers = {r: v for r, v in knee.items() if r.startswith("vllm-router")}
     if ours is not None:
@@ -254,6 +273,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="append the results here")
     parser.add_argument("--plot", type=Path, default=None, help="goodput by load, per workload (PNG)")
     parser.add_argument("--from-json", type=Path, nargs="+", help="report and plot saved results; run nothing")
+    parser.add_argument(
+        "--kv-tiers", choices=["off", "on", "both"], default="off", help="the replicas' file tier and peer pulls"
+    )
     args = parser.parse_args()
     if args.from_json:
         saved: dict[str, dict[str, dict[float, dict[str, object]]]] = {}
@@ -267,26 +289,30 @@ def main() -> None:
         return
     routers = args.routers.split(",")
     results: dict[str, dict[str, dict[float, dict[str, object]]]] = {}
+    settings = {"off": [False], "on": [True], "both": [True, False]}[args.kv_tiers]
     with tempfile.TemporaryDirectory() as scratch:
-        fleet, replicas = start_fleet(Path(scratch) / "fleet")
-        try:
-            for run in range(args.first_run - 1, args.first_run - 1 + args.runs):
-                for workload in args.workloads.split(","):
-                    rates = [float(r) for r in args.rates.split(",")] if args.rates else RATES[workload]
-                    cells = results.setdefault(f"{workload} (run {run + 1})", {})
-                    for router in routers:
-                        url = start_router(fleet, router, replicas)
-                        try:
-                            for rate in rates:
-                                progress(f"run {run + 1}, {workload}, {router}, {rate:g}/s")
-                                cells.setdefault(router, {})[rate] = run_cell(
-                                    url, replicas, workload, rate, run, args.slo_s, args.requests
-                                )
-                        finally:
-                            stop_router(fleet, router)
-                    print("\n".join(report(f"{workload} (run {run + 1})", cells)), flush=True)
-        finally:
-            fleet.stop()
+        for kv_tiers in settings:
+            fleet, replicas = start_fleet(Path(scratch) / f"fleet-{kv_tiers}" / "logs", kv_tiers)
+            tier = fleet.spec.kv_dir(fleet.spec.models[0])
+            try:
+                for run in range(args.first_run - 1, args.first_run - 1 + args.runs):
+                    for workload in args.workloads.split(","):
+                        rates = [float(r) for r in args.rates.split(",")] if args.rates else RATES[workload]
+                        cells = results.setdefault(f"{workload} (run {run + 1})", {})
+                        for router in routers:
+                            label = f"{router} +kv-tiers" if kv_tiers else router
+                            url = start_router(fleet, router, replicas)
+                            try:
+                                for rate in rates:
+                                    progress(f"run {run + 1}, {workload}, {label}, {rate:g}/s")
+                                    cells.setdefault(label, {})[rate] = run_cell(
+                                        url, replicas, workload, rate, run, args.slo_s, args.requests, tier
+                                    )
+                            finally:
+                                stop_router(fleet, router)
+                        print("\n".join(report(f"{workload} (run {run + 1})", cells)), flush=True)
+            finally:
+                fleet.stop()
     if args.json:
         existing = json.loads(args.json.read_text()) if args.json.exists() else {}
         existing.update(

@@ -56,6 +56,8 @@ class Outcome:
     gaps: list[float] = field(default_factory=list)  # seconds between successive tokens
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    replica: str = ""  # which replica answered (pagefleet's gateway says so: x-pagefleet-replica)
+    sent: float = 0.0  # perf_counter() when it was sent
 
 
 def shared_prompts(rate: float, requests: int, seed: int, prompts: int = 8, prompt_words: int = 700) -> list[Turn]:
@@ -115,9 +117,11 @@ async def _ask(
     if turn.session:
         body["user"] = turn.session
         headers["x-session-id"] = turn.session
-    sent, last, outcome, text = time.perf_counter(), 0.0, Outcome(ok=False), []
+    sent, last, text = time.perf_counter(), 0.0, []
+    outcome = Outcome(ok=False, sent=sent)
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+            outcome.replica = response.headers.get("x-pagefleet-replica", "")
             if response.status_code != 200:
                 await response.aread()
                 return outcome, ""

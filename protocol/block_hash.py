@@ -73,3 +73,11 @@ def pack(hashes: Sequence[int]) -> bytes:
 def unpack(data: bytes) -> list[int]:
     """The inverse of `pack`."""
     return [int.from_bytes(data[i : i + HASH_BYTES], "little") for i in range(0, len(data), HASH_BYTES)]
+
+
+def reusable_prefix(token_ids: Sequence[int], block_size: int, root: int) -> tuple[list[int], list[int]]:
+    """The tokens of a prompt's full blocks that may come from a cache (all but the block of
+    its last token, which is always computed: its logits pick the first output token) and
+    their chained hashes."""
+    full = list(token_ids[: max(0, len(token_ids) - 1) // block_size * block_size])
+    return full, block_hashes(full, block_size, root)

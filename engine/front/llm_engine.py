@@ -38,7 +38,7 @@ from pagefleet.engine.kv_transfer.pins import PinnedPrompt, PinnedPrompts
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.beam_search import BeamSearchState
 from pagefleet.engine.sample.sampling_params import SamplingParams
-from pagefleet.protocol.block_hash import block_hashes, chain_root
+from pagefleet.protocol.block_hash import chain_root, reusable_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -208,17 +208,11 @@ class LLMEngine:
         """`prompt` tokenized and truncated as its request will compute it, with its
         longest prefix from the file tier if reading it beats computing it (any thread)."""
         prepared = self.checks.prepare_prompt(prompt, params)
-        if (
-            self.tier is None
-            or params.prompt_logprobs is not None
-            or len(prepared.token_ids) <= self.kv_cache.block_size
-        ):
+        if self.tier is None or params.prompt_logprobs is not None:
             return prepared
-        size = self.kv_cache.block_size
-        token_ids = prepared.token_ids
-        full = token_ids[: (len(token_ids) - 1) // size * size]  # the last token is always computed
-        hashes = block_hashes(full, size, prefix_hash_root(lora_request, prepared.cache_salt))
-        stored = self.tier.read_prefix(hashes, full)
+        root = prefix_hash_root(lora_request, prepared.cache_salt)
+        full, hashes = reusable_prefix(prepared.token_ids, self.kv_cache.block_size, root)
+        stored = self.tier.read_prefix(hashes, full) if hashes else None
         return prepared if stored is None else dataclasses.replace(prepared, stored_kv=stored)
 
     def prompt_token_ids(self, prompt: PromptType, params: SamplingParams) -> list[int]:
@@ -276,11 +270,14 @@ class LLMEngine:
         """A reference on each cached block of the longest prefix of `hashes` (full blocks of
         `token_ids`) this replica holds, for a peer to read; `release_blocks` drops them."""
         size, pool = self.kv_cache.block_size, self.kv_cache.pool
-        count = pool.count_cached(hashes, token_ids, size)
-        blocks = [pool.try_lookup(h, tuple(token_ids[i * size : (i + 1) * size])) for i, h in enumerate(hashes[:count])]
-        for block_id in blocks:
-            pool.touch(block_id)  # type: ignore[arg-type]
-        return blocks  # type: ignore[return-value]
+        blocks: list[int] = []
+        for index, block_hash in enumerate(hashes):
+            block_id = pool.try_lookup(block_hash, tuple(token_ids[index * size : (index + 1) * size]))
+            if block_id is None:
+                break
+            pool.touch(block_id)
+            blocks.append(block_id)
+        return blocks
 
     def release_blocks(self, block_ids: list[int]) -> None:
         self.kv_cache.pool.free(block_ids[::-1])

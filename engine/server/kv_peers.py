@@ -35,7 +35,7 @@ from pagefleet.engine.kv_transfer import wire
 from pagefleet.engine.kv_transfer.connector import assemble
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.server.metrics import ServerMetrics
-from pagefleet.protocol.block_hash import block_hashes
+from pagefleet.protocol.block_hash import reusable_prefix
 from pagefleet.protocol.http import KV_PEER_HEADER, error_json
 
 if TYPE_CHECKING:
@@ -98,8 +98,7 @@ class PeerPrefixes:
             return None
         layout = self.layout_of(engine)
         size = layout.block_size
-        full = token_ids[: (len(token_ids) - 1) // size * size]
-        hashes = block_hashes(full, size, root)
+        full, hashes = reusable_prefix(token_ids, size, root)
         have = engine.count_cached_prefix(hashes, full)
         cost = self.cost(engine)
         if len(hashes) <= have:

@@ -1,0 +1,101 @@
+"""A replica joining a warm fleet: its first minute's time to first token with the KV tiers
+(the shared file tier and peer pulls) against without them, on the same load.
+
+    python bench/scale_out.py [--rate 3] [--warm 40] [--requests 180]
+
+Two `pagefleet serve` replicas of SmolLM2-135M-Instruct (float32, 250 KV blocks of 16
+tokens, as bench/routing.py) and pagefleet's gateway (`affinity`, its default) serve the
+`shared` workload of bench/routing_workloads.py (8 system prompts of about 930 tokens, a
+short question, 16 answer tokens) for `--warm` requests at `--rate` per second. Then a
+third replica starts; once it is healthy, `--requests` more arrive at the same rate (a
+minute at the defaults). Reported for the requests the new replica answered, and for all
+of them: TTFT p50/p90 and the share of prompt tokens served from a cache. Run twice: with
+`pagefleet up`'s defaults (the file tier on, `--kv-peer-pulls auto`), then with both off.
+Target (issue 35): the new replica's TTFT p90 with the tiers at most 0.5x without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+from common import free_port, progress
+from routing import MODEL, percentile, start_router
+from routing_workloads import Outcome, replay, shared_prompts
+
+from pagefleet.cli.up import Fleet, FleetSpec, ModelSpec
+
+ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "250"]
+
+
+def run(tiers: bool, rate: float, warm: int, requests: int, log_dir: Path) -> dict[str, dict[str, float]]:
+    flags = ENGINE_FLAGS + ([] if tiers else ["--kv-peer-pulls", "off"])
+    model = ModelSpec(name=MODEL, model=MODEL, replicas=3, flags=flags)
+    spec = FleetSpec(
+        kv_tier=tiers,
+        redis_port=free_port(),
+        gateway_port=free_port(),
+        first_engine_port=free_port(),
+        log_dir=log_dir,
+        models=[model],
+    )
+    fleet = Fleet(spec)
+    try:
+        fleet.start_redis()
+        deadline = time.monotonic() + 600
+        first = [fleet.start_engine(model, index) for index in range(2)]
+        for replica in first:
+            fleet.wait_healthy(replica.url, deadline)
+        gateway = start_router(fleet, "pagefleet:affinity", [r.url for r in first])
+        progress(f"tiers {'on' if tiers else 'off'}: warming two replicas with {warm} requests")
+        asyncio.run(replay(gateway, MODEL, shared_prompts(rate, warm, seed=1)))
+        joining = fleet.start_engine(model, 2)
+        fleet.wait_healthy(joining.url, deadline)
+        time.sleep(1.5)  # the gateway sees its record
+        progress(f"tiers {'on' if tiers else 'off'}: a third replica joined; {requests} requests")
+        outcomes, _ = asyncio.run(replay(gateway, MODEL, shared_prompts(rate, requests, seed=2)))
+        new = [o for o in outcomes if o.replica == joining.replica_id]
+        return {"new replica": summary(new), "all": summary(outcomes)}
+    finally:
+        fleet.stop()
+
+
+def summary(outcomes: list[Outcome]) -> dict[str, float]:
+    ok = [o for o in outcomes if o.ok]
+    ttft = [o.ttft for o in ok]
+    prompt = sum(o.prompt_tokens for o in ok)
+    return {
+        "requests": len(outcomes),
+        "failed": len(outcomes) - len(ok),
+        "ttft_p50": percentile(ttft, 0.5),
+        "ttft_p90": percentile(ttft, 0.9),
+        "cached": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=float, default=3.0)
+    parser.add_argument("--warm", type=int, default=40)
+    parser.add_argument("--requests", type=int, default=180)
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for tiers in (True, False):
+            results[tiers] = run(tiers, args.rate, args.warm, args.requests, Path(folder) / f"tiers-{tiers}" / "logs")
+    print("tiers | who          | requests | failed | TTFT p50 | TTFT p90 | cached")
+    for tiers, by_who in results.items():
+        for who, cell in by_who.items():
+            print(
+                f"{'on ' if tiers else 'off'}   | {who:12s} | {cell['requests']:8.0f} | {cell['failed']:6.0f} "
+                f"| {cell['ttft_p50']:7.2f}s | {cell['ttft_p90']:7.2f}s | {cell['cached']:5.0%}"
+            )
+    on, off = results[True]["new replica"]["ttft_p90"], results[False]["new replica"]["ttft_p90"]
+    print(f"the new replica's TTFT p90, tiers on / off: x{on / off:.2f} (target: at most 0.5)")
+
+
+if __name__ == "__main__":
+    main()
