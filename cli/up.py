@@ -87,6 +87,7 @@ class FleetSpec(BaseModel):
         if not self.kv_tier or "--kv-cache-dir" in model.flags:
             return None
         return (self.kv_cache_dir or self.log_dir.parent / "kv") / model.name
+
     models: list[ModelSpec] = Field(
         default_factory=lambda: [
             ModelSpec(
