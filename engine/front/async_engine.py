@@ -74,7 +74,7 @@ class AsyncEngine:
         # Aborts handed over by callers that cannot wait (cancelled tasks); the engine
         # thread applies them before its next step. deque.append is thread-safe.
         self._pending_aborts: collections.deque[str] = collections.deque()
-        self._releases: collections.deque[Callable[[], Any]] = collections.deque()  # pins and held blocks
+        self._releases: collections.deque[Callable[[], Any]] = collections.deque()  # pin releases and check-ins
         self._calls: collections.deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         # add_request runs here: off the event loop, and as a Future an abort can wait on.
         self._adder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagefleet-add")
@@ -270,18 +270,17 @@ class AsyncEngine:
         self, hashes: list[int], token_ids: list[int]
     ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Copies of the KV of the longest prefix of `hashes` this replica caches (for a
-        peer's pull): its block count and each layer's keys and values. The blocks are held
-        only while they are copied, without stalling the steps."""
-        blocks = await asyncio.wrap_future(
-            self._on_engine_thread(self.engine.checkout_cached_prefix, hashes, token_ids)
-        )
+        peer's pull): its block count and each layer's keys and values. Read beside a running
+        step, without waiting for it (the holder of a prefix a peer pulls is busy by
+        definition): the blocks are copied without a reference, then only those still
+        holding their contents are kept (a full cached block is never written in place; one
+        evicted meanwhile has lost its hash)."""
+        blocks = self.engine.peek_cached_prefix(hashes, token_ids)
         if not blocks:
             return 0, []
-        try:
-            return len(blocks), await asyncio.to_thread(self.engine.read_blocks, blocks)
-        finally:
-            self._releases.append(functools.partial(self.engine.release_blocks, blocks))
-            self._wake.set()
+        copied = await asyncio.to_thread(self.engine.read_blocks, blocks)
+        kept = self.engine.count_still_cached(blocks, hashes, token_ids)
+        return kept, [(keys[:kept], values[:kept]) for keys, values in copied]
 
     def release_pinned(self, request_id: str) -> None:
         """Free a pulled prompt's blocks before the next step (from any thread, no wait)."""

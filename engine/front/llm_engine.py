@@ -266,21 +266,28 @@ class LLMEngine:
         local = self.kv_cache.pool.count_cached(hashes, token_ids, self.kv_cache.block_size)
         return max(local, self.tier.store.count_present(hashes)) if self.tier is not None else local
 
-    def checkout_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> list[int]:
-        """A reference on each cached block of the longest prefix of `hashes` (full blocks of
-        `token_ids`) this replica holds, for a peer to read; `release_blocks` drops them."""
+    def peek_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (full blocks of `token_ids`),
+        without a reference (any thread): a step may evict and rewrite them meanwhile, so a
+        reader copies them and then keeps only what `count_still_cached` confirms."""
         size, pool = self.kv_cache.block_size, self.kv_cache.pool
         blocks: list[int] = []
         for index, block_hash in enumerate(hashes):
             block_id = pool.try_lookup(block_hash, tuple(token_ids[index * size : (index + 1) * size]))
             if block_id is None:
                 break
-            pool.touch(block_id)
             blocks.append(block_id)
         return blocks
 
-    def release_blocks(self, block_ids: list[int]) -> None:
-        self.kv_cache.pool.free(block_ids[::-1])
+    def count_still_cached(self, block_ids: list[int], hashes: list[int], token_ids: list[int]) -> int:
+        """How many of `block_ids` (from `peek_cached_prefix`), from the first, still hold
+        their blocks' contents: a block evicted since was given another hash or none."""
+        size, pool = self.kv_cache.block_size, self.kv_cache.pool
+        for index, block_id in enumerate(block_ids):
+            tokens = tuple(token_ids[index * size : (index + 1) * size])
+            if pool.try_lookup(hashes[index], tokens) != block_id:
+                return index
+        return len(block_ids)
 
     def expire_pins(self) -> int:
         """Free the prompts no decode replica pulled in time."""
