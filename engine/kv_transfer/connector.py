@@ -83,25 +83,19 @@ class HTTPConnector:
             "layout": layout.as_dict(),
         }
         url = f"http://{remote.host}:{remote.port}{PULL_PATH}"
+        source = f"the prefill replica {remote.engine_id}"
         try:
-            async with self._client().post(url, json=body) as response:
-                if response.status != 200:
-                    raise KVTransferError(
-                        f"the prefill replica {remote.engine_id} refused the pull: {await _reason(response)}"
-                    )
-                reader = wire.FrameReader()
-                frames: list[tuple[dict[str, Any], bytes]] = []
-                async for chunk in response.content.iter_any():
-                    frames += reader.feed(chunk)
+            frames = await post_for_frames(self.client(), url, body)
+        except PullRefusedError as error:
+            raise KVTransferError(f"{source} refused the pull: {error.reason}") from None
         except (aiohttp.ClientError, TimeoutError, OSError) as error:
-            raise KVTransferError(
-                f"cannot pull from the prefill replica {remote.engine_id} at {url}: {error!r}"
-            ) from None
+            raise KVTransferError(f"cannot pull from {source} at {url}: {error!r}") from None
         except ValueError as error:
-            raise KVTransferError(f"the prefill replica {remote.engine_id} sent a broken stream: {error}") from None
-        return assemble(frames, layout, token_ids[:num_tokens], num_blocks, f"the prefill replica {remote.engine_id}")
+            raise KVTransferError(f"{source} sent a broken stream: {error}") from None
+        return assemble(frames, layout, token_ids[:num_tokens], num_blocks, source)
 
-    def _client(self) -> aiohttp.ClientSession:
+    def client(self) -> aiohttp.ClientSession:
+        """This replica's HTTP session for KV transfers (pulls from prefill replicas and peers)."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         return self._session
@@ -109,6 +103,34 @@ class HTTPConnector:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+class PullRefusedError(KVTransferError):
+    """The other replica answered, but not with KV (its status and its error's message)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+async def post_for_frames(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> list[tuple[dict[str, Any], bytes]]:
+    """POST `body` and read the answer's frames (wire.py).
+
+    Raises:
+        PullRefusedError: an answer other than 200.
+        aiohttp.ClientError, TimeoutError, OSError: the other replica cannot be reached.
+        ValueError: the bytes are not frames.
+    """
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise PullRefusedError(response.status, await _reason(response))
+        reader = wire.FrameReader()
+        frames: list[tuple[dict[str, Any], bytes]] = []
+        async for chunk in response.content.iter_any():
+            frames += reader.feed(chunk)
+    return frames
 
 
 async def _reason(response: aiohttp.ClientResponse) -> str:

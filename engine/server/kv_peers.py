@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.kv_tiers.cost import TierCost
 from pagefleet.engine.kv_transfer import wire
-from pagefleet.engine.kv_transfer.connector import assemble
+from pagefleet.engine.kv_transfer.connector import PullRefusedError, assemble, post_for_frames
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.protocol.block_hash import reusable_prefix
@@ -77,14 +77,17 @@ class PeerPrefixes:
     """This replica's pulls from its peers (the requesting side)."""
 
     def __init__(
-        self, metrics: ServerMetrics, layout_of: Callable[[AsyncEngine], KVLayout], mode: str, timeout: float
+        self,
+        metrics: ServerMetrics,
+        layout_of: Callable[[AsyncEngine], KVLayout],
+        mode: str,
+        session: Callable[[], aiohttp.ClientSession],
     ) -> None:
         self.metrics = metrics
         self.layout_of = layout_of
         self.mode = mode  # "auto" (the cost model decides), "always" or "off"
-        self.timeout = timeout
+        self.session = session  # the replica's session for KV transfers
         self._cost: TierCost | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     def cost(self, engine: AsyncEngine) -> TierCost:
         if self._cost is None:
@@ -131,15 +134,11 @@ class PeerPrefixes:
 
     async def _request(self, url: str, body: dict[str, Any], layout: KVLayout, full: list[int]) -> RemoteKV | None:
         try:
-            async with self._client().post(url, json=body) as response:
-                if response.status == 404:
-                    return None  # the peer holds no more than this replica
-                if response.status != 200:
-                    raise KVTransferError(f"HTTP {response.status}")
-                reader = wire.FrameReader()
-                frames: list[tuple[dict[str, Any], bytes]] = []
-                async for chunk in response.content.iter_any():
-                    frames += reader.feed(chunk)
+            frames = await post_for_frames(self.session(), url, body)
+        except PullRefusedError as error:
+            if error.status == 404:
+                return None  # the peer holds no more than this replica
+            raise KVTransferError(f"HTTP {error.status}: {error.reason}") from None
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as error:
             raise KVTransferError(repr(error)) from None
         if not frames:
@@ -150,15 +149,6 @@ class PeerPrefixes:
         pulled = assemble(frames, layout, full[: num_blocks * layout.block_size], num_blocks, f"the peer at {url}")
         pulled.origin = "peer"
         return pulled
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
 
 
 def add_peer_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> None:

@@ -50,7 +50,7 @@ class KVTransfers:
         self.model_name = settings.model_name
         self.metrics = metrics
         self.connector = HTTPConnector(settings.replica, settings.url, settings.kv_transfer_timeout)
-        self.peers = PeerPrefixes(metrics, self.layout, settings.kv_peer_pulls, settings.kv_transfer_timeout)
+        self.peers = PeerPrefixes(metrics, self.layout, settings.kv_peer_pulls, self.connector.client)
 
     async def prepare(
         self, engine: AsyncEngine, prompt: PromptType, params: SamplingParams
@@ -89,7 +89,6 @@ class KVTransfers:
 
     async def close(self) -> None:
         await self.connector.close()
-        await self.peers.close()
 
 
 def add_kv_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> None:
