@@ -64,13 +64,13 @@ class _Pending:
 
 
 class FileTier:
-    def __init__(
-        self, store: FileStore, pool: BlockPool, read_blocks: ReadBlocks, cost: TierCost | None = None
-    ) -> None:
+    """One engine's side of the file tier: its writer thread and its reads (module docstring)."""
+
+    def __init__(self, store: FileStore, pool: BlockPool, read_blocks: ReadBlocks, cost: TierCost) -> None:
         self.store = store
         self.pool = pool
         self.read_blocks = read_blocks
-        self.cost = cost or TierCost()
+        self.cost = cost
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._pending = _Pending()
