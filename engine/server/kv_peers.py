@@ -157,14 +157,13 @@ def add_peer_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> Non
     @app.post(PREFIX_PATH)
     async def prefix(body: PrefixRequest) -> Response:
         engine: AsyncEngine = engine_of()
-        ours = transfers.layout(engine)
+        ours, refusal = transfers.check_layout(engine, body.layout, "the pulling replica")
+        if refusal is not None:
+            return refusal
         try:
-            difference = ours.mismatch(KVLayout.from_dict(body.layout), "this replica", "the pulling replica")
             hashes = [int(h, 16) for h in body.hashes]
-        except (KVTransferError, ValueError) as error:
+        except ValueError as error:
             return error_json(400, str(error))
-        if difference:
-            return error_json(409, f"the KV layouts differ, nothing was sent: {difference}")
         if len(body.token_ids) != len(hashes) * ours.block_size:
             return error_json(400, "token_ids must be the hashed blocks' tokens")
         started = time.monotonic()

@@ -87,6 +87,21 @@ class KVTransfers:
         model paths may differ)."""
         return dataclasses.replace(engine.kv_layout(), model=self.model_name)
 
+    def check_layout(
+        self, engine: AsyncEngine, theirs: dict[str, Any], caller: str
+    ) -> tuple[KVLayout, Response | None]:
+        """This replica's layout, and the answer to give instead of sending a byte if the
+        caller's differs: 400 when it is unreadable, 409 naming the difference."""
+        ours = self.layout(engine)
+        try:
+            difference = ours.mismatch(KVLayout.from_dict(theirs), "this replica", caller)
+        except KVTransferError as error:
+            return ours, error_json(400, str(error))
+        if difference:
+            self.metrics.kv_transfer_failures.inc()
+            return ours, error_json(409, f"the KV layouts differ, nothing was sent: {difference}")
+        return ours, None
+
     async def close(self) -> None:
         await self.connector.close()
 
@@ -97,14 +112,9 @@ def add_kv_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> None:
     @app.post(PULL_PATH)
     async def pull(body: PullRequest) -> Response:
         engine: AsyncEngine = engine_of()
-        ours = transfers.layout(engine)
-        try:
-            difference = ours.mismatch(KVLayout.from_dict(body.layout), "this prefill replica", "the decode replica")
-        except KVTransferError as error:
-            return error_json(400, str(error))
-        if difference:
-            transfers.metrics.kv_transfer_failures.inc()
-            return error_json(409, f"the KV layouts differ, nothing was sent: {difference}")
+        ours, refusal = transfers.check_layout(engine, body.layout, "the decode replica")
+        if refusal is not None:
+            return refusal
         try:
             token_ids, blocks = await engine.read_pinned(body.request_id, body.block_ids)
         except KVTransferError as error:

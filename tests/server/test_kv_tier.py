@@ -111,3 +111,29 @@ def test_a_peer_that_cannot_answer_leaves_the_prompt_computed(pair: Pair) -> Non
     assert samples["pagefleet:kv_peer_pulls_total{outcome=failed}"] == 1
     assert samples["pagefleet:kv_peer_pulls_total{outcome=miss}"] == 1
     wait_for(lambda: idle_with_every_block_free(pair.reader))
+
+
+def test_a_holder_refuses_another_layout_before_sending_a_byte(pair: Pair) -> None:
+    """Both KV routes (`/kv/prefix` for peers, `/kv/pull` for decode replicas) check the
+    caller's layout first: 409 naming the difference, 400 for no layout at all."""
+    layout = {
+        "model": pair.holder.model,
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "block_size": 32,  # the holder's blocks are of 16
+        "dtype": "float32",
+    }
+    asks = {
+        "/kv/prefix": {"hashes": ["0" * 16], "token_ids": list(range(32)), "min_blocks": 1},
+        "/kv/pull": {"request_id": "nothing-pinned", "block_ids": [0]},
+    }
+    failures = metrics(pair.holder)["pagefleet:kv_transfer_failures_total"]
+    for path, body in asks.items():
+        refused = httpx.post(f"{pair.holder.url}{path}", json={**body, "layout": layout}, timeout=10)
+        assert refused.status_code == 409, refused.text
+        assert "block_size 16 on this replica, 32 on the" in refused.json()["error"]["message"]
+        unreadable = httpx.post(f"{pair.holder.url}{path}", json={**body, "layout": {}}, timeout=10)
+        assert unreadable.status_code == 400, unreadable.text
+    assert metrics(pair.holder)["pagefleet:kv_transfer_failures_total"] == failures + 2
+    wait_for(lambda: idle_with_every_block_free(pair.holder))
