@@ -1,14 +1,16 @@
 """A replica joining a warm fleet: its first minute's time to first token with the KV tiers
 (the shared file tier and peer pulls) against without them, on the same load.
 
-    python bench/scale_out.py [--rate 3] [--warm 40] [--requests 180]
+    python bench/scale_out.py [--rate 3] [--warm 40] [--requests 180] [--prompts 8]
 
 Two `pagefleet serve` replicas of SmolLM2-135M-Instruct (float32, 250 KV blocks of 16
 tokens, as bench/routing.py) and pagefleet's gateway (`affinity`, its default) serve the
-`shared` workload of bench/routing_workloads.py (8 system prompts of about 930 tokens, a
-short question, 16 answer tokens) for `--warm` requests at `--rate` per second. Then a
-third replica starts; once it is healthy, `--requests` more arrive at the same rate (a
-minute at the defaults). Reported for the requests the new replica answered, and for all
+`shared` workload of bench/routing_workloads.py (`--prompts` system prompts of about 930
+tokens, a short question, 16 answer tokens) for `--warm` requests at `--rate` per second.
+Then a third replica starts; once it is healthy, `--requests` more of the same workload
+(the same system prompts) arrive at the same rate (a minute at the defaults). A replica's
+250 blocks hold about four of the system prompts: at `--prompts 8` the warm fleet holds
+them all, and at 16 it does not. Reported for the requests the new replica answered, and for all
 of them: TTFT p50/p90 and the share of prompt tokens served from a cache. Run once per
 `--settings` entry: `file+peer` (`pagefleet up`'s defaults: the file tier on,
 `--kv-peer-pulls auto`), `file`, `peer`, `off`.
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
 
 from common import free_port, progress
 from routing import MODEL, percentile, start_router
-from routing_workloads import Outcome, replay, shared_prompts
+from routing_workloads import Outcome, Turn, replay, shared_prompts
 
 from pagefleet.cli.up import Fleet, FleetSpec, ModelSpec
 
@@ -40,7 +43,7 @@ SETTINGS = {  # name: (the file tier, peer pulls)
 }
 
 
-def run(setting: str, rate: float, warm: int, requests: int, log_dir: Path) -> dict[str, dict[str, float]]:
+def run(setting: str, load: list[Turn], warm: int, log_dir: Path) -> dict[str, dict[str, float]]:
     file_tier, pulls = SETTINGS[setting]
     model = ModelSpec(name=MODEL, model=MODEL, replicas=3, flags=[*ENGINE_FLAGS, "--kv-peer-pulls", pulls])
     spec = FleetSpec(
@@ -60,12 +63,13 @@ def run(setting: str, rate: float, warm: int, requests: int, log_dir: Path) -> d
             fleet.wait_healthy(replica.url, deadline)
         gateway = start_router(fleet, "pagefleet:affinity", [r.url for r in first])
         progress(f"{setting}: warming two replicas with {warm} requests")
-        asyncio.run(replay(gateway, MODEL, shared_prompts(rate, warm, seed=1)))
+        asyncio.run(replay(gateway, MODEL, load[:warm]))
         joining = fleet.start_engine(model, 2)
         fleet.wait_healthy(joining.url, deadline)
         time.sleep(1.5)  # the gateway sees its record
-        progress(f"{setting}: a third replica joined; {requests} requests")
-        outcomes, _ = asyncio.run(replay(gateway, MODEL, shared_prompts(rate, requests, seed=2)))
+        rest = [dataclasses.replace(turn, at=turn.at - load[warm].at) for turn in load[warm:]]
+        progress(f"{setting}: a third replica joined; {len(rest)} requests")
+        outcomes, _ = asyncio.run(replay(gateway, MODEL, rest))
         new = [o for o in outcomes if o.replica == joining.replica_id]
         report_tiers(joining.url)
         return {"new replica": summary(new), "all": summary(outcomes)}
@@ -106,12 +110,14 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=3.0)
     parser.add_argument("--warm", type=int, default=40)
     parser.add_argument("--requests", type=int, default=180)
+    parser.add_argument("--prompts", type=int, default=8, help="system prompts in the workload")
     parser.add_argument("--settings", default="file+peer,off", help=f"of {', '.join(SETTINGS)}")
     args = parser.parse_args()
+    load = shared_prompts(args.rate, args.warm + args.requests, seed=1, prompts=args.prompts)
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         for setting in args.settings.split(","):
-            results[setting] = run(setting, args.rate, args.warm, args.requests, Path(folder) / setting / "logs")
+            results[setting] = run(setting, load, args.warm, Path(folder) / setting / "logs")
     print("tiers     | who          | requests | failed | TTFT p50 | TTFT p90 | cached")
     for setting, by_who in results.items():
         for who, cell in by_who.items():

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX_PATH = "/kv/prefix"
 PEER_HINT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kv_peer", default=None)
-PULL_LOOKUP_S = 0.03  # a pull's fixed cost: the round trip and the holder's wait for its step to end
+PULL_LOOKUP_S = 0.03  # a pull's fixed cost: the round trip and the holder's copy
 
 
 class PeerHint:
