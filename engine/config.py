@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.kv_transfer.params import ROLES
+from pagefleet.engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,10 @@ class EngineConfig:
             None (default): no file tier.
         kv_cache_dir_size_gib: the most the file tier's directory holds, in GiB (least
             recently used blocks are evicted first).
+        speculative_config: speculative decoding without a draft model, in vLLM's shape:
+            `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 5}`; the engine verifies the drafts only while that is
+            faster on the current load (docs/engine.md). None (default): off.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -102,6 +108,7 @@ class EngineConfig:
     max_logprobs: int = 20
     kv_cache_dir: str | None = None
     kv_cache_dir_size_gib: float = 10.0
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def fail(param: str, message: str) -> None:
@@ -160,8 +167,16 @@ class EngineConfig:
             fail("tensor_parallel_size", "LoRA adapters are not yet served with tensor parallelism (enable_lora)")
         if self.tensor_parallel_size > 1 and self.kv_role != "both":
             fail("tensor_parallel_size", "prefill/decode disaggregation (kv_role) needs tensor_parallel_size=1")
+        if self.speculative_config is not None:
+            self.speculative  # noqa: B018 (parsing checks it)
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             fail("attention_backend", f"must be auto, cpu, torch or triton; got {self.attention_backend!r}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_device(self) -> torch.device:

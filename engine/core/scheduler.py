@@ -19,6 +19,7 @@ from pagefleet.engine.core.request import Request, RequestStatus, Sequence
 from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -26,24 +27,37 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledChunk:
     """`num_new_tokens` tokens of `seq` from position `start` (its computed-token count when
-    scheduled), to be written into `block_table`: all a forward pass needs to know."""
+    scheduled), to be written into `block_table`: all a forward pass needs to know. With
+    speculation, the last `len(draft_token_ids)` of them are drafts that follow the
+    sequence's own tokens (verified after the pass, kept only if accepted)."""
 
     request: Request
     seq: Sequence
     start: int
     num_new_tokens: int
     block_table: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
 
+    @property
+    def num_own_tokens(self) -> int:
+        """The sequence's own tokens in the chunk (the drafts excluded)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_own_tokens] + self.draft_token_ids
+
 
 @dataclass(slots=True)
 class SampleRequest:
-    chunk_index: int  # sample from the logits after this chunk's last token
+    chunk_index: int  # sample from the logits after this chunk's last own token
     seq: Sequence  # who samples: the chunk's own sequence, or a sibling forking from it
     params: SamplingParams
+    draft_token_ids: list[int] = field(default_factory=list)  # to verify at the chunk's next rows
 
 
 @dataclass(slots=True)
@@ -95,10 +109,18 @@ class Scheduler:
     - Invariant: at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences a step.
     """
 
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, lora: LoRAManager | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache: KVCacheManager,
+        lora: LoRAManager | None = None,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.lora = lora
+        self.speculator = speculator
+        self._draft_length = 0  # this step's drafts per sequence (the load switch's choice)
         self.waiting: list[Request] = []  # sorted by arrival_index
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
@@ -125,6 +147,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
+        if self.speculator is not None:
+            self._draft_length = self.speculator.draft_length(len(self.running))
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
@@ -143,8 +167,8 @@ class Scheduler:
                 plan.samples += [SampleRequest(index, seq, request.params) for seq in siblings]
                 plan.forks.append(chunk)
                 request.mark_forked()
-            elif request.fork_point is None and chunk.end == chunk.seq.num_tokens:
-                plan.samples.append(SampleRequest(index, chunk.seq, request.params))
+            elif request.fork_point is None and chunk.start + chunk.num_own_tokens == chunk.seq.num_tokens:
+                plan.samples.append(SampleRequest(index, chunk.seq, request.params, chunk.draft_token_ids))
         return plan
 
     # --- phases -------------------------------------------------------------------------
@@ -259,6 +283,10 @@ class Scheduler:
     def _try_schedule_request(self, request: Request, plan: SchedulePlan, budget: int) -> int | None:
         """Allocate slots for the request's next tokens; None (nothing changed) if blocks
         run out. Returns the number of tokens scheduled."""
+        if self._draft_length and budget > 1:
+            speculated = self._try_speculate(request, plan, budget)
+            if speculated:
+                return speculated
         wanted = []
         reaches_end = []
         for seq in request.active_sequences:
@@ -285,6 +313,22 @@ class Scheduler:
             assert allocated is not None, "blocks_needed said the slots were free"
             plan.chunks.append(ScheduledChunk(request, seq, start, num_new, self.kv_cache.block_table(seq)))
         return sum(n for _, n in wanted)
+
+    def _try_speculate(self, request: Request, plan: SchedulePlan, budget: int) -> int:
+        """A decoding sequence's next token with drafts after it, if the speculator has any
+        and their slots are free (drafts never preempt anyone); 0 if not scheduled."""
+        assert self.speculator is not None
+        seq = request.sequences[0]
+        start = self.kv_cache.num_computed_tokens(seq)
+        if not self.speculator.can_speculate(request) or seq.num_tokens - start != 1:
+            return 0
+        drafts = self.speculator.propose(request, seq, min(self._draft_length, budget - 1))
+        if not drafts or self.kv_cache.blocks_needed(seq, 1 + len(drafts)) > self.kv_cache.num_free_blocks:
+            return 0
+        allocated = self.kv_cache.allocate_slots(seq, 1 + len(drafts))
+        assert allocated is not None, "blocks_needed said the slots were free"
+        plan.chunks.append(ScheduledChunk(request, seq, start, 1 + len(drafts), self.kv_cache.block_table(seq), drafts))
+        return 1 + len(drafts)
 
     def _preempt(self, request: Request, plan: SchedulePlan) -> None:
         self.running.remove(request)

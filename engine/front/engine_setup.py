@@ -28,6 +28,7 @@ from pagefleet.engine.loader import resolve_model_dir
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models import ModelConfig, load_model
 from pagefleet.engine.models.loading import CausalLM
+from pagefleet.engine.spec_decode.speculator import Speculator
 from pagefleet.engine.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     lora: LoRAManager | None  # with enable_lora
+    speculator: Speculator | None  # with speculative_config
 
 
 @dataclass(slots=True)
@@ -106,9 +108,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_blocks, config.block_size, config.enable_prefix_caching, device.num_host_blocks, config.enable_block_sharing
     )
     lora = device.lora
-    scheduler = Scheduler(config, kv_cache, lora)
+    speculative = config.speculative
+    speculator = Speculator(speculative, max_model_len) if speculative is not None else None
+    scheduler = Scheduler(config, kv_cache, lora, speculator)
     return EngineParts(
-        model_dir, tokenizer, model, model_config, max_model_len, kv_cache, scheduler, device.runner, lora
+        model_dir, tokenizer, model, model_config, max_model_len, kv_cache, scheduler, device.runner, lora, speculator
     )
 
 

@@ -96,7 +96,9 @@ class LLMEngine:
         # Prefill/decode disaggregation: prompts kept for decode replicas to pull, and how
         # they reach this replica (the server's; without one, answers name no address).
         self.pins = PinnedPrompts(self.kv_cache.pool.free, config.kv_pin_timeout)
-        self.update = StepUpdate(self.kv_cache, self.scheduler, self.outputs, self.pins, kv_connector)
+        self.update = StepUpdate(
+            self.kv_cache, self.scheduler, self.outputs, self.pins, kv_connector, self.parts.speculator
+        )
         self.tier = self._file_tier(config.kv_cache_dir, int(config.kv_cache_dir_size_gib * (1 << 30)))
 
     def _file_tier(self, directory: str | None, max_bytes: int) -> FileTier | None:
@@ -397,6 +399,7 @@ class LLMEngine:
             num_pin_timeouts=self.pins.num_timeouts,
             prefill_tokens_per_s=self.update.counters.prefill_tokens_per_s,
             kv_tier=self.tier.snapshot() if self.tier is not None else None,
+            spec_decode=self.parts.speculator.snapshot() if self.parts.speculator is not None else None,
         )
 
 

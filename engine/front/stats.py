@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagefleet.engine.kv_tiers.file_tier import TierStats
+from pagefleet.engine.spec_decode.speculator import SpecDecodeStats
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,6 +36,7 @@ class EngineStats:
     num_pin_timeouts: int = 0  # pinned prompts freed because nobody pulled them in time
     prefill_tokens_per_s: float = 0.0  # prompt tokens computed per second, a moving average
     kv_tier: TierStats | None = None  # the file tier's counters, if it is on
+    spec_decode: SpecDecodeStats | None = None  # speculation's counters, if it is on
 
     @property
     def kv_usage(self) -> float:

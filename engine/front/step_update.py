@@ -22,7 +22,8 @@ from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.kv_transfer.connector import KVConnector
 from pagefleet.engine.kv_transfer.pins import PinnedPrompts
 from pagefleet.engine.sample.sampler import SampleResult
-from pagefleet.engine.worker.model_runner import RequestResults
+from pagefleet.engine.spec_decode.speculator import Speculator
+from pagefleet.engine.worker.model_runner import RequestResults, Verified
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +53,14 @@ class StepUpdate:
         outputs: OutputProcessor,
         pins: PinnedPrompts,
         kv_connector: KVConnector | None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.outputs = outputs
         self.pins = pins
         self.kv_connector = kv_connector
+        self.speculator = speculator
         self.counters = StepCounters()
 
     def apply(self, plan: SchedulePlan, results: dict[str, RequestResults], started: float) -> list[RequestOutput]:
@@ -69,7 +72,10 @@ class StepUpdate:
         self.counters.last_step_tokens = sum(c.num_new_tokens for c in chunks)
         touched = self._commit(plan)
         now = time.monotonic()
-        self._measure_prefill(sum(c.num_new_tokens for c in chunks if c.num_new_tokens > 1), now - started)
+        self._measure_prefill(sum(c.num_new_tokens for c in chunks if c.num_own_tokens > 1), now - started)
+        if self.speculator is not None and all(c.num_own_tokens == 1 for c in chunks):
+            num_draft_chunks = sum(1 for c in chunks if c.draft_token_ids)
+            self.speculator.switch.observe_step(self.counters.last_step_tokens, num_draft_chunks, now - started)
         outputs = []
         for request in touched:
             # Each request's own work runs apart: if it raises, that request fails alone.
@@ -100,10 +106,11 @@ class StepUpdate:
         return output
 
     def _commit(self, plan: SchedulePlan) -> list[Request]:
-        """Every chunk's tokens computed; at a fork point, the siblings share the blocks."""
+        """Every chunk's own tokens computed (drafts wait for verification); at a fork
+        point, the siblings share the blocks."""
         touched: dict[str, Request] = {}
         for chunk in plan.chunks:
-            self.kv_cache.commit(chunk.seq, chunk.num_new_tokens)
+            self.kv_cache.commit(chunk.seq, chunk.num_own_tokens)
             touched[chunk.request.request_id] = chunk.request
         for chunk in plan.forks:
             for sibling in chunk.request.sequences[1:]:
@@ -136,6 +143,26 @@ class StepUpdate:
         for sample, row in zip(results.samples, results.rows, strict=True):
             self.outputs.append_token(request, sample.seq, results.sampled, row)
             self.counters.num_generation_tokens += 1
+            verified = results.verified.get(id(sample.seq))
+            if verified is not None:
+                self._take_verified(request, sample.seq, verified)
+
+    def _take_verified(self, request: Request, seq: Sequence, verified: Verified) -> None:
+        """The tokens sampled after the accepted drafts, until the sequence stops; the
+        accepted drafts among them are computed already (their KV was written in this
+        step), the last token emitted is not. Rejected drafts' slots stay uncommitted: the
+        next tokens overwrite them, and they never enter the prefix cache."""
+        num_before = seq.num_tokens
+        for result, row in verified.tokens:
+            if seq.is_finished:
+                break
+            self.outputs.append_token(request, seq, result, row)
+            self.counters.num_generation_tokens += 1
+        num_emitted = seq.num_tokens - num_before  # after the first token, already counted
+        if num_emitted:
+            self.kv_cache.commit(seq, num_emitted)
+        assert self.speculator is not None, "drafts come from the speculator"
+        self.speculator.count(verified.num_drafted, verified.num_accepted)
 
     def _step_beams(self, request: Request, rows: dict[int, int], result: SampleResult) -> None:
         """One beam-search step: continuations extend their parent beam (the first one
@@ -173,6 +200,8 @@ class StepUpdate:
                 self.kv_cache.free(seq)  # siblings still running keep only what they share
         if request.generation_ended:
             self.scheduler.finish(request)
+            if self.speculator is not None:
+                self.speculator.remember(request)
         return self.outputs.make_output(request)
 
     def _pin_prompt(self, request: Request) -> None:

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.kv_tiers.file_tier import TierStats
-from pagefleet.engine.server.vllm_metrics import VLLMRequestMetrics, engine_families
+from pagefleet.engine.server.vllm_metrics import VLLMRequestMetrics, engine_families, spec_decode_families
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -78,6 +78,8 @@ class EngineCollector(Collector):
         yield counter("kv_pin_timeouts", "Prefilled prompts freed because nobody pulled them.", stats.num_pin_timeouts)
         if stats.kv_tier is not None:
             yield from _tier_families(counter, stats.kv_tier)
+        if stats.spec_decode is not None:
+            yield from spec_decode_families("pagefleet", ["model_name"], label, stats.spec_decode)
         yield counter("prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
 

@@ -43,6 +43,7 @@ ENGINE_FIELDS = (
     "skip_tokenizer_init",
     "kv_cache_dir",
     "kv_cache_dir_size_gib",
+    "speculative_config",
 )
 
 
@@ -135,6 +136,11 @@ class ServerSettings(BaseSettings):
         "auto",
         description="pull a prompt's prefix from the replica the gateway names as its holder: when the cost "
         "model says it beats computing it (auto), whenever the peer may have more (always), never (docs/kv-tiers.md)",
+    )
+    speculative_config: dict[str, Any] | None = Field(
+        None,
+        description='speculative decoding without a draft model, vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (docs/engine.md)',
     )
     skip_tokenizer_init: bool = Field(
         _default("skip_tokenizer_init"), description="load no tokenizer: token ids in, token ids out (vLLM's)"

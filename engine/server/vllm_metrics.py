@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.spec_decode.speculator import SpecDecodeStats
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"
@@ -81,6 +82,28 @@ def engine_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
         counter = CounterMetricFamily(f"vllm:{name}", doc, labels=LABELS)
         counter.add_metric(label, total)
         yield counter
+    if stats.spec_decode is not None:
+        yield from spec_decode_families("vllm", LABELS, label, stats.spec_decode)
+
+
+def spec_decode_families(prefix: str, labels: list[str], values: list[str], spec: SpecDecodeStats) -> Iterator[Metric]:
+    """Speculative decoding's counters under vLLM's names (`prefix` "vllm" or "pagefleet")."""
+    for name, doc, total in (
+        ("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+        ("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+    ):
+        counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)
+        counter.add_metric(values, total)
+        yield counter
+    per_position = CounterMetricFamily(
+        f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=[*labels, "position"],
+    )
+    for position, accepted in enumerate(spec.accepted_per_position):
+        per_position.add_metric([*values, str(position)], accepted)
+    yield per_position
 
 
 class VLLMRequestMetrics:

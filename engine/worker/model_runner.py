@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagefleet.engine.core.kv_cache_manager import PendingCopies
+from pagefleet.engine.core.request import Sequence
 from pagefleet.engine.core.scheduler import SampleRequest, ScheduledChunk, SchedulePlan
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, StepLayout, allocate_kv_cache
@@ -37,6 +38,18 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class Verified:
+    """A sequence's drafts after verification: `num_accepted` of `num_drafted` matched what
+    sampling chose at their positions; `tokens` are the tokens sampled after the first
+    one, in order (the accepted drafts' successors: the last is the correction or bonus
+    token), each as (result, row)."""
+
+    num_drafted: int
+    num_accepted: int = 0
+    tokens: list[tuple[SampleResult, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class RequestResults:
     """One request's part of a step: its sampled rows and prompt logprobs, or the error
     that its own part raised (the forward pass is shared; sampling is per request)."""
@@ -45,6 +58,7 @@ class RequestResults:
     rows: list[int] = field(default_factory=list)  # rows[i]: the row of samples[i] in `sampled`
     sampled: SampleResult | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    verified: dict[int, Verified] = field(default_factory=dict)  # by id(sequence), with drafts
     error: Exception | None = None
 
 
@@ -133,12 +147,18 @@ class ModelRunner:
         """
         chunks, samples = plan.chunks, plan.samples
         input_ids, positions, layout, last_rows = self._build_batch(chunks)
-        logit_rows = [last_rows[s.chunk_index] for s in samples]
+        own_rows = [last_rows[s.chunk_index] - len(s.draft_token_ids) for s in samples]
+        logit_rows = list(own_rows)
         prompt_spans = {}  # chunk index -> its rows among the logits
         for index in plan.prompt_logprob_chunks:
             first_row, count = self._prompt_rows(chunks[index], last_rows[index])
             prompt_spans[index] = (len(logit_rows), len(logit_rows) + count)
             logit_rows.extend(range(first_row, first_row + count))
+        draft_spans = {}  # sample index -> its draft positions' rows among the logits
+        for index, (sample, row) in enumerate(zip(samples, own_rows, strict=True)):
+            if sample.draft_token_ids:
+                draft_spans[index] = len(logit_rows)
+                logit_rows.extend(range(row + 1, row + 1 + len(sample.draft_token_ids)))
         step = StepInputs(plan.copies, input_ids, positions, layout, logit_rows)
         if self.workers is not None:
             self.workers.send(step)
@@ -152,7 +172,10 @@ class ModelRunner:
 
         if samples:
             assert logits is not None
-            self._sample(logits[: len(samples)], samples, [results_of(s.chunk_index) for s in samples])
+            owners = [results_of(s.chunk_index) for s in samples]
+            self._sample(logits[: len(samples)], samples, owners)
+            if draft_spans:
+                self._verify(logits, samples, owners, draft_spans)
         for index, (start, end) in prompt_spans.items():
             owner = results_of(index)
             try:
@@ -204,6 +227,57 @@ class ModelRunner:
             owner.rows.append(row)
             owner.sampled = result
 
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        samples: list[SampleRequest],
+        owners: list[RequestResults],
+        draft_spans: dict[int, int],
+    ) -> None:
+        """Walk each sequence's drafts position by position: a draft is accepted when the
+        token sampled at its position (from the logits before it, with every penalty and
+        constraint applied to the sequence as if the drafts before it were its own) is
+        the draft itself; the first mismatch, or the position after the last draft, gives
+        one more token, sampled there. Every emitted token is thus drawn from exactly the
+        distribution it has without speculation, and a seeded request draws its random
+        numbers in the same order (one per emitted token): the same output either way.
+        Positions after a mismatch are never sampled."""
+        walking = []  # (sample index, its Verified) still matching
+        for index in draft_spans:
+            owner, sample = owners[index], samples[index]
+            if owner.sampled is None or owner.error is not None:
+                continue
+            verified = owner.verified.setdefault(id(sample.seq), Verified(len(sample.draft_token_ids)))
+            row = next(r for s, r in zip(owner.samples, owner.rows, strict=True) if s is sample)
+            first = owner.sampled.token_ids[row]
+            if first == sample.draft_token_ids[0]:
+                walking.append((index, verified))
+        position = 0
+        while walking:
+            position += 1
+            seqs, params, rows = [], [], []
+            for index, verified in walking:
+                verified.num_accepted += 1
+                sample = samples[index]
+                drafts = sample.draft_token_ids
+                seq = sample.seq
+                tokens = seq.token_ids + drafts[:position]  # as if the accepted drafts were its own
+                seqs.append(Sequence(seq.index, tokens, seq.num_prompt_tokens, generator=seq.generator))
+                params.append(sample.params)
+                rows.append(draft_spans[index] + position - 1)
+            try:
+                result = self.sampler(logits[rows], seqs, params)
+            except Exception:  # the tokens emitted so far stand; this position is not taken
+                logger.warning("sampling a draft position failed; keeping the tokens before it", exc_info=True)
+                return
+            still = []
+            for row, (index, verified) in enumerate(walking):
+                verified.tokens.append((result, row))
+                drafts = samples[index].draft_token_ids
+                if position < len(drafts) and result.token_ids[row] == drafts[position]:
+                    still.append((index, verified))
+            walking = still
+
     def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, StepLayout, list[int]]:
         """The flat batch of `chunks` and its attention layout."""
         bs = self.block_size
@@ -216,7 +290,7 @@ class ModelRunner:
         for chunk in chunks:
             start, end, num_new = chunk.start, chunk.end, chunk.num_new_tokens
             row = len(input_ids)
-            input_ids.extend(chunk.seq.token_ids[start:end])
+            input_ids.extend(chunk.input_token_ids)
             table = chunk.block_table[: (end + bs - 1) // bs]
             if num_new == 1:
                 assert not prefills, "decode chunks must come before prefill chunks"

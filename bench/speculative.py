@@ -1,0 +1,136 @@
+"""Speculative decoding (n-gram prompt lookup) against none, same run, same engine build.
+
+    python bench/speculative.py [--workloads extractive,structured,chat] [--concurrency 1,16,64]
+                                [--temperatures 0] [--dtype float32] [--max-tokens 128]
+
+SmolLM2-135M-Instruct, offline: `--concurrency` c requests of one workload are queued at
+once and run to the end (c = 1 runs three requests one after the other). Workloads:
+`extractive` (repeat a given text: the Zen of Python, from the standard library's `this`),
+`structured` (JSON records of a given shape, which repeat their keys), `chat` (open
+questions; little to copy). For each cell: output tokens/s, TPOT p50/p99 (time between a
+request's first and last token over its tokens after the first) and the mean tokens per
+speculating step, with speculation and without, and the ratios. The engine runs at its
+defaults plus `speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+"prompt_lookup_min": 2, "prompt_lookup_max": 5}`; the load switch decides per step.
+Greedy outputs are checked token for token against the run without speculation.
+Targets (issue 36): extractive at concurrency 1, TPOT at most 0.5x; every workload at
+concurrency 64, throughput at least 0.97x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import io
+import statistics
+import time
+
+from common import progress
+
+MODEL = "smollm2-135m-instruct"
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints it
+    import this
+ZEN = codecs.decode(this.s, "rot13").splitlines()[2:]
+TOPICS = ["the sea", "mountains", "bread", "trains", "music", "winter", "bees", "libraries"]
+SHAPES = ["name, age, city", "title, author, year", "city, country, population", "product, price, stock"]
+
+
+def prompts(workload: str, count: int) -> list[list[dict[str, str]]]:
+    chats = []
+    for index in range(count):
+        if workload == "extractive":
+            start = (index * 3) % (len(ZEN) - 8)
+            text = "\n".join(ZEN[start : start + 8])
+            content = f"Repeat the following text exactly, line by line:\n\n{text}"
+        elif workload == "structured":
+            content = f"Write 8 JSON records with the fields {SHAPES[index % len(SHAPES)]}, one per line."
+        else:
+            content = f"Tell me something interesting about {TOPICS[index % len(TOPICS)]}."
+        chats.append([{"role": "user", "content": content}])
+    return chats
+
+
+def run(llm, chats: list, concurrency: int, temperature: float, max_tokens: int) -> dict:  # type: ignore[no-untyped-def]
+    """Tokens/s, TPOTs and outputs of `chats`, `concurrency` at a time."""
+    from pagefleet.engine import RequestOutputKind, SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
+    tpots, outputs, total = [], {}, 0
+    started = time.perf_counter()
+    for first in range(0, len(chats), concurrency):
+        times: dict[str, list[float]] = {}
+        for index, chat in enumerate(chats[first : first + concurrency], start=first):
+            engine.add_request(f"r{index}", llm.apply_chat_template(chat), params)
+            outputs[f"r{index}"] = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                new = output.outputs[0].token_ids if output.outputs else []
+                if new:
+                    now = time.perf_counter()
+                    times.setdefault(output.request_id, []).extend([now] * len(new))
+                    outputs[output.request_id].extend(new)
+        for stamps in times.values():
+            total += len(stamps)
+            if len(stamps) > 1:
+                tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    seconds = time.perf_counter() - started
+    tpots.sort()
+    return {
+        "tokens_per_s": total / seconds,
+        "tpot_p50": statistics.median(tpots),
+        "tpot_p99": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))],
+        "outputs": [outputs[key] for key in sorted(outputs, key=lambda k: int(k[1:]))],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="extractive,structured,chat")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--temperatures", default="0")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    from pagefleet.engine import LLM
+
+    engines = {
+        "none": LLM(MODEL, dtype=args.dtype),
+        "ngram": LLM(MODEL, dtype=args.dtype, speculative_config=SPECULATION),
+    }
+    for llm in engines.values():  # warm-up
+        run(llm, prompts("chat", 2), 2, 0.0, 16)
+    print(
+        "workload   | conc | temp | none tok/s | ngram tok/s | ratio | TPOT p50 none/ngram | ratio | p99 ratio "
+        "| tokens/draft step | equal"
+    )
+    for workload in args.workloads.split(","):
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            chats = prompts(workload, max(3, concurrency) if concurrency == 1 else concurrency)
+            for temperature in (float(t) for t in args.temperatures.split(",")):
+                cell = {}
+                for name, llm in engines.items():
+                    before = llm.stats().spec_decode
+                    progress(f"{workload} c={concurrency} t={temperature} {name}")
+                    cell[name] = run(llm, chats, concurrency, temperature, args.max_tokens)
+                    after = llm.stats().spec_decode
+                    if before is not None and after is not None:
+                        drafts = after.num_drafts - before.num_drafts
+                        accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                        cell[name]["per_step"] = (drafts + accepted) / drafts if drafts else 0.0
+                none, ngram = cell["none"], cell["ngram"]
+                equal = sum(a == b for a, b in zip(none["outputs"], ngram["outputs"], strict=True))
+                print(
+                    f"{workload:10s} | {concurrency:4d} | {temperature:4.1f} | {none['tokens_per_s']:10.1f} | "
+                    f"{ngram['tokens_per_s']:11.1f} | {ngram['tokens_per_s'] / none['tokens_per_s']:5.2f}x | "
+                    f"{none['tpot_p50'] * 1000:6.1f} / {ngram['tpot_p50'] * 1000:6.1f} ms | "
+                    f"{ngram['tpot_p50'] / none['tpot_p50']:5.2f}x | {ngram['tpot_p99'] / none['tpot_p99']:5.2f}x | "
+                    f"{ngram.get('per_step', 0.0):5.2f} | {equal}/{len(chats)}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
