@@ -31,12 +31,13 @@ def test_a_speculating_server_answers_as_an_engine_that_does_not(tiny_llama: Pat
         answer = httpx.post(f"{speculating.url}/v1/completions", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == expected
+        # How many drafts the load switch lets through depends on the step times it
+        # measures (the engine tests count them); the counters are there either way.
         samples = metrics(speculating)
-        assert samples["vllm:spec_decode_num_drafts_total{engine=0}"] >= 1
-        assert samples["vllm:spec_decode_num_draft_tokens_total{engine=0}"] >= 1
-        assert "vllm:spec_decode_num_accepted_tokens_total{engine=0}" in samples
-        assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{engine=0,position=2}" in samples
-        assert samples["pagefleet:spec_decode_num_drafts_total"] >= 1
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert samples[f"vllm:spec_decode_{name}_total{{engine=0}}"] >= 0
+            assert samples[f"pagefleet:spec_decode_{name}_total"] >= 0
+        assert samples["vllm:spec_decode_num_accepted_tokens_per_pos_total{engine=0,position=2}"] >= 0
         wait_for(lambda: idle_with_every_block_free(speculating))
     finally:
         stop_server(speculating)
