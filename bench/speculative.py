@@ -1,19 +1,21 @@
-"""Speculative decoding (n-gram prompt lookup) against none, same run, same engine build.
+"""Speculative decoding (n-gram prompt lookup, suffix decoding) against none, same run.
 
     python bench/speculative.py [--workloads extractive,structured,chat] [--concurrency 1,16,64]
-                                [--temperatures 0] [--dtype float32] [--max-tokens 128]
+                                [--temperatures 0] [--methods ngram,suffix] [--dtype float32]
+                                [--max-tokens 128]
 
 SmolLM2-135M-Instruct, offline: `--concurrency` c requests of one workload are queued at
-once and run to the end (c = 1 runs three requests one after the other). Workloads:
+once and run to the end (c = 1 runs eight requests one after the other). Workloads:
 `extractive` (repeat a given text: the Zen of Python, from the standard library's `this`),
 `structured` (JSON records of a given shape, which repeat their keys), `chat` (open
 questions; little to copy). For each cell: output tokens/s, TPOT p50/p99 (time between a
 request's first and last token over its tokens after the first) and the mean tokens per
-speculating step, with speculation and without, and the ratios. The engine runs at its
-defaults plus `speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-"prompt_lookup_min": 2, "prompt_lookup_max": 5}`; the load switch decides per step.
-Greedy outputs are checked token for token against the run without speculation.
-Targets (issue 36): extractive at concurrency 1, TPOT at most 0.5x; every workload at
+speculating step, with speculation (each of `--methods`) and without, and the ratios. The
+engine runs at its defaults plus `speculative_config` (`METHODS` below); the load switch
+decides per step. Outputs (greedy, and seeded sampling) are checked token for token against
+the run without speculation.
+Targets (issue 36): extractive at concurrency 1, TPOT at most 0.5x; structured at
+concurrency 1 with suffix, at most 0.6x; chat at every concurrency and every workload at
 concurrency 64, throughput at least 0.97x.
 """
 
@@ -29,7 +31,10 @@ import time
 from common import progress
 
 MODEL = "smollm2-135m-instruct"
-SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "suffix": {"method": "suffix"},  # vLLM's defaults: up to 24 drafts
+}
 with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints it
     import this
 ZEN = codecs.decode(this.s, "rot13").splitlines()[2:]
@@ -91,24 +96,24 @@ def main() -> None:
     parser.add_argument("--workloads", default="extractive,structured,chat")
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--temperatures", default="0")
+    parser.add_argument("--methods", default="ngram", help="of ngram, suffix")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     from pagefleet.engine import LLM
 
-    engines = {
-        "none": LLM(MODEL, dtype=args.dtype),
-        "ngram": LLM(MODEL, dtype=args.dtype, speculative_config=SPECULATION),
-    }
+    engines = {"none": LLM(MODEL, dtype=args.dtype)}
+    for method in args.methods.split(","):
+        engines[method] = LLM(MODEL, dtype=args.dtype, speculative_config=METHODS[method])
     for llm in engines.values():  # warm-up
         run(llm, prompts("chat", 2), 2, 0.0, 16)
     print(
-        "workload   | conc | temp | none tok/s | ngram tok/s | ratio | TPOT p50 none/ngram | ratio | p99 ratio "
-        "| tokens/draft step | equal"
+        "workload   | conc | temp | method | tok/s none / method | ratio | TPOT p50 none / method | ratio "
+        "| p99 ratio | tokens/draft step | equal"
     )
     for workload in args.workloads.split(","):
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            chats = prompts(workload, max(3, concurrency) if concurrency == 1 else concurrency)
+            chats = prompts(workload, 8 if concurrency == 1 else concurrency)
             for temperature in (float(t) for t in args.temperatures.split(",")):
                 cell = {}
                 for name, llm in engines.items():
@@ -120,16 +125,19 @@ def main() -> None:
                         drafts = after.num_drafts - before.num_drafts
                         accepted = after.num_accepted_tokens - before.num_accepted_tokens
                         cell[name]["per_step"] = (drafts + accepted) / drafts if drafts else 0.0
-                none, ngram = cell["none"], cell["ngram"]
-                equal = sum(a == b for a, b in zip(none["outputs"], ngram["outputs"], strict=True))
-                print(
-                    f"{workload:10s} | {concurrency:4d} | {temperature:4.1f} | {none['tokens_per_s']:10.1f} | "
-                    f"{ngram['tokens_per_s']:11.1f} | {ngram['tokens_per_s'] / none['tokens_per_s']:5.2f}x | "
-                    f"{none['tpot_p50'] * 1000:6.1f} / {ngram['tpot_p50'] * 1000:6.1f} ms | "
-                    f"{ngram['tpot_p50'] / none['tpot_p50']:5.2f}x | {ngram['tpot_p99'] / none['tpot_p99']:5.2f}x | "
-                    f"{ngram.get('per_step', 0.0):5.2f} | {equal}/{len(chats)}",
-                    flush=True,
-                )
+                none = cell.pop("none")
+                for name, other in cell.items():
+                    equal = sum(a == b for a, b in zip(none["outputs"], other["outputs"], strict=True))
+                    print(
+                        f"{workload:10s} | {concurrency:4d} | {temperature:4.1f} | {name:6s} | "
+                        f"{none['tokens_per_s']:6.1f} / {other['tokens_per_s']:6.1f} | "
+                        f"{other['tokens_per_s'] / none['tokens_per_s']:5.2f}x | "
+                        f"{none['tpot_p50'] * 1000:6.1f} / {other['tpot_p50'] * 1000:6.1f} ms | "
+                        f"{other['tpot_p50'] / none['tpot_p50']:5.2f}x | "
+                        f"{other['tpot_p99'] / none['tpot_p99']:5.2f}x | "
+                        f"{other.get('per_step', 0.0):5.2f} | {equal}/{len(chats)}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

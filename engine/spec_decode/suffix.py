@@ -57,7 +57,9 @@ def propose_suffix(
     max_spec_factor: float,
     min_token_prob: float,
 ) -> list[int]:
-    """Up to `num_tokens` drafts after `token_ids` (see the module docstring)."""
+    """Up to `num_tokens` drafts after `token_ids` (see the module docstring). Of the match
+    lengths worth trying (the longest, and shorter ones that leave the draft more of the
+    depth), the one whose draft has the most expected accepted tokens wins."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     if len(tokens) < 2 or num_tokens < 1:
         return []
@@ -67,27 +69,47 @@ def propose_suffix(
     if len(corpus) > 1:
         sources.append((corpus, *match_ends(corpus, tail, max_depth)))
     longest = max((int(matched.max()) for _, _, matched in sources if len(matched)), default=0)
-    room = min(num_tokens, int(max_spec_factor * longest), max_depth - longest)
-    if room < 1:
-        return []
-    # Each best match's next `room` tokens (the separator, or the end, where they stop).
+    best: tuple[float, list[int]] = (0.0, [])
+    for length in sorted({longest, min(longest, max_depth // 2), min(longest, max(1, max_depth // 4))}, reverse=True):
+        room = min(num_tokens, int(max_spec_factor * length), max_depth - length)
+        if length < 1 or room < 1:
+            continue
+        scored = _walk(_continuations(sources, length, room), min_token_prob)
+        if scored[0] > best[0]:
+            best = scored
+    return best[1]
+
+
+def _continuations(sources: list[tuple[np.ndarray, np.ndarray, np.ndarray]], length: int, room: int) -> np.ndarray:
+    """The next `room` tokens after every match of at least `length` tokens (a separator, or
+    the corpus's end, where they stop), one row each."""
     rows = []
     for corpus_tokens, ends, matched in sources:
-        starts = ends[matched == longest] + 1
+        starts = ends[matched >= length] + 1
         index = starts[:, None] + np.arange(room)[None, :]
         padded = np.concatenate([corpus_tokens, np.full(room, _SEPARATOR, dtype=np.int64)])
         rows.append(padded[index])
-    continuations = np.concatenate(rows)
+    return np.concatenate(rows)
+
+
+def _walk(continuations: np.ndarray, min_token_prob: float) -> tuple[float, list[int]]:
+    """The draft that follows the most frequent continuation token by token while its
+    share is at least `min_token_prob`, and its expected number of accepted tokens (the
+    sum of the shares' running products)."""
     drafts: list[int] = []
-    for position in range(room):
+    chance, expected = 1.0, 0.0
+    for position in range(continuations.shape[1]):
         column = continuations[:, position]
-        column = column[column != _SEPARATOR]
-        if not len(column):
+        known = column[column != _SEPARATOR]
+        if not len(known):
             break
-        values, counts = np.unique(column, return_counts=True)
+        values, counts = np.unique(known, return_counts=True)
         best = int(counts.argmax())
-        if counts[best] / len(continuations) < min_token_prob:
+        share = counts[best] / len(continuations)
+        if share < min_token_prob:
             break
         drafts.append(int(values[best]))
-        continuations = continuations[continuations[:, position] == values[best]]
-    return drafts
+        chance *= share
+        expected += chance
+        continuations = continuations[column == values[best]]
+    return expected, drafts
