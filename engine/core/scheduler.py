@@ -106,6 +106,9 @@ class Scheduler:
       one cannot get its blocks the newest running request is preempted (recompute: its
       blocks freed, it waits again; swap: its blocks moved to host memory). Waiting requests
       are admitted strictly in arrival order, and none in a step that preempted.
+    - With a speculator, a decoding sequence's chunk may carry draft tokens after its last
+      token, as many as the load switch allows this step and only if their slots are free
+      (drafts never preempt).
     - Invariant: at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences a step.
     """
 

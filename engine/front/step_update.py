@@ -75,7 +75,7 @@ class StepUpdate:
         self._measure_prefill(sum(c.num_new_tokens for c in chunks if c.num_own_tokens > 1), now - started)
         if self.speculator is not None and all(c.num_own_tokens == 1 for c in chunks):
             num_draft_chunks = sum(1 for c in chunks if c.draft_token_ids)
-            self.speculator.switch.observe_step(self.counters.last_step_tokens, num_draft_chunks, now - started)
+            self.speculator.observe_step(self.counters.last_step_tokens, num_draft_chunks, now - started)
         outputs = []
         for request in touched:
             # Each request's own work runs apart: if it raises, that request fails alone.

@@ -3,7 +3,7 @@ counters vLLM's metrics report.
 
 Draft tokens are verified in the next forward pass together with the sequence's last
 token, as a short chunk through the attention paths chunked prefill uses; the sampler then
-walks the drafts position by position (sample/verify.py), and the step's update keeps the
+walks the drafts position by position (`ModelRunner._verify`), and the step's update keeps the
 accepted ones and rolls the rest back (their KV slots are overwritten later; they never
 enter the prefix cache).
 """
@@ -32,8 +32,9 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    """Proposes drafts for the scheduler; counts verifications for the step's update (its
-    only writer after the scheduler has read it)."""
+    """Proposes drafts when the scheduler asks; its counters, the load switch's
+    measurements and `suffix`'s recent outputs are written only by the step's update,
+    after each step, on the engine thread."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -87,6 +88,10 @@ class Speculator:
         return SpecDecodeStats(
             stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, list(stats.accepted_per_position)
         )
+
+    def observe_step(self, num_tokens: int, num_draft_chunks: int, seconds: float) -> None:
+        """A decoding step's size and time, for the load switch."""
+        self.switch.observe_step(num_tokens, num_draft_chunks, seconds)
 
     def count(self, num_drafted: int, num_accepted: int) -> None:
         """One sequence's verification: `num_accepted` of its `num_drafted` drafts kept."""
