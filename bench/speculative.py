@@ -39,20 +39,34 @@ with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints it
     import this
 ZEN = codecs.decode(this.s, "rot13").splitlines()[2:]
 TOPICS = ["the sea", "mountains", "bread", "trains", "music", "winter", "bees", "libraries"]
+ASKS = [
+    "Tell me something interesting about",
+    "Explain to a child",
+    "Write a poem about",
+    "What surprises people about",
+]
 SHAPES = ["name, age, city", "title, author, year", "city, country, population", "product, price, stock"]
+SUBJECTS = ["engineers", "novels", "capitals", "tools", "painters", "films", "rivers", "fruits", "cars", "songs"]
+COPY_ASKS = ["Repeat the following text exactly, line by line:", "Copy this text word for word:", "Quote this back:"]
 
 
 def prompts(workload: str, count: int) -> list[list[dict[str, str]]]:
+    """`count` different requests of one workload (up to 64 and more, no two alike: suffix
+    decoding must not find a request's own answer in an earlier one's)."""
     chats = []
     for index in range(count):
         if workload == "extractive":
-            start = (index * 3) % (len(ZEN) - 8)
-            text = "\n".join(ZEN[start : start + 8])
-            content = f"Repeat the following text exactly, line by line:\n\n{text}"
+            start, lines = index % 12, 6 + (index // 12) % 3
+            text = "\n".join(ZEN[start : start + lines])
+            content = f"{COPY_ASKS[(index // 36) % len(COPY_ASKS)]}\n\n{text}"
         elif workload == "structured":
-            content = f"Write 8 JSON records with the fields {SHAPES[index % len(SHAPES)]}, one per line."
+            shape, subject = SHAPES[index % 4], SUBJECTS[(index // 4) % 10]
+            content = (
+                f"Write {8 - 2 * (index // 40)} JSON records about {subject} with the fields {shape}, one per line."
+            )
         else:
-            content = f"Tell me something interesting about {TOPICS[index % len(TOPICS)]}."
+            ask, topic = ASKS[index % 4], TOPICS[(index // 4) % 8]
+            content = f"{ask} {topic}, in {2 + index // 32} sentences."
         chats.append([{"role": "user", "content": content}])
     return chats
 
@@ -102,11 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     from pagefleet.engine import LLM
 
-    engines = {"none": LLM(MODEL, dtype=args.dtype)}
-    for method in args.methods.split(","):
-        engines[method] = LLM(MODEL, dtype=args.dtype, speculative_config=METHODS[method])
-    for llm in engines.values():  # warm-up
-        run(llm, prompts("chat", 2), 2, 0.0, 16)
+    configs = {"none": None} | {method: METHODS[method] for method in args.methods.split(",")}
     print(
         "workload   | conc | temp | method | tok/s none / method | ratio | TPOT p50 none / method | ratio "
         "| p99 ratio | tokens/draft step | equal"
@@ -116,7 +126,10 @@ def main() -> None:
             chats = prompts(workload, 8 if concurrency == 1 else concurrency)
             for temperature in (float(t) for t in args.temperatures.split(",")):
                 cell = {}
-                for name, llm in engines.items():
+                for name, config in configs.items():
+                    # A fresh engine per cell: no prefix cache or suffix history from another.
+                    llm = LLM(MODEL, dtype=args.dtype, speculative_config=config)
+                    run(llm, prompts("chat", 2), 2, 0.0, 16)  # warm-up
                     before = llm.stats().spec_decode
                     progress(f"{workload} c={concurrency} t={temperature} {name}")
                     cell[name] = run(llm, chats, concurrency, temperature, args.max_tokens)
@@ -125,6 +138,7 @@ def main() -> None:
                         drafts = after.num_drafts - before.num_drafts
                         accepted = after.num_accepted_tokens - before.num_accepted_tokens
                         cell[name]["per_step"] = (drafts + accepted) / drafts if drafts else 0.0
+                    llm.shutdown()
                 none = cell.pop("none")
                 for name, other in cell.items():
                     equal = sum(a == b for a, b in zip(none["outputs"], other["outputs"], strict=True))

@@ -45,11 +45,9 @@ class Speculator:
 
     @staticmethod
     def can_speculate(request: Request) -> bool:
-        """One sampled sequence with no grammar; beam search, several samples (n, best_of)
-        and structured outputs run without speculation, in the same batch."""
-        if request.beam is not None or len(request.sequences) != 1:
-            return False
-        return request.sequences[0].grammar is None
+        """One sampled sequence; beam search and several samples (n, best_of) run without
+        speculation, in the same batch."""
+        return request.beam is None and len(request.sequences) == 1
 
     def draft_length(self, num_decoding: int) -> int:
         """Drafts per sequence this step (the load switch; vLLM's `disable_by_batch_size`
@@ -68,7 +66,7 @@ class Speculator:
             return []
         config = self.config
         if config.method == "suffix":
-            return propose_suffix(
+            drafts = propose_suffix(
                 seq.token_ids,
                 self.recent,
                 num_tokens,
@@ -76,7 +74,9 @@ class Speculator:
                 config.suffix_decoding_max_spec_factor,
                 config.suffix_decoding_min_token_prob,
             )
-        return propose_ngram(seq.token_ids, num_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            drafts = propose_ngram(seq.token_ids, num_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        return _allowed_prefix(seq, drafts)
 
     def remember(self, request: Request) -> None:
         """A finished request's outputs, for `suffix` lookups by later requests."""
@@ -102,3 +102,15 @@ class Speculator:
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
         self.switch.observe_verification(min(num_accepted + 1, num_drafted), num_accepted)
+
+
+def _allowed_prefix(seq: Sequence, drafts: list[int]) -> list[int]:
+    """The drafts a constrained sequence's grammar accepts, up to the first it refuses
+    (checked on a copy of its matcher; the sequence's own is untouched)."""
+    if seq.grammar is None or not drafts:
+        return drafts
+    matcher = seq.grammar.fork()
+    for index, token_id in enumerate(drafts):
+        if matcher.is_terminated() or not matcher.accept_token(token_id):
+            return drafts[:index]
+    return drafts

@@ -240,9 +240,10 @@ class ModelRunner:
         the draft itself; the first mismatch, or the position after the last draft, gives
         one more token, sampled there. Every emitted token is thus drawn from exactly the
         distribution it has without speculation, and a seeded request draws its random
-        numbers in the same order (one per emitted token): the same output either way.
-        Positions after a mismatch are never sampled."""
-        walking = []  # (sample index, its Verified) still matching
+        numbers in the same order (one per emitted token): the same output either way. A
+        constrained sequence's mask at each position comes from a copy of its matcher
+        advanced past the drafts before it. Positions after a mismatch are never sampled."""
+        walking = []  # (sample index, its Verified, its grammar past the accepted drafts) still matching
         for index in draft_spans:
             owner, sample = owners[index], samples[index]
             if owner.sampled is None or owner.error is not None:
@@ -251,18 +252,23 @@ class ModelRunner:
             row = next(r for s, r in zip(owner.samples, owner.rows, strict=True) if s is sample)
             first = owner.sampled.token_ids[row]
             if first == sample.draft_token_ids[0]:
-                walking.append((index, verified))
+                grammar = sample.seq.grammar.fork() if sample.seq.grammar is not None else None
+                walking.append((index, verified, grammar))
         position = 0
         while walking:
             position += 1
             seqs, params, rows = [], [], []
-            for index, verified in walking:
+            for index, verified, grammar in walking:
                 verified.num_accepted += 1
                 sample = samples[index]
                 drafts = sample.draft_token_ids
                 seq = sample.seq
+                if grammar is not None:
+                    grammar.accept_token(drafts[position - 1])  # the proposer checked it is allowed
                 tokens = seq.token_ids + drafts[:position]  # as if the accepted drafts were its own
-                seqs.append(Sequence(seq.index, tokens, seq.num_prompt_tokens, generator=seq.generator))
+                seqs.append(
+                    Sequence(seq.index, tokens, seq.num_prompt_tokens, generator=seq.generator, grammar=grammar)
+                )
                 params.append(sample.params)
                 rows.append(draft_spans[index] + position - 1)
             try:
@@ -271,11 +277,11 @@ class ModelRunner:
                 logger.warning("sampling a draft position failed; keeping the tokens before it", exc_info=True)
                 return
             still = []
-            for row, (index, verified) in enumerate(walking):
+            for row, (index, verified, grammar) in enumerate(walking):
                 verified.tokens.append((result, row))
                 drafts = samples[index].draft_token_ids
                 if position < len(drafts) and result.token_ids[row] == drafts[position]:
-                    still.append((index, verified))
+                    still.append((index, verified, grammar))
             walking = still
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, StepLayout, list[int]]:

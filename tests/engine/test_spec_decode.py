@@ -2,8 +2,8 @@
 what users rely on is that it changes nothing but speed. Greedy output is token for token
 the output without it; a seeded sampled request gives the same tokens (the verifier draws
 one random number per emitted token, in the same order); penalties, logit bias, min_tokens,
-stops and logprobs behave as without it; requests that cannot speculate (n > 1, beams,
-structured outputs) run beside those that do; no block is leaked."""
+stops, logprobs and structured outputs behave as without it; requests that cannot
+speculate (n > 1, beams) run beside those that do; no block is leaked."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.core.request import Request
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.sample.structured_outputs import StructuredOutputsParams
 from pagefleet.engine.spec_decode.load_switch import LoadSwitch
 from pagefleet.engine.spec_decode.ngram import propose_ngram
 from pagefleet.engine.spec_decode.suffix import RecentOutputs, propose_suffix
@@ -61,6 +62,14 @@ EXTRACTIVE = [
 ]
 
 
+FRUITS_AS_JSON = "Put these fruits in a JSON list under the key fruits: apple, banana, cherry, date, fig, grape."
+FRUITS = {
+    "type": "object",
+    "properties": {"fruits": {"type": "array", "items": {"type": "string"}}},
+    "required": ["fruits"],
+}
+
+
 @pytest.fixture(scope="module")
 def smollm2_speculating() -> LLM:
     return LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=128 << 20, speculative_config=NGRAM)
@@ -70,14 +79,16 @@ def test_smollm2_copies_its_prompt_with_accepted_drafts_and_the_same_tokens(
     smollm2: LLM, smollm2_speculating: LLM
 ) -> None:
     """Extractive prompts (the answer copies the prompt): most drafts are accepted, and
-    greedy, seeded sampling, penalties, logit bias, min_tokens, stop tokens and logprobs
-    give what they give without speculation."""
-    chats = [[{"role": "user", "content": text}] for text in EXTRACTIVE]
+    greedy, seeded sampling, penalties, logit bias, min_tokens, stop tokens, logprobs and a
+    JSON schema give what they give without speculation."""
+    chats = [[{"role": "user", "content": text}] for text in [*EXTRACTIVE, FRUITS_AS_JSON]]
     comma = smollm2.get_tokenizer().encode(",")[0]
     params = [
         SamplingParams(temperature=0.0, max_tokens=40, logprobs=2),
         SamplingParams(temperature=0.8, seed=7, max_tokens=40, repetition_penalty=1.1, logit_bias={comma: 1.5}),
         SamplingParams(temperature=0.0, max_tokens=40, min_tokens=10, stop_token_ids=[comma], frequency_penalty=0.1),
+        # Drafts a grammar refuses are cut before verification; each position is masked.
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=FRUITS)),
     ]
     expected = smollm2.chat(chats, params)
     got = smollm2_speculating.chat(chats, params)
