@@ -341,10 +341,10 @@ class LLMEngine:
         self.expire_pins()
         if self.tier is not None:
             self.tier.release_written()
+        started = time.monotonic()  # the step's time includes planning it (and proposing drafts)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._fail_unschedulable()
-        started = time.monotonic()
         outputs = self.update.apply(plan, self.runner.execute(plan), started)
         if self.tier is not None:
             self.tier.offer(self.kv_cache.take_full_blocks())

@@ -7,10 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def match_ends(corpus: np.ndarray, tail: np.ndarray, max_n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Positions in `corpus` where `tail`'s last token occurs with a token after it, and how
-    many of `tail`'s last tokens (up to `max_n`) match backwards from each."""
-    ends = np.flatnonzero(corpus[:-1] == tail[-1])
+def match_ends(
+    corpus: np.ndarray, tail: np.ndarray, max_n: int, ends: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in `corpus` where `tail`'s last token occurs with a token after it (or the
+    given `ends`, known to hold it), and how many of `tail`'s last tokens (up to `max_n`)
+    match backwards from each."""
+    if ends is None:
+        ends = np.flatnonzero(corpus[:-1] == tail[-1])
     matched = np.ones(len(ends), dtype=np.int64)
     alive = np.ones(len(ends), dtype=bool)
     for back in range(1, min(max_n, len(tail))):

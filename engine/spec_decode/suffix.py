@@ -13,6 +13,7 @@ requests answered, are where this pays.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import numpy as np
@@ -24,29 +25,67 @@ _SEPARATOR = -1  # between cached outputs: no match or continuation crosses it
 
 class RecentOutputs:
     """The outputs of the latest `max_requests` requests (at most `max_tokens` tokens in
-    all), in one array with a separator after each."""
+    all), one after the other in one array with a separator after each, and where each
+    token occurs in it: a lookup reads the occurrences of one token, never the whole array.
+    Positions are counted from the first output ever added; evicted ones are skipped."""
 
     def __init__(self, max_requests: int, max_tokens: int = 1 << 20) -> None:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
-        self._outputs: deque[np.ndarray] = deque()
-        self._num_tokens = 0
-        self._corpus: np.ndarray | None = np.empty(0, dtype=np.int64)
+        self._lengths: deque[int] = deque()  # each live output's length, separator included
+        self._buffer = np.empty(1024, dtype=np.int64)
+        self._base = 0  # the position of _buffer[0]
+        self._start = 0  # the first live position
+        self._end = 0  # one past the last
+        self._where: dict[int, list[int]] = {}  # token -> its positions, ascending
 
     def add(self, output: list[int]) -> None:
         if not self.max_requests or not output:
             return
-        self._outputs.append(np.asarray([*output, _SEPARATOR], dtype=np.int64))
-        self._num_tokens += len(output) + 1
-        while len(self._outputs) > self.max_requests or self._num_tokens > self.max_tokens:
-            self._num_tokens -= len(self._outputs.popleft())
-        self._corpus = None  # joined again when next read
+        tokens = np.asarray([*output, _SEPARATOR], dtype=np.int64)
+        self._reserve(len(tokens))
+        at = self._end - self._base
+        self._buffer[at : at + len(tokens)] = tokens
+        for offset, token in enumerate(output):
+            self._where.setdefault(token, []).append(self._end + offset)
+        self._end += len(tokens)
+        self._lengths.append(len(tokens))
+        while len(self._lengths) > self.max_requests or self._end - self._start > self.max_tokens:
+            self._start += self._lengths.popleft()
+
+    def _reserve(self, count: int) -> None:
+        """Room for `count` more tokens: drop the evicted part once it is most of the
+        buffer (and the index entries pointing there), else grow."""
+        if self._end - self._base + count <= len(self._buffer):
+            return
+        if self._start - self._base > len(self._buffer) // 2:
+            self._buffer[: self._end - self._start] = self._buffer[self._start - self._base : self._end - self._base]
+            self._base = self._start
+            self._where = {t: kept for t, ps in self._where.items() if (kept := [p for p in ps if p >= self._start])}
+        size = len(self._buffer)
+        while self._end - self._base + count > size:
+            size *= 2
+        if size > len(self._buffer):
+            grown = np.empty(size, dtype=np.int64)
+            grown[: self._end - self._base] = self._buffer[: self._end - self._base]
+            self._buffer = grown
 
     @property
     def corpus(self) -> np.ndarray:
-        if self._corpus is None:
-            self._corpus = np.concatenate(self._outputs) if self._outputs else np.empty(0, dtype=np.int64)
-        return self._corpus
+        """The buffer, from its first kept position (index = position - `base`)."""
+        return self._buffer[: self._end - self._base]
+
+    @property
+    def base(self) -> int:
+        return self._base
+
+    def ends(self, token: int) -> np.ndarray:
+        """Indexes into `corpus` of `token`'s live occurrences."""
+        positions = self._where.get(token)
+        if not positions:
+            return np.empty(0, dtype=np.int64)
+        live = positions[bisect.bisect_left(positions, self._start) :]
+        return np.asarray(live, dtype=np.int64) - self._base
 
 
 def propose_suffix(
@@ -65,9 +104,9 @@ def propose_suffix(
         return []
     tail = tokens[-max_depth:]
     sources = [(tokens, *match_ends(tokens, tail, max_depth))]
-    corpus = recent.corpus
-    if len(corpus) > 1:
-        sources.append((corpus, *match_ends(corpus, tail, max_depth)))
+    ends = recent.ends(int(tail[-1]))
+    if len(ends):
+        sources.append((recent.corpus, *match_ends(recent.corpus, tail, max_depth, ends)))
     longest = max((int(matched.max()) for _, _, matched in sources if len(matched)), default=0)
     best: tuple[float, list[int]] = (0.0, [])
     for length in sorted({longest, min(longest, max_depth // 2), min(longest, max(1, max_depth // 4))}, reverse=True):
@@ -87,8 +126,8 @@ def _continuations(sources: list[tuple[np.ndarray, np.ndarray, np.ndarray]], len
     for corpus_tokens, ends, matched in sources:
         starts = ends[matched >= length] + 1
         index = starts[:, None] + np.arange(room)[None, :]
-        padded = np.concatenate([corpus_tokens, np.full(room, _SEPARATOR, dtype=np.int64)])
-        rows.append(padded[index])
+        past_end = index >= len(corpus_tokens)
+        rows.append(np.where(past_end, _SEPARATOR, corpus_tokens[np.minimum(index, len(corpus_tokens) - 1)]))
     return np.concatenate(rows)
 
 
