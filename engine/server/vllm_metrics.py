@@ -49,16 +49,14 @@ def one_two_five(limit: int) -> list[int]:
 def engine_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
     """The engine-wide gauges and counters, from the latest stats."""
     label = [model_name, ENGINE]
-    for name, doc, value in (
+    gauges = (
         ("num_requests_running", "Number of requests in model execution batches.", stats.num_running_requests),
         ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting_requests),
         ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage),
-    ):
-        gauge = GaugeMetricFamily(f"vllm:{name}", doc, labels=LABELS)
-        gauge.add_metric(label, value)
-        yield gauge
+    )
+    yield from _families(GaugeMetricFamily, "vllm", LABELS, label, gauges)
     preemptions = stats.num_preemptions_recompute + stats.num_preemptions_swap
-    for name, doc, total in (
+    counters = (
         ("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens),
         ("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens),
         ("num_preemptions", "Cumulative number of preemption from the engine.", preemptions),
@@ -78,24 +76,20 @@ def engine_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
             "External prefix cache hits (the KV file tier), in terms of number of cached tokens.",
             stats.kv_tier.hit_tokens if stats.kv_tier is not None else 0,
         ),
-    ):
-        counter = CounterMetricFamily(f"vllm:{name}", doc, labels=LABELS)
-        counter.add_metric(label, total)
-        yield counter
+    )
+    yield from _families(CounterMetricFamily, "vllm", LABELS, label, counters)
     if stats.spec_decode is not None:
         yield from spec_decode_families("vllm", LABELS, label, stats.spec_decode)
 
 
 def spec_decode_families(prefix: str, labels: list[str], values: list[str], spec: SpecDecodeStats) -> Iterator[Metric]:
     """Speculative decoding's counters under vLLM's names (`prefix` "vllm" or "pagefleet")."""
-    for name, doc, total in (
+    totals = (
         ("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
         ("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
         ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
-    ):
-        counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)
-        counter.add_metric(values, total)
-        yield counter
+    )
+    yield from _families(CounterMetricFamily, prefix, labels, values, totals)
     per_position = CounterMetricFamily(
         f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
         "Accepted tokens per draft position.",
@@ -104,6 +98,20 @@ def spec_decode_families(prefix: str, labels: list[str], values: list[str], spec
     for position, accepted in enumerate(spec.accepted_per_position):
         per_position.add_metric([*values, str(position)], accepted)
     yield per_position
+
+
+def _families(
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily],
+    prefix: str,
+    labels: list[str],
+    values: list[str],
+    rows: tuple[tuple[str, str, float], ...],
+) -> Iterator[Metric]:
+    """One family of `kind` per (name, doc, value) row, each with one sample."""
+    for name, doc, value in rows:
+        family = kind(f"{prefix}:{name}", doc, labels=labels)
+        family.add_metric(values, value)
+        yield family
 
 
 class VLLMRequestMetrics:
