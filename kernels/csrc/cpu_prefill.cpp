@@ -46,15 +46,14 @@ constexpr int kDimsPerKernel = 8;     // output kernel: 8 dims x up to 3 row vec
 
 struct Geometry : PagedGeometry {
   int64_t out_stride_token, out_stride_head;
-  int64_t tokens_per_tile, rows, row_vectors;  // rows: tokens_per_tile * group padded to 16
+  int64_t tokens_per_tile, rows;  // rows: tokens_per_tile * group padded to 16
 
   Geometry(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& block_tables, const at::Tensor& out)
       : PagedGeometry(query, key_cache, block_tables),
         out_stride_token(out.stride(0)),
         out_stride_head(out.stride(1)),
         tokens_per_tile(std::max<int64_t>(1, kRowsPerTile / group)),
-        rows((tokens_per_tile * group + 15) / 16 * 16),
-        row_vectors(rows / 16) {}
+        rows((tokens_per_tile * group + 15) / 16 * 16) {}
 };
 
 struct Item {
@@ -157,6 +156,9 @@ void attend_item(const T* query, const T* key_cache, const T* value_cache, const
                  float scale, Workspace& w, T* out_data) {
   const int64_t rows = g.rows, head_dim = g.head_dim, group = g.group;
   const int64_t real_rows = item.num_tokens * group;
+  // Only the row vectors holding real rows are computed: a short chunk (a decoding
+  // sequence's drafts, the last tokens of a prompt) costs one vector, not a whole tile.
+  const int64_t row_vectors = (real_rows + 15) / 16;
   const int64_t prefix = context_len - chunk_len;
   // Row r is query head kv_head * group + r % group of token first_token + r / group.
   float* queries = w.queries.data();
@@ -181,7 +183,7 @@ void attend_item(const T* query, const T* key_cache, const T* value_cache, const
     const int64_t num_keys = std::min(kKeysPerTile, last_position + 1 - tile);
     load_keys(key_cache, table, g, item.kv_head, tile, num_keys, w.keys.data());
     for (int64_t k = 0; k < num_keys; k += kKeysPerKernel) {
-      over_row_chunks(g.row_vectors, [&](int64_t v, auto nr) {
+      over_row_chunks(row_vectors, [&](int64_t v, auto nr) {
         score_kernel<decltype(nr)::value>(queries + v * 16, rows, w.keys.data() + k * head_dim, head_dim,
                                           w.scores.data() + k * rows + v * 16);
       });
@@ -189,7 +191,7 @@ void attend_item(const T* query, const T* key_cache, const T* value_cache, const
     // Masks: keys after a row's position (the causal edge) or before its window.
     const bool causal_edge = tile + num_keys - 1 > first_position;
     const bool window_edge = window > 0 && tile <= last_position - window;
-    for (int64_t v = 0; v < g.row_vectors; ++v) {
+    for (int64_t v = 0; v < row_vectors; ++v) {
       const __m512 position = _mm512_loadu_ps(w.positions.data() + v * 16);
       __m512 maximum = _mm512_loadu_ps(w.maxima.data() + v * 16);
       const __m512 previous = maximum;
@@ -227,7 +229,7 @@ void attend_item(const T* query, const T* key_cache, const T* value_cache, const
     }
     load_keys(value_cache, table, g, item.kv_head, tile, num_keys, w.values.data());
     for (int64_t d = 0; d < head_dim; d += kDimsPerKernel) {
-      over_row_chunks(g.row_vectors, [&](int64_t v, auto nr) {
+      over_row_chunks(row_vectors, [&](int64_t v, auto nr) {
         value_kernel<decltype(nr)::value>(w.scores.data() + v * 16, rows, w.values.data() + d, head_dim, num_keys,
                                           w.out.data() + d * rows + v * 16);
       });
