@@ -57,12 +57,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             rows = x.shape[0]
-            if rows < _MIN_PACKED_ROWS and x.dim() == 2:  # a decode step of one or two sequences
-                x_padded = x.new_zeros(_MIN_PACKED_ROWS, x.shape[1])
-                x_padded[:rows] = x
-                y = torch.ops.mkldnn._linear_pointwise(x_padded, self._packed, self.bias, "none", [], "")[:rows]
-            else:
-                y = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            short = rows < _MIN_PACKED_ROWS and x.dim() == 2  # a decode step of one or two sequences
+            rows_in = F.pad(x, (0, 0, 0, _MIN_PACKED_ROWS - rows)) if short else x
+            y = torch.ops.mkldnn._linear_pointwise(rows_in, self._packed, self.bias, "none", [], "")[:rows]
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
