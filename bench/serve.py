@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from common import Workload, fixed_workload, progress
 
 MODEL = "smollm2-135m-instruct"
-# Defaults but the dtype both sides use and the KV memory vLLM gets too (4 GiB).
-ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(4 << 30)]
+# Defaults but the dtype both sides use, the KV memory vLLM gets too (4 GiB), and the same
+# float weights vLLM loads (it cannot serve GGUF on CPUs; bench/quantized.py measures that).
+ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(4 << 30), "--quantization", "none"]
 
 
 @dataclass(slots=True)

@@ -43,7 +43,9 @@ def run_engine(workload: Workload, dtype: str, outputs: list[list[int]] | None =
     """pagefleet on the workload (after a warm-up on two prompts); fills `outputs` if given."""
     from pagefleet.engine import LLM, RequestOutputKind, SamplingParams
 
-    llm = LLM(MODEL, dtype=dtype, kv_cache_memory=4 << 30)  # defaults, with vLLM's 4 GiB of KV
+    # Defaults, with vLLM's 4 GiB of KV and the float weights it loads (it cannot serve GGUF
+    # on CPUs; bench/quantized.py measures the quantized path).
+    llm = LLM(MODEL, dtype=dtype, kv_cache_memory=4 << 30, quantization="none")
     engine = llm.engine
     # Final outputs only, as LLM.generate asks for them.
     kind = RequestOutputKind.FINAL_ONLY

@@ -13,6 +13,10 @@ building and loading them.
   pagefleet/engine/layers/fused.py): one pass where plain torch makes several.
 - `lora_add` (csrc/cpu_lora.cpp; wrapper and reference in pagefleet/engine/lora/layer.py):
   every adapter's update to one projection of a multi-LoRA step in one call.
+- `quantized_linear` (csrc/cpu_quant.cpp; wrapper and reference in
+  pagefleet/engine/layers/quantized.py): a matmul over GGML Q4_0/Q4_1/Q8_0 weights as
+  stored, int8 dot products (AVX-512 VNNI where the CPU has it, else AVX2); AVX2 and AVX-512
+  builds (`has_quantized_linear()`).
 
 Building: `torch.utils.cpp_extension` (g++ and ninja) compiles it once per torch version,
 instruction set and source into `$PAGEFLEET_CACHE_DIR/ops` (else `~/.cache/pagefleet/ops`),
@@ -37,7 +41,17 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_fused.cpp", "cpu_lora.cpp", "cpu_paged.h", "cpu_vec.h")
+    for name in (
+        "cpu_attention.cpp",
+        "cpu_prefill.cpp",
+        "cpu_fused.cpp",
+        "cpu_lora.cpp",
+        "cpu_quant.cpp",
+        "cpu_quant_avx2.h",
+        "cpu_quant_vnni.h",
+        "cpu_paged.h",
+        "cpu_vec.h",
+    )
 ]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -82,6 +96,13 @@ def _clear_stale_lock(lock: Path) -> None:
 def has_prefill() -> bool:
     """Whether the loaded operators include the prefill kernel (AVX-512 builds)."""
     return load() and bool(torch.ops.pagefleet.has_prefill())
+
+
+@functools.cache
+def has_quantized_linear() -> bool:
+    """Whether the loaded operators include the quantized matmul (AVX2 and AVX-512 builds);
+    asked by every quantized layer at every step, hence kept."""
+    return load() and bool(torch.ops.pagefleet.has_quantized_linear())
 
 
 def is_loaded() -> bool:

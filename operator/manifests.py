@@ -129,6 +129,8 @@ def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int, role: st
     ]  # fmt: skip
     if engine.dtype != "auto":
         args += ["--dtype", engine.dtype]
+    if engine.quantization != "auto":
+        args += ["--quantization", engine.quantization]
     if engine.kv_cache_memory is not None:
         args += ["--kv-cache-memory", repr(engine.kv_cache_bytes_or_fraction)]
     if engine.max_model_len is not None:

@@ -25,6 +25,7 @@ from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.layers.attention import CacheSpec
 from pagefleet.engine.layers.backends import select_backend
 from pagefleet.engine.loader import resolve_model_dir
+from pagefleet.engine.loader.source import gguf_file
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models import ModelConfig, load_model
 from pagefleet.engine.models.loading import CausalLM
@@ -121,7 +122,7 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     slots with enable_lora). The block count is the least any rank can hold (each computes
     its own from its budget), so all ranks write the same slots."""
     dtype, device = config.torch_dtype, config.torch_device
-    model, model_config = load_model(model_dir, dtype, device, shard)
+    model, model_config = load_model(model_dir, dtype, device, shard, _quantized_gguf(config, device, shard))
     block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
     if shard.size > 1:
@@ -165,6 +166,22 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
         workers,
     )
     return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner, lora)
+
+
+def _quantized_gguf(config: EngineConfig, device: torch.device, shard: Shard) -> Path | None:
+    """The GGUF file whose quantized tensors the model serves as stored, if any: by default
+    a GGUF model's on a CPU with one rank (the compiled operator is CPU-only, and tensor
+    parallelism splits float weights)."""
+    if config.quantization == "none":
+        return None
+    gguf = gguf_file(config.model)
+    if config.quantization == "gguf":
+        if gguf is None:
+            raise InvalidParameterError("quantization", f"gguf needs a GGUF model; {config.model!r} is not one")
+        if device.type != "cpu" or shard.size > 1:
+            raise InvalidParameterError("quantization", "gguf runs on a CPU with tensor_parallel_size=1")
+        return gguf
+    return gguf if device.type == "cpu" and shard.size == 1 else None
 
 
 def _lora_slots(config: EngineConfig, model: CausalLM) -> LoRAManager:

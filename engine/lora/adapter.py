@@ -95,7 +95,7 @@ def load_adapter(
             raise fail(f"adapts {module!r}, which this model cannot (it adapts q/k/v/o and gate/up/down projections)")
         lora_a, lora_b = tensors[key], tensors.get(key.replace(".lora_A.", ".lora_B."))
         rows = target.row_end - target.row_start
-        if lora_b is None or lora_a.shape != (rank, target.linear.weight.shape[1]) or lora_b.shape != (rows, rank):
+        if lora_b is None or lora_a.shape != (rank, target.linear.in_features) or lora_b.shape != (rows, rank):
             raise fail(f"the weights of {module!r} do not fit the model")
         weights[module] = (lora_a.to(dtype), (lora_b.float() * scaling).to(dtype))
     if not weights:

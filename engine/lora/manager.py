@@ -44,7 +44,7 @@ class LoRAManager:
             segments = [(0, 0)] * parts[0].num_segments
             for part in parts:
                 segments[part.segment] = (part.row_start, part.row_end)
-            out_features, in_features = linear.weight.shape
+            out_features, in_features = linear.out_features, linear.in_features
             layer = LoRALayer(self.context, in_features, out_features, segments, max_loras, max_rank, dtype, device)
             linear.lora = layer
             self.layers[id(linear)] = layer

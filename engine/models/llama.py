@@ -17,6 +17,7 @@ from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadat
 from pagefleet.engine.layers.fused import rotary, silu_and_mul
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
+from pagefleet.engine.layers.quantized import QuantizedWeight
 from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
@@ -114,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
+        self.quantized_embedding: QuantizedWeight | None = None  # a GGUF's, looked up as stored
 
     def forward(
         self,
@@ -124,7 +126,10 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden = self.shard.embed(input_ids, self.embed_tokens)
+        if self.quantized_embedding is None:
+            hidden = self.shard.embed(input_ids, self.embed_tokens)
+        else:
+            hidden = self.quantized_embedding.dequantize(input_ids).to(self.norm.weight.dtype)
         rope = self.rotary.lookup(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -17,6 +17,7 @@ from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.errors import ModelNotFoundError
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.linear import pack_linears
+from pagefleet.engine.loader.gguf_weights import quantize_from_gguf
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
 
@@ -52,17 +53,24 @@ def _model_class(config: ModelConfig) -> type[nn.Module]:
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, shard: Shard | None = None
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard | None = None,
+    quantized_gguf: Path | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """The model, or with `shard` one tensor-parallel rank's part of it."""
+    """The model, or with `shard` one tensor-parallel rank's part of it; with
+    `quantized_gguf`, its linear layers serve that file's quantized tensors as stored."""
     started = time.monotonic()
     config = ModelConfig.from_dir(model_dir)
     module = _model_class(config)(config, shard or Shard())  # parameters start uninitialised (torch.empty)
     module.load_weights(iter_weights(model_dir))  # type: ignore[operator]
     module = module.to(device=device, dtype=dtype).eval()
+    num_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    if quantized_gguf is not None:
+        quantize_from_gguf(module, config, quantized_gguf)
     pack_linears(module)  # last: packed copies do not follow later changes to the weights
     model = cast(CausalLM, module)
-    num_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     logger.info(
         "loaded %s (%s, %.1fM parameters%s, %s) in %.1f s",
         model_dir.name,

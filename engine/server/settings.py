@@ -44,6 +44,7 @@ ENGINE_FIELDS = (
     "kv_cache_dir",
     "kv_cache_dir_size_gib",
     "speculative_config",
+    "quantization",
 )
 
 
@@ -115,6 +116,11 @@ class ServerSettings(BaseSettings):
     max_lora_rank: int = Field(_default("max_lora_rank"), description="the largest adapter rank served")
 
     dtype: str = _default("dtype")
+    quantization: str | None = Field(
+        None,
+        description="a GGUF model's weights: gguf (Q4_0/Q4_1/Q8_0 served as stored, int8 dot products; "
+        "the default for a GGUF model on a CPU) or none (dequantized to --dtype)",
+    )
     block_size: int = _default("block_size")
     kv_cache_memory: float | None = None
     num_kv_blocks: int | None = None

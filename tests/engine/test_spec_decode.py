@@ -72,7 +72,14 @@ FRUITS = {
 
 @pytest.fixture(scope="module")
 def smollm2_speculating() -> LLM:
-    return LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=128 << 20, speculative_config=NGRAM)
+    # The `smollm2` fixture's dequantized float32 weights, to compare token for token.
+    return LLM(
+        "smollm2-135m-instruct",
+        dtype="float32",
+        quantization="none",
+        kv_cache_memory=128 << 20,
+        speculative_config=NGRAM,
+    )
 
 
 def test_smollm2_copies_its_prompt_with_accepted_drafts_and_the_same_tokens(

@@ -108,7 +108,12 @@ def test_the_constraint_survives_preemption(unpreempted: tuple[list[str], list[s
     prompts, expected = unpreempted
     params = _person(temperature=0.0)
     tight = LLM(
-        "smollm2-135m-instruct", dtype="float32", num_kv_blocks=40, block_size=16, preemption_mode=preemption_mode
+        "smollm2-135m-instruct",
+        dtype="float32",
+        quantization="none",  # the `smollm2` fixture's weights, to compare answers
+        num_kv_blocks=40,
+        block_size=16,
+        preemption_mode=preemption_mode,
     )
     outputs = tight.generate(prompts, params)
     stats = tight.stats()

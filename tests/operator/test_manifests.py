@@ -170,6 +170,10 @@ def test_engine_arguments_follow_the_spec() -> None:
     assert limits["nvidia.com/gpu"] == 1
     two_gib = parse_spec({"model": {"builtin": "smollm2-135m-instruct"}, "engine": {"kvCacheMemory": "2Gi"}})
     assert two_gib.engine.kv_cache_bytes_or_fraction == 2 * 2**30
+    assert "--quantization" not in manifests.engine_args(OWNER, two_gib, 8000)  # auto: the engine decides
+    dequantized = parse_spec({"model": {"builtin": "smollm2-135m-instruct"}, "engine": {"quantization": "none"}})
+    args = manifests.engine_args(OWNER, dequantized, 8000)
+    assert args[args.index("--quantization") + 1] == "none"
 
 
 def test_the_rollout_reaches_the_strategy_the_drain_and_the_grace_period() -> None:

@@ -1,0 +1,62 @@
+"""Runs inside the llama-cpp-python venv (see peers.py): llama.cpp on one GGUF file.
+
+    python llama_cpp_worker.py TASK.json RESULT.json
+
+TASK: {"model": path, "threads": n, "windows": [[token ids], ...], "prompt": [token ids],
+"max_tokens": n}. Writes the negative log-likelihood of every token after the first of each
+window (each window a fresh context), and greedy decoding of `prompt`: its tokens and the
+seconds of each (start-up not timed, a warm-up first).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    task_path, result_path = sys.argv[1:3]
+    with open(task_path) as handle:
+        task = json.load(handle)
+    from llama_cpp import Llama
+
+    window = max(len(w) for w in task["windows"])
+    llm = Llama(
+        model_path=task["model"],
+        n_ctx=max(window, len(task["prompt"]) + task["max_tokens"]) + 16,
+        n_threads=task["threads"],
+        n_threads_batch=task["threads"],
+        n_batch=512,
+        logits_all=True,
+        verbose=False,
+    )
+    nlls = []
+    for tokens in task["windows"]:
+        llm.reset()
+        llm.eval(tokens)
+        logits = np.asarray(llm.scores[: len(tokens) - 1], dtype=np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        nlls.extend((-log_probs[np.arange(len(tokens) - 1), tokens[1:]]).tolist())
+
+    def decode(max_tokens: int) -> tuple[list[int], list[float]]:
+        tokens, stamps = [], []
+        started = time.perf_counter()
+        for token in llm.generate(task["prompt"], temp=0.0, top_k=1, reset=True):
+            tokens.append(token)
+            stamps.append(time.perf_counter() - started)
+            if len(tokens) == max_tokens:
+                break
+        return tokens, stamps
+
+    decode(8)  # warm-up
+    tokens, stamps = decode(task["max_tokens"])
+    with open(result_path, "w") as handle:
+        json.dump({"nlls": nlls, "tokens": tokens, "stamps": stamps}, handle)
+
+
+if __name__ == "__main__":
+    main()

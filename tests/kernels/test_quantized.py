@@ -1,0 +1,172 @@
+"""GGUF's Q4_0, Q4_1 and Q8_0 weights read as stored: the blocks dequantize to what the
+`gguf` package's own reader gives, and the compiled matmul equals the dequantize-then-matmul
+reference within the error its int8 activations allow, on random blocks and on SmolLM2's
+tensors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagefleet.engine.layers.quantized import (
+    BLOCK,
+    DEQUANTIZED_ROWS,
+    GGML_Q4_0,
+    GGML_Q4_1,
+    GGML_Q8_0,
+    QuantizedWeight,
+    quantized_linear,
+    quantized_linear_torch,
+)
+from pagefleet.engine.loader.builtins import find_builtin_gguf
+from pagefleet.engine.loader.gguf_weights import GGUFTensors
+from pagefleet.kernels import cpu_ops
+
+TYPES = {"Q4_0": GGML_Q4_0, "Q4_1": GGML_Q4_1, "Q8_0": GGML_Q8_0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def operators() -> None:
+    assert cpu_ops.has_quantized_linear(), "every machine here has AVX2: the quantized matmul must build"
+
+
+def random_blocks(rows: int, in_features: int, ggml_type: int, generator: torch.Generator) -> np.ndarray:
+    """GGUF bytes of a random [rows, in_features] weight: uint8 [rows, row bytes]."""
+    num_blocks = in_features // BLOCK
+    scales = (torch.rand(rows, num_blocks, 1, generator=generator) * 0.02 + 0.001).half()
+    parts = [scales.view(torch.uint8)]
+    if ggml_type == GGML_Q4_1:
+        parts.append((torch.randn(rows, num_blocks, 1, generator=generator) * 0.05).half().view(torch.uint8))
+    quant_bytes = BLOCK if ggml_type == GGML_Q8_0 else BLOCK // 2
+    parts.append(torch.randint(0, 256, (rows, num_blocks, quant_bytes), dtype=torch.uint8, generator=generator))
+    return torch.cat(parts, dim=-1).reshape(rows, -1).numpy()
+
+
+def activation_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The most int8 activations (per block of 32: scale max|x| / 127, rounded to nearest)
+    can move each output: half a step per element, times |w|; plus float rounding."""
+    rows, in_features = x.shape
+    blocks = x.float().reshape(rows, -1, BLOCK)
+    half_step = (blocks.abs().amax(-1, keepdim=True) / 127 / 2).expand_as(blocks).reshape(rows, in_features)
+    magnitude = x.float().abs() @ weight.abs().T
+    return half_step @ weight.abs().T + 1e-5 * magnitude + 1e-6
+
+
+def int8_emulation(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The operator's arithmetic in float64: x rounded to its int8 blocks, times the weight."""
+    rows = x.shape[0]
+    blocks = x.float().reshape(rows, -1, BLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    rounded = (torch.round(blocks * inverse) * scale).reshape(rows, -1)
+    return rounded.double() @ weight.double().T
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_blocks_dequantize_as_the_gguf_package_reads_them(type_name: str) -> None:
+    ggml_type = TYPES[type_name]
+    raw = random_blocks(48, 128, ggml_type, torch.Generator().manual_seed(1))
+    ours = QuantizedWeight.from_blocks(torch.from_numpy(raw), ggml_type)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))
+    assert ours.shape == (48, 128)
+    torch.testing.assert_close(ours.dequantize(), torch.from_numpy(expected), rtol=1e-6, atol=1e-7)
+    rows = torch.tensor([5, 0, 47])
+    assert torch.equal(ours.dequantize(rows), ours.dequantize()[rows])
+
+
+def int8_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The compiled int8 kernel itself, whatever the row count."""
+    return torch.ops.pagefleet.quantized_linear(x, weight.quants, weight.scales, weight.mins, weight.format)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 5, 70])  # tiles of 4 rows, blocks of 64
+def test_int8_matmul_equals_its_reference_within_the_int8_activation_error(
+    type_name: str, dtype: torch.dtype, rows: int
+) -> None:
+    ggml_type = TYPES[type_name]
+    generator = torch.Generator().manual_seed(rows)
+    # 288 = 9 blocks: four pairs and an odd last block; 101 columns: an odd last column.
+    weight = QuantizedWeight.from_blocks(torch.from_numpy(random_blocks(101, 288, ggml_type, generator)), ggml_type)
+    x = torch.randn(rows, 288, generator=generator).to(dtype)
+    x[0, :BLOCK] = 0  # an all-zero block (scale 0)
+    y = int8_matmul(x, weight)
+    assert y.dtype == dtype and y.shape == (rows, 101)
+    dense = weight.dequantize()
+    # Exactly the int8 arithmetic, up to float32 summation order (and bf16's output rounding).
+    output_rounding = 0 if dtype == torch.float32 else 2**-8
+    emulated = int8_emulation(x, dense)
+    summation_order = 1e-5 * (x.float().abs() @ dense.abs().T).double() + 1e-6
+    assert torch.all((y.double() - emulated).abs() <= summation_order + output_rounding * emulated.abs())
+    # And the float reference, within what int8 activations allow.
+    reference = quantized_linear_torch(x.float(), weight)
+    bound = activation_error_bound(x, dense) + output_rounding * reference.abs()
+    assert torch.all((y.float() - reference).abs() <= bound)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_many_rows_multiply_the_weight_dequantized_exactly_then_rounded_to_bf16(type_name: str) -> None:
+    ggml_type = TYPES[type_name]
+    generator = torch.Generator().manual_seed(3)
+    weight = QuantizedWeight.from_blocks(torch.from_numpy(random_blocks(80, 256, ggml_type, generator)), ggml_type)
+    dense = weight.dequantize()
+    for dtype in (torch.float32, torch.bfloat16):
+        copy = torch.ops.pagefleet.quantized_dequantize(weight.quants, weight.scales, weight.mins, weight.format, dtype)
+        assert torch.equal(copy, dense.to(dtype))
+    x = torch.randn(DEQUANTIZED_ROWS, 256, generator=generator)
+    y = quantized_linear(x, weight)
+    # x and w each rounded to bfloat16 (2^-9 relative), products summed in float32.
+    bound = 2**-7 * (x.abs() @ dense.abs().T) + 1e-5
+    assert torch.all((y - quantized_linear_torch(x, weight)).abs() <= bound)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tensors() -> GGUFTensors:
+    return GGUFTensors(find_builtin_gguf("smollm2-135m-instruct"))
+
+
+@pytest.mark.parametrize("name", ["token_embd.weight", "blk.3.ffn_down.weight", "blk.0.attn_q.weight"])
+def test_matmul_on_smollm2s_own_tensors(smollm2_tensors: GGUFTensors, name: str) -> None:
+    weight = smollm2_tensors.quantized(name)
+    assert weight is not None
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    dense = weight.dequantize()
+    y = int8_matmul(x, weight)
+    reference = quantized_linear_torch(x, weight)
+    assert torch.all((y - reference).abs() <= activation_error_bound(x, dense))
+
+
+def test_the_avx2_path_gives_the_same_results_as_vnni(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """CPUs without AVX-512 VNNI multiply with AVX2's vpmaddubsw: forced here in a process
+    of its own, it gives the same integer sums (its floats summed in another order)."""
+    generator = torch.Generator().manual_seed(7)
+    weights = {name: random_blocks(64, 128, ggml_type, generator) for name, ggml_type in TYPES.items()}
+    x = torch.randn(5, 128, generator=generator)
+    torch.save({"weights": weights, "x": x}, tmp_path / "inputs.pt")
+    script = f"""
+import torch
+from pagefleet.engine.layers.quantized import QuantizedWeight
+from pagefleet.kernels import cpu_ops
+cpu_ops.load()
+inputs = torch.load({str(tmp_path / "inputs.pt")!r}, weights_only=False)
+types = {TYPES!r}
+def int8_matmul(x, w):
+    return torch.ops.pagefleet.quantized_linear(x, w.quants, w.scales, w.mins, w.format)
+out = {{n: int8_matmul(inputs["x"], QuantizedWeight.from_blocks(torch.from_numpy(w), types[n]))
+       for n, w in inputs["weights"].items()}}
+torch.save(out, {str(tmp_path / "avx2.pt")!r})
+"""
+    env = dict(os.environ, PAGEFLEET_CPU_NO_VNNI="1")
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    for name, raw in weights.items():
+        weight = QuantizedWeight.from_blocks(torch.from_numpy(raw), TYPES[name])
+        summation_order = 1e-5 * (x.abs() @ weight.dequantize().abs().T) + 1e-6
+        assert torch.all((avx2[name] - int8_matmul(x, weight)).abs() <= summation_order)
