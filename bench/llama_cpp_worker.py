@@ -4,8 +4,8 @@
 
 TASK: {"model": path, "threads": n, "windows": [[token ids], ...], "prompt": [token ids],
 "max_tokens": n}. Writes the negative log-likelihood of every token after the first of each
-window (each window a fresh context), and greedy decoding of `prompt`: its tokens and the
-seconds of each (start-up not timed, a warm-up first).
+window (each window a fresh context; none without windows), and greedy decoding of
+`prompt`: its tokens and the seconds of each (start-up not timed, a warm-up first).
 """
 
 from __future__ import annotations
@@ -23,24 +23,30 @@ def main() -> None:
         task = json.load(handle)
     from llama_cpp import Llama
 
-    window = max(len(w) for w in task["windows"])
-    llm = Llama(
-        model_path=task["model"],
-        n_ctx=max(window, len(task["prompt"]) + task["max_tokens"]) + 16,
-        n_threads=task["threads"],
-        n_threads_batch=task["threads"],
-        n_batch=512,
-        logits_all=True,
-        verbose=False,
-    )
+    def load(context: int, logits_all: bool) -> Llama:
+        threads = task["threads"]
+        return Llama(
+            model_path=task["model"],
+            n_ctx=context + 16,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
+            logits_all=logits_all,
+            verbose=False,
+        )
+
     nlls = []
-    for tokens in task["windows"]:
-        llm.reset()
-        llm.eval(tokens)
-        logits = np.asarray(llm.scores[: len(tokens) - 1], dtype=np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        nlls.extend((-log_probs[np.arange(len(tokens) - 1), tokens[1:]]).tolist())
+    if task["windows"]:
+        scorer = load(max(len(w) for w in task["windows"]), logits_all=True)
+        for tokens in task["windows"]:
+            scorer.reset()
+            scorer.eval(tokens)
+            logits = np.asarray(scorer.scores[: len(tokens) - 1], dtype=np.float64)
+            logits -= logits.max(axis=1, keepdims=True)
+            log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+            nlls.extend((-log_probs[np.arange(len(tokens) - 1), tokens[1:]]).tolist())
+        del scorer
+    llm = load(len(task["prompt"]) + task["max_tokens"], logits_all=False)
 
     def decode(max_tokens: int) -> tuple[list[int], list[float]]:
         tokens, stamps = [], []

