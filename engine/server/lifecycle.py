@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_ENGINE_DEAD = 3  # the process's exit code after its engine died
 EXIT_LOAD_FAILED = 4  # ... after its model failed to load
+LEAVE_FLEET_TIMEOUT_S = 5.0  # the most a drain waits for Redis to drop its record (it expires anyway)
 
 
 class ReplicaLifecycle:
@@ -82,7 +83,12 @@ class ReplicaLifecycle:
         state, loop = self.state, asyncio.get_running_loop()
         timeout = state.settings.shutdown_timeout
         logger.info("draining: %d requests in flight get up to %.0f s to finish", state.num_in_flight, timeout)
-        await self._leave_fleet()
+        try:
+            # Bounded: a Redis command cut off by the publisher's cancellation (a drain that
+            # starts while the first report is on the wire) once left this waiting for good.
+            await asyncio.wait_for(self._leave_fleet(), LEAVE_FLEET_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("draining: Redis did not confirm the removal in %.0f s; it expires", LEAVE_FLEET_TIMEOUT_S)
         deadline = loop.time() + timeout
         while state.num_in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
