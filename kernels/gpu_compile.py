@@ -17,7 +17,10 @@ import sys
 import time
 from typing import Any
 
-_INDEX_POINTERS = {
+_TYPED_POINTERS = {  # pointers whose type is not the activations'
+    "quants_ptr": "*u8",
+    "scales_ptr": "*fp16",
+    "mins_ptr": "*fp16",
     "block_tables_ptr": "*i32",
     "context_lens_ptr": "*i32",
     "cu_seqlens_ptr": "*i32",
@@ -34,6 +37,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
     from pagefleet.kernels.lora import _lora_expand_kernel, _lora_shrink_kernel
     from pagefleet.kernels.paged_attention_decode import DEFAULT_TILE_N, _paged_attention_decode_kernel
     from pagefleet.kernels.paged_attention_prefill import DEFAULT_BLOCK_M, _paged_attention_prefill_kernel
+    from pagefleet.kernels.quantized_matmul import _quantized_matmul_kernel
     from pagefleet.kernels.reshape_and_cache import _reshape_and_cache_kernel
 
     return [
@@ -47,6 +51,8 @@ def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
         ("copy_blocks", _copy_blocks_kernel, {"BLOCK_S": 16, "BLOCK_D": 128}),
         ("lora_shrink", _lora_shrink_kernel, {"BLOCK_R": 64, "BLOCK_K": 128}),
         ("lora_expand", _lora_expand_kernel, {"BLOCK_R": 64, "BLOCK_O": 128}),
+        ("quantized_matmul_4bit", _quantized_matmul_kernel, {"FOUR_BIT": True, "BLOCK_M": 16, "BLOCK_N": 64}),
+        ("quantized_matmul_8bit", _quantized_matmul_kernel, {"FOUR_BIT": False, "BLOCK_M": 32, "BLOCK_N": 64}),
     ]
 
 
@@ -55,8 +61,8 @@ def _signature(fn: Any, dtype: str) -> dict[str, str]:
     for name in inspect.signature(fn.fn).parameters:
         if name.isupper():
             signature[name] = "constexpr"
-        elif name in _INDEX_POINTERS:
-            signature[name] = _INDEX_POINTERS[name]
+        elif name in _TYPED_POINTERS:
+            signature[name] = _TYPED_POINTERS[name]
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
         elif name == "scale":

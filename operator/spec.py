@@ -109,7 +109,7 @@ class EngineSettings(_Spec):
     max_model_len: int | None = Field(None, ge=16)
     max_num_seqs: int = Field(64, ge=1, le=4096)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["auto", "gguf", "none"] = "auto"
+    quantization: Literal["auto", "gguf", "compressed-tensors", "none"] = "auto"
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     max_loras: int = Field(4, ge=1, le=256)
     max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = 16

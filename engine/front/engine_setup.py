@@ -25,6 +25,7 @@ from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.layers.attention import CacheSpec
 from pagefleet.engine.layers.backends import select_backend
 from pagefleet.engine.loader import resolve_model_dir
+from pagefleet.engine.loader.compressed_tensors import is_int8_checkpoint
 from pagefleet.engine.loader.source import gguf_file
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models import ModelConfig, load_model
@@ -70,6 +71,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, os.cpu_count() or 1))
     model_dir = resolve_model_dir(config.model)
+    served_quantization(config, model_dir)  # refused before any worker starts
     tokenizer = None
     if not config.skip_tokenizer_init:
         tokenizer_dir = resolve_model_dir(config.tokenizer) if config.tokenizer else model_dir
@@ -122,7 +124,9 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     slots with enable_lora). The block count is the least any rank can hold (each computes
     its own from its budget), so all ranks write the same slots."""
     dtype, device = config.torch_dtype, config.torch_device
-    model, model_config = load_model(model_dir, dtype, device, shard, _quantized_gguf(config, device, shard))
+    quantization = served_quantization(config, model_dir)
+    gguf = gguf_file(config.model) if quantization == "gguf" else None
+    model, model_config = load_model(model_dir, dtype, device, shard, gguf, int8=quantization == "compressed-tensors")
     block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
     if shard.size > 1:
@@ -168,20 +172,26 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner, lora)
 
 
-def _quantized_gguf(config: EngineConfig, device: torch.device, shard: Shard) -> Path | None:
-    """The GGUF file whose quantized tensors the model serves as stored, if any: by default
-    a GGUF model's on a CPU with one rank (the compiled operator is CPU-only, and tensor
-    parallelism splits float weights)."""
-    if config.quantization == "none":
-        return None
-    gguf = gguf_file(config.model)
-    if config.quantization == "gguf":
-        if gguf is None:
-            raise InvalidParameterError("quantization", f"gguf needs a GGUF model; {config.model!r} is not one")
-        if device.type != "cpu" or shard.size > 1:
-            raise InvalidParameterError("quantization", "gguf runs on a CPU with tensor_parallel_size=1")
-        return gguf
-    return gguf if device.type == "cpu" and shard.size == 1 else None
+def served_quantization(config: EngineConfig, model_dir: Path) -> str:
+    """How the model's weights run: "gguf" (a GGUF file's blocks as stored),
+    "compressed-tensors" (an int8 W8A8 checkpoint as int8) or "none" (float). By default
+    the model's own on a CPU with one rank (tensor parallelism splits float weights), else
+    "none"; "gguf" may also be chosen on one CUDA device (a Triton kernel); a choice that
+    cannot apply is refused."""
+    own = "gguf" if gguf_file(config.model) else "compressed-tensors" if is_int8_checkpoint(model_dir) else "none"
+    device = config.torch_device.type
+    single_cpu = device == "cpu" and config.tensor_parallel_size == 1
+    if config.quantization is None:
+        return own if single_cpu else "none"
+    chosen = config.quantization
+    if chosen != "none" and chosen != own:
+        needs = "a GGUF model" if chosen == "gguf" else "an int8 W8A8 checkpoint"
+        raise InvalidParameterError("quantization", f"{chosen} needs {needs}; {config.model!r} is not one")
+    if chosen == "gguf" and (device not in ("cpu", "cuda") or config.tensor_parallel_size > 1):
+        raise InvalidParameterError("quantization", "gguf runs on a CPU or one CUDA device, tensor_parallel_size=1")
+    if chosen == "compressed-tensors" and not single_cpu:
+        raise InvalidParameterError("quantization", "compressed-tensors runs on a CPU with tensor_parallel_size=1")
+    return chosen
 
 
 def _lora_slots(config: EngineConfig, model: CausalLM) -> LoRAManager:

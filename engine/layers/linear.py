@@ -1,5 +1,6 @@
 """A frozen linear layer that runs on oneDNN with a prepacked weight on the CPU, or on a
-quantized weight as a GGUF file stores it (engine/layers/quantized.py).
+quantized weight: GGUF's blocks as the file stores them (engine/layers/quantized.py) or an
+int8 W8A8 checkpoint's (engine/layers/int8.py).
 
 MKL's `F.linear` repacks the weight on every call; oneDNN with a weight packed once at
 load time runs this engine's matmul shapes 1.4-1.7x faster in float32 (measured on the
@@ -15,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.engine.layers.quantized import QuantizedWeight, quantized_linear
+from pagefleet.engine.layers.int8 import Int8Weight
+from pagefleet.engine.layers.quantized import QuantizedWeight
 
 if TYPE_CHECKING:
     from pagefleet.engine.lora.layer import LoRALayer
@@ -50,10 +52,10 @@ class Linear(nn.Module):
         self.weight = frozen_parameter(out_features, in_features)
         self.bias = frozen_parameter(out_features) if bias else None
         self._packed: torch.Tensor | None = None
-        self.quantized: QuantizedWeight | None = None
+        self.quantized: QuantizedWeight | Int8Weight | None = None
         self.lora: LoRALayer | None = None
 
-    def quantize(self, weight: QuantizedWeight) -> None:
+    def quantize(self, weight: QuantizedWeight | Int8Weight) -> None:
         """Serve from `weight` (the same matrix, quantized) and free the float one, which
         a tied embedding shares: its owner must stop reading it too."""
         if weight.shape != (self.out_features, self.in_features):
@@ -70,7 +72,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            y = quantized_linear(x, self.quantized)
+            y = self.quantized.matmul(x)
             if self.bias is not None:
                 y = y + self.bias
         elif self._packed is not None:

@@ -69,6 +69,9 @@ class QuantizedWeight:
             quants, mins = blocks[..., 2:], scales * -8
         return cls(ggml_type, quants.reshape(rows, -1).contiguous(), scales.contiguous(), mins.contiguous())
 
+    def to(self, device: torch.device) -> QuantizedWeight:
+        return QuantizedWeight(self.ggml_type, self.quants.to(device), self.scales.to(device), self.mins.to(device))
+
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight's rows `index` (a permutation or a subset), still quantized."""
         return QuantizedWeight(self.ggml_type, self.quants[index], self.scales[index], self.mins[index])
@@ -97,6 +100,9 @@ class QuantizedWeight:
         values = unsigned.float() * weight.scales.float().unsqueeze(-1) + weight.mins.float().unsqueeze(-1)
         return values.reshape(out, -1)
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, self)
+
 
 def quantized_linear_torch(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x @ W.T with W dequantized to float32: the operator's oracle and fallback."""
@@ -113,9 +119,14 @@ _TILE_WEIGHTS = 1 << 22
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x @ W.T on the compiled operators, else the float32 reference. x: [rows, in_features]
-    float32 or bfloat16. A few rows: int8 dots on the blocks as stored (activations
-    quantized per block of 32); many: the weight dequantized tile by tile, a float matmul."""
+    """x @ W.T: on CUDA the Triton kernel (kernels/quantized_matmul.py); on a CPU the
+    compiled operators, else the float32 reference. x: [rows, in_features] float32 or
+    bfloat16. On a CPU, a few rows: int8 dots on the blocks as stored (activations quantized
+    per block of 32); many: the weight dequantized tile by tile, a float matmul."""
+    if x.device.type == "cuda":
+        from pagefleet.kernels.quantized_matmul import quantized_matmul
+
+        return quantized_matmul(x.contiguous(), weight.quants, weight.scales, weight.mins, weight.format == FOUR_BIT)
     if x.device.type != "cpu" or not cpu_ops.has_quantized_linear():
         return quantized_linear_torch(x, weight)
     x = x.contiguous()

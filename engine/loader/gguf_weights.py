@@ -142,8 +142,8 @@ class GGUFTensors:
 
 
 def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> None:
-    """Put the GGUF file's quantized tensors in `model` (a single-rank Llama-family model on
-    the CPU, weights loaded); logs what was kept quantized and what not."""
+    """Put the GGUF file's quantized tensors in `model` (a single-rank Llama-family model,
+    weights loaded, on the CPU or CUDA); logs what was kept quantized and what not."""
     if config.family != "llama":
         logger.info("GGUF %s: %s weights are served dequantized", path.name, config.architecture)
         return
@@ -164,7 +164,7 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
             for part, source in zip(parts, sources, strict=True)
             if part is not None
         ]
-        fused = QuantizedWeight.cat(weights)
+        fused = QuantizedWeight.cat(weights).to(linear.weight.device)
         float_bytes += linear.weight.numel() * linear.weight.element_size()
         linear.quantize(fused)
         quantized_bytes += fused.nbytes
@@ -175,6 +175,7 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
     lm_head = modules["lm_head"]
     assert isinstance(lm_head, Linear)
     if head is not None:
+        head = head.to(lm_head.weight.device)
         float_bytes += lm_head.weight.numel() * lm_head.weight.element_size()
         lm_head.quantize(head)
         quantized_bytes += head.nbytes
@@ -183,6 +184,7 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
         dequantized[tensors.type_name(head_name)] += 1
     embedding = head if config.tie_word_embeddings else tensors.quantized("token_embd.weight")
     if embedding is not None:
+        embedding = embedding.to(lm_head.weight.device)
         model.quantized_embedding = embedding  # type: ignore[assignment]
         float_embedding = model.embed_tokens
         assert isinstance(float_embedding, torch.Tensor)

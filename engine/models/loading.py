@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -17,6 +17,7 @@ from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.errors import ModelNotFoundError
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.linear import pack_linears
+from pagefleet.engine.loader.compressed_tensors import Int8Checkpoint, is_int8_checkpoint
 from pagefleet.engine.loader.gguf_weights import quantize_from_gguf
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
@@ -58,17 +59,26 @@ def load_model(
     device: torch.device,
     shard: Shard | None = None,
     quantized_gguf: Path | None = None,
+    int8: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
-    """The model, or with `shard` one tensor-parallel rank's part of it; with
-    `quantized_gguf`, its linear layers serve that file's quantized tensors as stored."""
+    """The model, or with `shard` one tensor-parallel rank's part of it. With
+    `quantized_gguf`, its linear layers serve that file's quantized tensors as stored; with
+    `int8`, an int8 W8A8 checkpoint's int8 weights (else they are dequantized)."""
     started = time.monotonic()
     config = ModelConfig.from_dir(model_dir)
     module = _model_class(config)(config, shard or Shard())  # parameters start uninitialised (torch.empty)
-    module.load_weights(iter_weights(model_dir))  # type: ignore[operator]
+    weights = iter_weights(model_dir)
+    checkpoint = None
+    if is_int8_checkpoint(model_dir):
+        checkpoint = Int8Checkpoint(iter_weights(model_dir, select=Int8Checkpoint.wants))
+        weights = checkpoint.float_weights(weights)
+    module.load_weights(weights)  # type: ignore[operator]
     module = module.to(device=device, dtype=dtype).eval()
     num_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     if quantized_gguf is not None:
         quantize_from_gguf(module, config, quantized_gguf)
+    if int8 and checkpoint is not None:
+        checkpoint.quantize(module, config)
     pack_linears(module)  # last: packed copies do not follow later changes to the weights
     model = cast(CausalLM, module)
     logger.info(
@@ -83,8 +93,9 @@ def load_model(
     return model, config
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, from safetensors (single or sharded) or a .bin file."""
+def iter_weights(model_dir: Path, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint (or those whose names `select` takes), from
+    safetensors (single or sharded) or a .bin file."""
     files = sorted(model_dir.glob("*.safetensors"))
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -93,10 +104,12 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for path in files:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    if select is None or select(name):
+                        yield name, handle.get_tensor(name)
         return
     bins = sorted(model_dir.glob("pytorch_model*.bin"))
     if not bins:
         raise ModelNotFoundError(f"no safetensors or pytorch_model.bin weights in {model_dir}")
     for path in bins:
-        yield from torch.load(path, map_location="cpu", weights_only=True).items()
+        tensors = torch.load(path, map_location="cpu", weights_only=True).items()
+        yield from ((name, tensor) for name, tensor in tensors if select is None or select(name))

@@ -118,8 +118,9 @@ class ServerSettings(BaseSettings):
     dtype: str = _default("dtype")
     quantization: str | None = Field(
         None,
-        description="a GGUF model's weights: gguf (Q4_0/Q4_1/Q8_0 served as stored, int8 dot products; "
-        "the default for a GGUF model on a CPU) or none (dequantized to --dtype)",
+        description="a quantized model's weights: gguf (a GGUF file's Q4_0/Q4_1/Q8_0 served as stored), "
+        "compressed-tensors (an int8 W8A8 checkpoint run as int8 GEMMs); each the default for its models "
+        "on a CPU; or none (dequantized to --dtype)",
     )
     block_size: int = _default("block_size")
     kv_cache_memory: float | None = None

@@ -118,14 +118,12 @@ def test_sliding_window_prefix_hit(tiny_mistral_window: Path, backend: str) -> N
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_triton_backend_equals_transformers(tiny_models: dict[str, Path], arch: str) -> None:
+def test_triton_backend_equals_transformers(tiny_llama: Path) -> None:
     """The engine on the Triton kernels (interpreted on this CPU) is exact too. One schedule
     runs every kernel path (the interpreter is slow): whole and chunked prefills, chunks over
     cached context, decodes, swapping out and back, then a prefix-cache hit."""
-    model_dir = tiny_models[arch]
     llm = LLM(
-        str(model_dir),
+        str(tiny_llama),
         dtype="float32",
         attention_backend="triton",
         max_num_batched_tokens=16,
@@ -135,9 +133,19 @@ def test_triton_backend_equals_transformers(tiny_models: dict[str, Path], arch: 
     prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB)
     shared = prompts[4][:40]  # after the batch, a prefix-cache hit: a chunk after a cached prefix
     outputs = llm.generate(prompts, _greedy()) + llm.generate([shared + [5, 6, 7]], _greedy())
-    _assert_matches_hf(model_dir, prompts + [shared + [5, 6, 7]], outputs)
+    _assert_matches_hf(tiny_llama, prompts + [shared + [5, 6, 7]], outputs)
     assert llm.stats().num_preemptions_swap > 0, "the tiny cache forced no swap"
     assert outputs[-1].usage.cached_prompt_tokens > 0
+    assert_no_block_leaked(llm)
+
+
+@pytest.mark.triton
+def test_triton_backend_with_qwen3s_wider_heads(tiny_models: dict[str, Path]) -> None:
+    """Qwen3's head_dim (32) is not hidden / heads (16), and its q/k norms sit before the
+    kernels: whole prefills and decodes suffice (the schedule's paths ran above)."""
+    llm = LLM(str(tiny_models["qwen3"]), dtype="float32", attention_backend="triton")
+    prompts = random_prompts(PROMPT_LENGTHS[:3], TINY_VOCAB)
+    _assert_matches_hf(tiny_models["qwen3"], prompts, llm.generate(prompts, _greedy()))
     assert_no_block_leaked(llm)
 
 

@@ -17,6 +17,8 @@ KERNELS = [
     "copy_blocks",
     "lora_shrink",
     "lora_expand",
+    "quantized_matmul_4bit",
+    "quantized_matmul_8bit",
 ]
 
 

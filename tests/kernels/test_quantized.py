@@ -175,3 +175,34 @@ torch.save(out, {str(tmp_path / "avx2.pt")!r})
         weight = QuantizedWeight.from_blocks(torch.from_numpy(raw), TYPES[name])
         summation_order = 1e-5 * (x.abs() @ weight.dequantize().abs().T) + 1e-6
         assert torch.all((avx2[name] - int8_matmul(x, weight)).abs() <= summation_order)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_triton_kernel_equals_the_reference(type_name: str, dtype: torch.dtype) -> None:
+    """The CUDA kernel (run by Triton's interpreter here) dequantizes in registers and
+    multiplies in float32: the reference's arithmetic, up to summation order and the
+    output's rounding. Rows and columns that fill no tile exercise the masks."""
+    from pagefleet.kernels.quantized_matmul import quantized_matmul
+
+    generator = torch.Generator().manual_seed(5)
+    weight = QuantizedWeight.from_blocks(
+        torch.from_numpy(random_blocks(70, 96, TYPES[type_name], generator)), TYPES[type_name]
+    )
+    x = torch.randn(19, 96, generator=generator).to(dtype)
+    y = quantized_matmul(x, weight.quants, weight.scales, weight.mins, four_bit=weight.format == 0)
+    expected = quantized_linear_torch(x.float(), weight)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-5}  # 1 ulp
+    torch.testing.assert_close(y.float(), expected.to(dtype).float(), **tolerance)
+
+
+@pytest.mark.triton
+def test_the_triton_kernel_on_smollm2s_head(smollm2_tensors: GGUFTensors) -> None:
+    from pagefleet.kernels.quantized_matmul import quantized_matmul
+
+    weight = smollm2_tensors.quantized("blk.3.ffn_down.weight")
+    assert weight is not None
+    x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(6))
+    y = quantized_matmul(x, weight.quants, weight.scales, weight.mins, four_bit=weight.format == 0)
+    torch.testing.assert_close(y, quantized_linear_torch(x, weight), rtol=1e-5, atol=1e-4)
