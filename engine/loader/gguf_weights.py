@@ -54,6 +54,19 @@ def _llama_sources(config: ModelConfig) -> dict[str, list[_Source]]:
     return sources
 
 
+def _gpt2_sources(config: ModelConfig) -> dict[str, list[_Source]]:
+    """GPT-2's linear layers and their GGUF tensors (llama.cpp stores Conv1D's weights
+    transposed, [out, in] as our layers are, and q/k/v fused as c_attn is)."""
+    sources = {}
+    for i in range(config.num_layers):
+        blk, ours = f"blk.{i}.", f"h.{i}."
+        sources[ours + "qkv"] = [_Source(blk + "attn_qkv.weight")]
+        sources[ours + "o"] = [_Source(blk + "attn_output.weight")]
+        sources[ours + "fc"] = [_Source(blk + "ffn_up.weight")]
+        sources[ours + "proj"] = [_Source(blk + "ffn_down.weight")]
+    return sources
+
+
 def _unpermute_rows(weight: QuantizedWeight, heads: int) -> QuantizedWeight:
     """Undo llama.cpp's q/k row order (per head: the two rotary halves interleaved)."""
     rows = weight.shape[0]
@@ -142,17 +155,15 @@ class GGUFTensors:
 
 
 def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> None:
-    """Put the GGUF file's quantized tensors in `model` (a single-rank Llama-family model,
-    weights loaded, on the CPU or CUDA); logs what was kept quantized and what not."""
-    if config.family != "llama":
-        logger.info("GGUF %s: %s weights are served dequantized", path.name, config.architecture)
-        return
+    """Put the GGUF file's quantized tensors in `model` (a single-rank Llama-family or GPT-2
+    model, weights loaded, on the CPU or CUDA); logs what was kept quantized and what not."""
     tensors = GGUFTensors(path)
     modules = dict(model.named_modules())
     kept: Counter[str] = Counter()
     dequantized: Counter[str] = Counter()
     float_bytes = quantized_bytes = 0
-    for module_name, sources in _llama_sources(config).items():
+    layer_sources = _llama_sources(config) if config.family == "llama" else _gpt2_sources(config)
+    for module_name, sources in layer_sources.items():
         linear = modules[module_name]
         assert isinstance(linear, Linear)
         parts = [tensors.quantized(source.name) for source in sources]
@@ -186,7 +197,7 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
     if embedding is not None:
         embedding = embedding.to(lm_head.weight.device)
         model.quantized_embedding = embedding  # type: ignore[assignment]
-        float_embedding = model.embed_tokens
+        float_embedding = model.embedding
         assert isinstance(float_embedding, torch.Tensor)
         float_embedding.data = torch.empty(0, dtype=float_embedding.dtype)
     logger.info(

@@ -15,6 +15,7 @@ from torch import nn
 from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
+from pagefleet.engine.layers.quantized import QuantizedWeight
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import Transform, WeightLoader
@@ -75,6 +76,12 @@ class GPT2LMHeadModel(nn.Module):
         self.wpe = frozen_parameter(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, shard) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.quantized_embedding: QuantizedWeight | None = None  # a GGUF's, looked up as stored
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The token embedding's float weight (the head's, when tied)."""
+        return self.wte
 
     def forward(
         self,
@@ -84,7 +91,11 @@ class GPT2LMHeadModel(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        hidden = self.shard.embed(input_ids, self.wte) + F.embedding(positions, self.wpe)
+        if self.quantized_embedding is None:
+            tokens = self.shard.embed(input_ids, self.wte)
+        else:
+            tokens = self.quantized_embedding.dequantize(input_ids).to(self.wpe.dtype)
+        hidden = tokens + F.embedding(positions, self.wpe)
         for block, kv_cache in zip(self.h, kv_caches, strict=True):
             hidden = block(hidden, kv_cache, metadata, backend)
         return self.ln_f(hidden)

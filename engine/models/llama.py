@@ -117,6 +117,11 @@ class LlamaForCausalLM(nn.Module):
         )
         self.quantized_embedding: QuantizedWeight | None = None  # a GGUF's, looked up as stored
 
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The token embedding's float weight (the head's, when tied)."""
+        return self.embed_tokens
+
     def forward(
         self,
         input_ids: torch.Tensor,

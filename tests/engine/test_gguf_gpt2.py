@@ -1,0 +1,107 @@
+"""A GPT-2 GGUF (written here from the tiny random GPT-2, as llama.cpp's converter lays it
+out: Conv1D weights stored [out, in], q/k/v fused) is served from its Q4_1/Q8_0 blocks as
+stored, the embedding lookup included, and generates as its dequantized float model does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.layers.linear import Linear
+from pagefleet.engine.models.loading import iter_weights
+from tests.conftest import TINY_VOCAB
+from tests.engine.helpers import assert_no_block_leaked, random_prompts
+
+_LAYER_TENSORS = {  # HF's GPT-2 names -> llama.cpp's
+    "ln_1": "attn_norm",
+    "attn.c_attn": "attn_qkv",
+    "attn.c_proj": "attn_output",
+    "ln_2": "ffn_norm",
+    "mlp.c_fc": "ffn_up",
+    "mlp.c_proj": "ffn_down",
+}
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+_POSITIONS = 1024
+
+
+def write_gpt2_gguf(model_dir: Path, path: Path) -> Path:
+    """The HF GPT-2 in `model_dir` as a GGUF file: projections Q4_1, the (tied) embedding
+    Q8_0, norms, biases and positions float32; the byte-level BPE tokenizer with it."""
+    config = json.loads((model_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    # transformers reads context_length as n_ctx and leaves n_positions at GPT-2's 1024: the
+    # position table is padded to that (rows past the tiny model's 512 are never read).
+    writer.add_context_length(_POSITIONS)
+    writer.add_embedding_length(config["n_embd"])
+    writer.add_feed_forward_length(4 * config["n_embd"])
+    writer.add_block_count(config["n_layer"])
+    writer.add_head_count(config["n_head"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    special = {token["content"] for token in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
+    merges = tokenizer["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(tokenizer["model"]["vocab"]["<|endoftext|>"])
+
+    def add(name: str, tensor: torch.Tensor, ggml_type: gguf.GGMLQuantizationType | None = None) -> None:
+        array = tensor.float().numpy()
+        if ggml_type is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, ggml_type), raw_dtype=ggml_type)
+
+    for name, tensor in iter_weights(model_dir):
+        parts = name.split(".")
+        if name == "transformer.wte.weight":
+            add("token_embd.weight", tensor, gguf.GGMLQuantizationType.Q8_0)
+        elif name == "transformer.wpe.weight":
+            add("position_embd.weight", torch.nn.functional.pad(tensor, (0, 0, 0, _POSITIONS - tensor.shape[0])))
+        elif name.startswith("transformer.ln_f."):
+            add(f"output_norm.{parts[-1]}", tensor)
+        elif name.startswith("transformer.h.") and not name.endswith((".attn.bias", ".attn.masked_bias")):
+            layer, module = parts[2], ".".join(parts[3:-1])
+            target = f"blk.{layer}.{_LAYER_TENSORS[module]}.{parts[-1]}"
+            if module in _CONV1D and parts[-1] == "weight":
+                add(target, tensor.T.contiguous(), gguf.GGMLQuantizationType.Q4_1)  # [out, in]
+            else:
+                add(target, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gpt2_gguf(tiny_models["gpt2"], tmp_path_factory.mktemp("gguf") / "tiny-gpt2-Q4_1.gguf")
+
+
+def test_gpt2_serves_its_gguf_blocks_and_generates_as_its_float_model(gpt2_gguf: Path) -> None:
+    quantized = LLM(str(gpt2_gguf), kv_cache_memory=16 << 20)
+    model = quantized.engine.parts.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    types = [linear.quantized.ggml_type for linear in linears if linear.quantized is not None]
+    assert types.count(3) == 2 * 4 and types.count(8) == 1  # the layers Q4_1, the tied head Q8_0
+    assert model.quantized_embedding is not None and model.wte.numel() == 0
+    dequantized = LLM(str(gpt2_gguf), quantization="none", kv_cache_memory=16 << 20)
+    prompts = random_prompts([4, 11, 29], TINY_VOCAB, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    ours = quantized.generate(prompts, params, use_tqdm=False)
+    reference = dequantized.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, reference, strict=True):
+        first_a, first_b = a.outputs[0], b.outputs[0]
+        assert first_a.token_ids[0] == first_b.token_ids[0]
+        token = first_b.token_ids[0]
+        assert np.isclose(first_a.logprobs[0][token].logprob, first_b.logprobs[0][token].logprob, atol=0.05)
+    assert_no_block_leaked(quantized)
