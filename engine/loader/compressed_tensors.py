@@ -131,7 +131,7 @@ class Int8Checkpoint:
             used.update(sources)
         left = sorted(set(self.weights) - used)
         logger.info(
-            "int8 W8A8: %d linear layers served as int8 (%.0f MiB, %.0f MiB in float)%s",
+            "int8 W8A8: %d projections served as int8 (%.0f MiB, %.0f MiB in float)%s",
             len(used),
             int8_bytes / 2**20,
             float_bytes / 2**20,
