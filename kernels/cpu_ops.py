@@ -14,7 +14,7 @@ building and loading them.
 - `lora_add` (csrc/cpu_lora.cpp; wrapper and reference in pagefleet/engine/lora/layer.py):
   every adapter's update to one projection of a multi-LoRA step in one call.
 - `quantized_linear` (csrc/cpu_quant.cpp; wrapper and reference in
-  pagefleet/engine/layers/quantized.py): a matmul over GGML Q4_0/Q4_1/Q8_0 weights as
+  pagefleet/engine/layers/quantized.py): a matmul over GGML Q4_0/Q4_1/Q8_0/Q4_K weights as
   stored, int8 dot products (AVX-512 VNNI where the CPU has it, else AVX2); AVX2 and AVX-512
   builds (`has_quantized_linear()`).
 - `int8_linear` (csrc/cpu_int8.cpp; wrapper and reference in pagefleet/engine/layers/int8.py):

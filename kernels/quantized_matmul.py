@@ -1,4 +1,4 @@
-"""x @ W.T with W in GGML's Q4_0/Q4_1/Q8_0 blocks, as engine/layers/quantized.py stores them,
+"""x @ W.T with W in GGML's Q4_0/Q4_1/Q8_0/Q4_K blocks, as engine/layers/quantized.py stores them,
 for CUDA: the compiled CPU operator's counterpart.
 
 Every weight is unsigned, w = scale * u + min per block of 32 along in_features (4-bit: a

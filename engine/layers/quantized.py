@@ -1,11 +1,14 @@
-"""Weights kept in GGML's block formats (Q4_0, Q4_1, Q8_0) and the matmul that reads them.
+"""Weights kept in GGML's block formats (Q4_0, Q4_1, Q8_0, Q4_K) and the matmul that reads them.
 
 A block is 32 weights of one output row: 4-bit blocks store an unsigned nibble per weight,
 a float16 scale `d` and (Q4_1) a float16 min `m` (w = d * u + m; Q4_0 is u - 8, so its min
-is -8 d); Q8_0 stores a signed byte per weight and `d` (w = d * q). At load the blocks are
-split into three arrays (nibbles or bytes, scales, mins) with every weight unsigned,
-w = d * u + m (Q8_0: u = q + 128, m = -128 d, which VNNI's unsigned-by-signed dot product
-wants), and the compiled operator (kernels/csrc/cpu_quant.cpp) reads them as they are.
+is -8 d); Q8_0 stores a signed byte per weight and `d` (w = d * q). Q4_K groups 8 such
+blocks of nibbles in a super-block of 256 with one float16 `d` and `dmin` and a 6-bit scale
+and min per block (w = d * sc * u - dmin * m). At load the blocks are split into three
+arrays (nibbles or bytes, scales, mins) with every weight unsigned, w = scale * u + min
+(Q8_0: u = q + 128, min = -128 d, which VNNI's unsigned-by-signed dot product wants; Q4_K:
+scale = d * sc and min = -dmin * m, rounded to float16, at most 2^-11 of each, far below
+a 4-bit step), and the compiled operator (kernels/csrc/cpu_quant.cpp) reads them as they are.
 `quantized_linear_torch`, the oracle and the fallback, dequantizes and multiplies in
 float32; every dequantized value is exact (a float16 times at most 8 bits, plus a min).
 """
@@ -22,9 +25,10 @@ from pagefleet.kernels import cpu_ops
 
 BLOCK = 32
 # GGML's type ids (gguf.GGMLQuantizationType) of the formats read as stored.
-GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
-GGML_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0"}
-BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}
+GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K = 2, 3, 8, 12
+GGML_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0", GGML_Q4_K: "Q4_K"}
+# Each format's stored block: (weights, bytes).
+GGML_BLOCKS = {GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20), GGML_Q8_0: (32, 34), GGML_Q4_K: (256, 144)}
 # The operator's two layouts (`format` in cpu_quant.cpp).
 FOUR_BIT, EIGHT_BIT = 0, 1
 
@@ -56,9 +60,11 @@ class QuantizedWeight:
 
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, ggml_type: int) -> QuantizedWeight:
-        """From GGUF's bytes: uint8 [out_features, in_features / 32 * block bytes]."""
+        """From GGUF's bytes: uint8 [out_features, in_features / block weights * block bytes]."""
         rows = blocks.shape[0]
-        blocks = blocks.reshape(rows, -1, BLOCK_BYTES[ggml_type])
+        if ggml_type == GGML_Q4_K:
+            return cls._from_q4_k(blocks.reshape(rows, -1, GGML_BLOCKS[GGML_Q4_K][1]))
+        blocks = blocks.reshape(rows, -1, GGML_BLOCKS[ggml_type][1])
         scales = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, -1)
         if ggml_type == GGML_Q8_0:
             quants, mins = blocks[..., 2:] ^ 0x80, scales * -128  # exact: power-of-two multiples
@@ -68,6 +74,26 @@ class QuantizedWeight:
         else:
             quants, mins = blocks[..., 2:], scales * -8
         return cls(ggml_type, quants.reshape(rows, -1).contiguous(), scales.contiguous(), mins.contiguous())
+
+    @classmethod
+    def _from_q4_k(cls, blocks: torch.Tensor) -> QuantizedWeight:
+        """Q4_K super-blocks [rows, n, 144]: d, dmin (float16), 12 bytes of eight 6-bit scales
+        and mins, 128 bytes of nibbles (bytes 32c..32c+31 hold block 2c's weights in their
+        low nibbles and block 2c+1's in their high ones), as llama.cpp's get_scale_min_k4."""
+        rows, supers = blocks.shape[:2]
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n, 1]
+        dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+        packed = blocks[..., 4:16].long()
+        low, high = packed[..., 0:4], packed[..., 4:8]
+        extra = packed[..., 8:12]
+        sc = torch.cat([low & 63, (extra & 0xF) | ((low >> 6) << 4)], dim=-1)  # blocks 0-3, 4-7
+        m = torch.cat([high & 63, (extra >> 4) | ((high >> 6) << 4)], dim=-1)
+        scales = (d * sc).half().reshape(rows, -1)
+        mins = (-(dmin * m)).half().reshape(rows, -1)
+        chunks = blocks[..., 16:].reshape(rows, supers, 4, 32)  # 4 chunks of 64 weights
+        unsigned = torch.stack([chunks & 0x0F, chunks >> 4], dim=3).reshape(rows, supers * 8, 32)
+        quants = unsigned[..., :16] | (unsigned[..., 16:] << 4)  # the 4-bit layout of the other formats
+        return cls(GGML_Q4_K, quants.reshape(rows, -1).contiguous(), scales.contiguous(), mins.contiguous())
 
     def to(self, device: torch.device) -> QuantizedWeight:
         return QuantizedWeight(self.ggml_type, self.quants.to(device), self.scales.to(device), self.mins.to(device))

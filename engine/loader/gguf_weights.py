@@ -2,8 +2,8 @@
 
 The model is first loaded as always, from the float32 directory the file was converted to
 (engine/loader/gguf_cache.py: config, tokenizer, norms, biases); then each linear layer
-whose GGUF tensors are all of one type the operator reads (Q4_0, Q4_1, Q8_0) takes them
-and frees its float weight. Any other type (Q4_K, Q6_K, F16, ...) stays dequantized, and
+whose GGUF tensors are all of one type the operator reads (Q4_0, Q4_1, Q8_0, Q4_K) takes
+them and frees its float weight. Any other type (Q6_K, Q5_K, F16, ...) stays dequantized, and
 the log says which. llama.cpp's converter permutes q and k rows for its rotary layout;
 the rows are put back in Hugging Face's order here, blocks untouched (a block lies within
 one row).
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pagefleet.engine.layers.linear import Linear
-from pagefleet.engine.layers.quantized import BLOCK, BLOCK_BYTES, GGML_NAMES, QuantizedWeight
+from pagefleet.engine.layers.quantized import GGML_BLOCKS, GGML_NAMES, QuantizedWeight
 from pagefleet.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,8 @@ class GGUFTensors:
         tensor = self._tensors.get(name)
         if tensor is None or tensor.ggml_type not in GGML_NAMES:
             return None
-        rows, row_bytes = math.prod(tensor.shape[1:]), tensor.shape[0] // BLOCK * BLOCK_BYTES[tensor.ggml_type]
+        block_weights, block_bytes = GGML_BLOCKS[tensor.ggml_type]
+        rows, row_bytes = math.prod(tensor.shape[1:]), tensor.shape[0] // block_weights * block_bytes
         raw = self._data[tensor.offset : tensor.offset + rows * row_bytes]  # a copy: the map is read-only
         blocks = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(rows, row_bytes)
         return QuantizedWeight.from_blocks(blocks, tensor.ggml_type)

@@ -1,6 +1,7 @@
-"""A GPT-2 GGUF (written here from the tiny random GPT-2, as llama.cpp's converter lays it
-out: Conv1D weights stored [out, in], q/k/v fused) is served from its Q4_1/Q8_0 blocks as
-stored, the embedding lookup included, and generates as its dequantized float model does."""
+"""A GPT-2 GGUF (written here from a tiny random GPT-2, as llama.cpp's converter lays it
+out: Conv1D weights stored [out, in], q/k/v fused) is served from its Q4_1/Q8_0 (or Q4_K)
+blocks as stored, the embedding lookup included, and generates as its dequantized float
+model does."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.models.loading import iter_weights
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, random_prompts
+from tests.kernels.test_quantized import random_q4_k
 
 _LAYER_TENSORS = {  # HF's GPT-2 names -> llama.cpp's
     "ln_1": "attn_norm",
@@ -30,9 +32,11 @@ _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 _POSITIONS = 1024
 
 
-def write_gpt2_gguf(model_dir: Path, path: Path) -> Path:
-    """The HF GPT-2 in `model_dir` as a GGUF file: projections Q4_1, the (tied) embedding
-    Q8_0, norms, biases and positions float32; the byte-level BPE tokenizer with it."""
+def write_gpt2_gguf(model_dir: Path, path: Path, q4_k_projections: bool = False) -> Path:
+    """The HF GPT-2 in `model_dir` as a GGUF file: projections Q4_1 (or random Q4_K blocks,
+    which the float model then reads dequantized too: the gguf package cannot quantize to
+    Q4_K), the (tied) embedding Q8_0, norms, biases and positions float32; the byte-level
+    BPE tokenizer with it."""
     config = json.loads((model_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), "gpt2")
     # transformers reads context_length as n_ctx and leaves n_positions at GPT-2's 1024: the
@@ -71,7 +75,11 @@ def write_gpt2_gguf(model_dir: Path, path: Path) -> Path:
         elif name.startswith("transformer.h.") and not name.endswith((".attn.bias", ".attn.masked_bias")):
             layer, module = parts[2], ".".join(parts[3:-1])
             target = f"blk.{layer}.{_LAYER_TENSORS[module]}.{parts[-1]}"
-            if module in _CONV1D and parts[-1] == "weight":
+            if module in _CONV1D and parts[-1] == "weight" and q4_k_projections:
+                out_features, in_features = tensor.T.shape
+                blocks = random_q4_k(out_features, in_features, torch.Generator().manual_seed(len(target)))
+                writer.add_tensor(target, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            elif module in _CONV1D and parts[-1] == "weight":
                 add(target, tensor.T.contiguous(), gguf.GGMLQuantizationType.Q4_1)  # [out, in]
             else:
                 add(target, tensor)
@@ -87,14 +95,29 @@ def gpt2_gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     return write_gpt2_gguf(tiny_models["gpt2"], tmp_path_factory.mktemp("gguf") / "tiny-gpt2-Q4_1.gguf")
 
 
-def test_gpt2_serves_its_gguf_blocks_and_generates_as_its_float_model(gpt2_gguf: Path) -> None:
-    quantized = LLM(str(gpt2_gguf), kv_cache_memory=16 << 20)
+@pytest.fixture(scope="module")
+def wide_gpt2_q4_k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer GPT-2 256 wide (Q4_K's super-blocks are 256 weights), its projections Q4_K."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.conftest import _build_tokenizer
+
+    root = tmp_path_factory.mktemp("wide-gpt2")
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=256, n_layer=1, n_head=4, n_positions=512, vocab_size=TINY_VOCAB, bos_token_id=None)
+    GPT2LMHeadModel(config).save_pretrained(root / "hf")
+    _build_tokenizer().save_pretrained(root / "hf")
+    return write_gpt2_gguf(root / "hf", root / "wide-gpt2-Q4_K.gguf", q4_k_projections=True)
+
+
+def _assert_generates_as_its_float_model(gguf_path: Path, layer_type: int, layers: int) -> None:
+    quantized = LLM(str(gguf_path), kv_cache_memory=16 << 20)
     model = quantized.engine.parts.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     types = [linear.quantized.ggml_type for linear in linears if linear.quantized is not None]
-    assert types.count(3) == 2 * 4 and types.count(8) == 1  # the layers Q4_1, the tied head Q8_0
+    assert types.count(layer_type) == layers * 4 and types.count(8) == 1  # the layers, the tied head Q8_0
     assert model.quantized_embedding is not None and model.wte.numel() == 0
-    dequantized = LLM(str(gpt2_gguf), quantization="none", kv_cache_memory=16 << 20)
+    dequantized = LLM(str(gguf_path), quantization="none", kv_cache_memory=16 << 20)
     prompts = random_prompts([4, 11, 29], TINY_VOCAB, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     ours = quantized.generate(prompts, params, use_tqdm=False)
@@ -105,3 +128,11 @@ def test_gpt2_serves_its_gguf_blocks_and_generates_as_its_float_model(gpt2_gguf:
         token = first_b.token_ids[0]
         assert np.isclose(first_a.logprobs[0][token].logprob, first_b.logprobs[0][token].logprob, atol=0.05)
     assert_no_block_leaked(quantized)
+
+
+def test_gpt2_serves_its_gguf_blocks_and_generates_as_its_float_model(gpt2_gguf: Path) -> None:
+    _assert_generates_as_its_float_model(gpt2_gguf, layer_type=3, layers=2)  # Q4_1
+
+
+def test_q4_k_blocks_are_served_as_stored(wide_gpt2_q4_k: Path) -> None:
+    _assert_generates_as_its_float_model(wide_gpt2_q4_k, layer_type=12, layers=1)  # Q4_K

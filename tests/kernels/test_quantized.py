@@ -1,4 +1,4 @@
-"""GGUF's Q4_0, Q4_1 and Q8_0 weights read as stored: the blocks dequantize to what the
+"""GGUF's Q4_0, Q4_1, Q8_0 and Q4_K weights read as stored: the blocks dequantize to what the
 `gguf` package's own reader gives, and the compiled matmul equals the dequantize-then-matmul
 reference within the error its int8 activations allow, on random blocks and on SmolLM2's
 tensors."""
@@ -19,6 +19,7 @@ from pagefleet.engine.layers.quantized import (
     DEQUANTIZED_ROWS,
     GGML_Q4_0,
     GGML_Q4_1,
+    GGML_Q4_K,
     GGML_Q8_0,
     QuantizedWeight,
     quantized_linear,
@@ -78,6 +79,47 @@ def test_blocks_dequantize_as_the_gguf_package_reads_them(type_name: str) -> Non
     torch.testing.assert_close(ours.dequantize(), torch.from_numpy(expected), rtol=1e-6, atol=1e-7)
     rows = torch.tensor([5, 0, 47])
     assert torch.equal(ours.dequantize(rows), ours.dequantize()[rows])
+
+
+def random_q4_k(rows: int, in_features: int, generator: torch.Generator) -> np.ndarray:
+    """GGUF bytes of a random Q4_K weight: per 256 weights d, dmin (float16), 12 bytes of
+    6-bit scales and mins, 128 bytes of nibbles; every byte pattern is a valid block."""
+    supers = in_features // 256
+    d = (torch.rand(rows, supers, 1, generator=generator) * 1e-3 + 1e-4).half().view(torch.uint8)
+    dmin = (torch.rand(rows, supers, 1, generator=generator) * 1e-3).half().view(torch.uint8)
+    rest = torch.randint(0, 256, (rows, supers, 140), dtype=torch.uint8, generator=generator)
+    return torch.cat([d, dmin, rest], dim=-1).reshape(rows, -1).numpy()
+
+
+def test_q4_k_super_blocks_dequantize_as_the_gguf_package_reads_them() -> None:
+    """Each 32-weight block's scale d * sc and min dmin * m are kept in float16: rounding
+    moves each by at most 2^-11 of itself, far below a 4-bit step."""
+    raw = random_q4_k(24, 512, torch.Generator().manual_seed(2))
+    ours = QuantizedWeight.from_blocks(torch.from_numpy(raw), GGML_Q4_K)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K))
+    assert ours.shape == (24, 512) and ours.format == 0
+    scale_part = (expected - ours.mins.float().repeat_interleave(32, dim=1)).abs()
+    bound = 2**-11 * (scale_part + ours.mins.float().abs().repeat_interleave(32, dim=1)) + 1e-7
+    assert ((ours.dequantize() - expected).abs() <= bound).all()
+
+
+def test_both_paths_read_q4_k_blocks() -> None:
+    """Few rows: the int8 kernel within the int8 activations' error; many: the exact
+    bfloat16 copy of the weight (a Q4_K layer is one more 4-bit layout to the kernels)."""
+    raw = random_q4_k(40, 512, torch.Generator().manual_seed(3))
+    weight = QuantizedWeight.from_blocks(torch.from_numpy(raw), GGML_Q4_K)
+    dense = weight.dequantize()
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
+    assert torch.all(
+        (int8_matmul(x, weight) - quantized_linear_torch(x, weight)).abs() <= activation_error_bound(x, dense)
+    )
+    copy = torch.ops.pagefleet.quantized_dequantize(
+        weight.quants, weight.scales, weight.mins, weight.format, torch.float32
+    )
+    assert torch.equal(copy, dense)
+    many = torch.randn(DEQUANTIZED_ROWS, 512, generator=torch.Generator().manual_seed(5))
+    bound = 2**-7 * (many.abs() @ dense.abs().T) + 1e-5
+    assert torch.all((quantized_linear(many, weight) - quantized_linear_torch(many, weight)).abs() <= bound)
 
 
 def int8_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
