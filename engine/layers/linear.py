@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.layers.int8 import Int8Weight
-from pagefleet.engine.layers.quantized import QuantizedWeight
+from pagefleet.engine.layers.quantized import QuantizedWeight, StackedWeight
 
 if TYPE_CHECKING:
     from pagefleet.engine.lora.layer import LoRALayer
@@ -52,10 +52,10 @@ class Linear(nn.Module):
         self.weight = frozen_parameter(out_features, in_features)
         self.bias = frozen_parameter(out_features) if bias else None
         self._packed: torch.Tensor | None = None
-        self.quantized: QuantizedWeight | Int8Weight | None = None
+        self.quantized: QuantizedWeight | StackedWeight | Int8Weight | None = None
         self.lora: LoRALayer | None = None
 
-    def quantize(self, weight: QuantizedWeight | Int8Weight) -> None:
+    def quantize(self, weight: QuantizedWeight | StackedWeight | Int8Weight) -> None:
         """Serve from `weight` (the same matrix, quantized) and free the float one, which
         a tied embedding shares: its owner must stop reading it too."""
         if weight.shape != (self.out_features, self.in_features):

@@ -130,6 +130,27 @@ class QuantizedWeight:
         return quantized_linear(x, self)
 
 
+@dataclass(frozen=True)
+class StackedWeight:
+    """A fused layer whose row blocks are stored in different types (a Q4_K_M file's q and k
+    in Q4_K, v in Q6_K): each block multiplies on its own and the outputs are concatenated.
+    A block of a type the kernels do not read is a float tensor [rows, in_features]."""
+
+    parts: tuple[QuantizedWeight | torch.Tensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size() for p in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = [p.matmul(x) if isinstance(p, QuantizedWeight) else F.linear(x, p) for p in self.parts]
+        return torch.cat(outputs, dim=-1)
+
+
 def quantized_linear_torch(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x @ W.T with W dequantized to float32: the operator's oracle and fallback."""
     return F.linear(x.float(), weight.dequantize()).to(x.dtype)

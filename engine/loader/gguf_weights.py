@@ -2,9 +2,10 @@
 
 The model is first loaded as always, from the float32 directory the file was converted to
 (engine/loader/gguf_cache.py: config, tokenizer, norms, biases); then each linear layer
-whose GGUF tensors are all of one type the operator reads (Q4_0, Q4_1, Q8_0, Q4_K) takes
-them and frees its float weight. Any other type (Q6_K, Q5_K, F16, ...) stays dequantized, and
-the log says which. llama.cpp's converter permutes q and k rows for its rotary layout;
+whose GGUF tensors are of types the operator reads (Q4_0, Q4_1, Q8_0, Q4_K) takes them and
+frees its float weight; a fused layer whose parts differ in type (a Q4_K_M file's v in Q6_K)
+runs each run of one type on its own. Any other type (Q6_K, Q5_K, F16, ...) stays
+dequantized, and the log says which. llama.cpp's converter permutes q and k rows for its rotary layout;
 the rows are put back in Hugging Face's order here, blocks untouched (a block lies within
 one row).
 """
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from pagefleet.engine.layers.linear import Linear
-from pagefleet.engine.layers.quantized import GGML_BLOCKS, GGML_NAMES, QuantizedWeight
+from pagefleet.engine.layers.quantized import GGML_BLOCKS, GGML_NAMES, QuantizedWeight, StackedWeight
 from pagefleet.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ class GGUFTensors:
 
         return gguf.GGMLQuantizationType(self._tensors[name].ggml_type).name
 
+    def rows(self, name: str) -> int:
+        return math.prod(self._tensors[name].shape[1:])
+
     def quantized(self, name: str) -> QuantizedWeight | None:
         """The tensor read as stored, or None if absent or of a type kept dequantized."""
         tensor = self._tensors.get(name)
@@ -168,19 +172,32 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
         linear = modules[module_name]
         assert isinstance(linear, Linear)
         parts = [tensors.quantized(source.name) for source in sources]
-        if any(part is None for part in parts) or len({p.ggml_type for p in parts if p is not None}) != 1:
+        if all(part is None for part in parts):
             dequantized.update(tensors.type_name(source.name) for source in sources)
             continue
-        weights = [
-            _unpermute_rows(part, source.permuted_heads) if source.permuted_heads else part
-            for part, source in zip(parts, sources, strict=True)
-            if part is not None
-        ]
-        fused = QuantizedWeight.cat(weights).to(linear.weight.device)
+        # Consecutive parts of one type fused; a part of another type runs on its own, and a
+        # part the kernels do not read keeps its rows of the loaded float weight.
+        blocks: list[QuantizedWeight | torch.Tensor] = []
+        first_row = 0
+        for part, source in zip(parts, sources, strict=True):
+            rows = tensors.rows(source.name)
+            if part is None:
+                blocks.append(linear.weight.data[first_row : first_row + rows].clone())
+                dequantized[tensors.type_name(source.name)] += 1
+            else:
+                part = _unpermute_rows(part, source.permuted_heads) if source.permuted_heads else part
+                part = part.to(linear.weight.device)
+                last = blocks[-1] if blocks else None
+                if isinstance(last, QuantizedWeight) and last.ggml_type == part.ggml_type:
+                    blocks[-1] = QuantizedWeight.cat([last, part])
+                else:
+                    blocks.append(part)
+                kept[GGML_NAMES[part.ggml_type]] += 1
+            first_row += rows
+        fused = blocks[0] if len(blocks) == 1 else StackedWeight(tuple(blocks))
         float_bytes += linear.weight.numel() * linear.weight.element_size()
         linear.quantize(fused)
         quantized_bytes += fused.nbytes
-        kept[GGML_NAMES[fused.ggml_type]] += len(sources)
     # The output head (token_embd when tied) and the embedding lookup, which reads the same rows.
     head_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
     head = tensors.quantized(head_name)

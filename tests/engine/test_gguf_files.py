@@ -1,0 +1,231 @@
+"""GGUF files written here from tiny random models, as llama.cpp's converter lays them out,
+are served from their blocks as stored and generate as their dequantized float models do:
+GPT-2 (Conv1D weights stored [out, in], q/k/v fused; Q4_1, or Q4_K on a model 256 wide)
+and a Llama whose fused layers mix types (q/k Q4_1 with v F16; gate Q4_1 with up Q8_0), as
+a Q4_K_M file mixes Q4_K and Q6_K."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.layers.linear import Linear
+from pagefleet.engine.layers.quantized import QuantizedWeight, StackedWeight
+from pagefleet.engine.models.loading import iter_weights
+from tests.conftest import TINY_VOCAB
+from tests.engine.helpers import assert_no_block_leaked, random_prompts
+from tests.kernels.test_quantized import random_q4_k
+
+_LAYER_TENSORS = {  # HF's GPT-2 names -> llama.cpp's
+    "ln_1": "attn_norm",
+    "attn.c_attn": "attn_qkv",
+    "attn.c_proj": "attn_output",
+    "ln_2": "ffn_norm",
+    "mlp.c_fc": "ffn_up",
+    "mlp.c_proj": "ffn_down",
+}
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+_POSITIONS = 1024
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
+    """The tiny models' byte-level BPE tokenizer, as llama.cpp stores a "gpt2" tokenizer."""
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    special = {token["content"] for token in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
+    merges = tokenizer["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(tokenizer["model"]["vocab"]["<|endoftext|>"])
+
+
+def _add_tensor(
+    writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, ggml_type: gguf.GGMLQuantizationType | None = None
+) -> None:
+    array = tensor.float().numpy()
+    if ggml_type in (None, gguf.GGMLQuantizationType.F32):
+        writer.add_tensor(name, array)
+    elif ggml_type == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, ggml_type), raw_dtype=ggml_type)
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_gpt2_gguf(model_dir: Path, path: Path, q4_k_projections: bool = False) -> Path:
+    """The HF GPT-2 in `model_dir` as a GGUF file: projections Q4_1 (or random Q4_K blocks,
+    which the float model then reads dequantized too: the gguf package cannot quantize to
+    Q4_K), the (tied) embedding Q8_0, norms, biases and positions float32; the byte-level
+    BPE tokenizer with it."""
+    config = json.loads((model_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    # transformers reads context_length as n_ctx and leaves n_positions at GPT-2's 1024: the
+    # position table is padded to that (rows past the tiny model's 512 are never read).
+    writer.add_context_length(_POSITIONS)
+    writer.add_embedding_length(config["n_embd"])
+    writer.add_feed_forward_length(4 * config["n_embd"])
+    writer.add_block_count(config["n_layer"])
+    writer.add_head_count(config["n_head"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    _add_tokenizer(writer, model_dir)
+    add = functools.partial(_add_tensor, writer)
+
+    for name, tensor in iter_weights(model_dir):
+        parts = name.split(".")
+        if name == "transformer.wte.weight":
+            add("token_embd.weight", tensor, gguf.GGMLQuantizationType.Q8_0)
+        elif name == "transformer.wpe.weight":
+            add("position_embd.weight", torch.nn.functional.pad(tensor, (0, 0, 0, _POSITIONS - tensor.shape[0])))
+        elif name.startswith("transformer.ln_f."):
+            add(f"output_norm.{parts[-1]}", tensor)
+        elif name.startswith("transformer.h.") and not name.endswith((".attn.bias", ".attn.masked_bias")):
+            layer, module = parts[2], ".".join(parts[3:-1])
+            target = f"blk.{layer}.{_LAYER_TENSORS[module]}.{parts[-1]}"
+            if module in _CONV1D and parts[-1] == "weight" and q4_k_projections:
+                out_features, in_features = tensor.T.shape
+                blocks = random_q4_k(out_features, in_features, torch.Generator().manual_seed(len(target)))
+                writer.add_tensor(target, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            elif module in _CONV1D and parts[-1] == "weight":
+                add(target, tensor.T.contiguous(), gguf.GGMLQuantizationType.Q4_1)  # [out, in]
+            else:
+                add(target, tensor)
+    _finish(writer)
+    return path
+
+
+def write_mixed_llama_gguf(model_dir: Path, path: Path) -> Path:
+    """The HF Llama in `model_dir` as llama.cpp writes it (q and k rows permuted for its
+    rotary layout), its layers mixing types: q/k Q4_1 and v F16 (a type the kernels do not
+    read), gate Q4_1 and up Q8_0, o and down Q4_1, the tied embedding Q8_0."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    _add_tokenizer(writer, model_dir)
+    q4_1, q8_0, f16 = (gguf.GGMLQuantizationType[t] for t in ("Q4_1", "Q8_0", "F16"))
+    names = {  # HF -> (llama.cpp, type)
+        "self_attn.q_proj": ("attn_q", q4_1),
+        "self_attn.k_proj": ("attn_k", q4_1),
+        "self_attn.v_proj": ("attn_v", f16),
+        "self_attn.o_proj": ("attn_output", q4_1),
+        "mlp.gate_proj": ("ffn_gate", q4_1),
+        "mlp.up_proj": ("ffn_up", q8_0),
+        "mlp.down_proj": ("ffn_down", q4_1),
+        "input_layernorm": ("attn_norm", None),
+        "post_attention_layernorm": ("ffn_norm", None),
+    }
+
+    def permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:  # llama.cpp's q/k row order
+        return weight.reshape(num_heads, 2, -1, weight.shape[1]).transpose(1, 2).reshape(weight.shape)
+
+    for name, tensor in iter_weights(model_dir):
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            _add_tensor(writer, "token_embd.weight", tensor, q8_0)
+        elif name == "model.norm.weight":
+            _add_tensor(writer, "output_norm.weight", tensor)
+        elif name.startswith("model.layers."):
+            layer, module = parts[2], ".".join(parts[3:-1])
+            target, ggml_type = names[module]
+            if module == "self_attn.q_proj":
+                tensor = permute(tensor, heads)
+            elif module == "self_attn.k_proj":
+                tensor = permute(tensor, kv_heads)
+            _add_tensor(writer, f"blk.{layer}.{target}.weight", tensor, ggml_type)
+    _finish(writer)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gpt2_gguf(tiny_models["gpt2"], tmp_path_factory.mktemp("gguf") / "tiny-gpt2-Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def wide_gpt2_q4_k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer GPT-2 256 wide (Q4_K's super-blocks are 256 weights), its projections Q4_K."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.conftest import _build_tokenizer
+
+    root = tmp_path_factory.mktemp("wide-gpt2")
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=256, n_layer=1, n_head=4, n_positions=512, vocab_size=TINY_VOCAB, bos_token_id=None)
+    GPT2LMHeadModel(config).save_pretrained(root / "hf")
+    _build_tokenizer().save_pretrained(root / "hf")
+    return write_gpt2_gguf(root / "hf", root / "wide-gpt2-Q4_K.gguf", q4_k_projections=True)
+
+
+def _assert_generates_as_its_float_model(gguf_path: Path, layer_type: int, layers: int) -> None:
+    quantized = LLM(str(gguf_path), kv_cache_memory=16 << 20)
+    model = quantized.engine.parts.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    types = [linear.quantized.ggml_type for linear in linears if linear.quantized is not None]
+    assert types.count(layer_type) == layers * 4 and types.count(8) == 1  # the layers, the tied head Q8_0
+    assert model.quantized_embedding is not None and model.wte.numel() == 0
+    dequantized = LLM(str(gguf_path), quantization="none", kv_cache_memory=16 << 20)
+    prompts = random_prompts([4, 11, 29], TINY_VOCAB, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    ours = quantized.generate(prompts, params, use_tqdm=False)
+    reference = dequantized.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, reference, strict=True):
+        first_a, first_b = a.outputs[0], b.outputs[0]
+        assert first_a.token_ids[0] == first_b.token_ids[0]
+        token = first_b.token_ids[0]
+        assert np.isclose(first_a.logprobs[0][token].logprob, first_b.logprobs[0][token].logprob, atol=0.05)
+    assert_no_block_leaked(quantized)
+
+
+def test_gpt2_serves_its_gguf_blocks_and_generates_as_its_float_model(gpt2_gguf: Path) -> None:
+    _assert_generates_as_its_float_model(gpt2_gguf, layer_type=3, layers=2)  # Q4_1
+
+
+def test_q4_k_blocks_are_served_as_stored(wide_gpt2_q4_k: Path) -> None:
+    _assert_generates_as_its_float_model(wide_gpt2_q4_k, layer_type=12, layers=1)  # Q4_K
+
+
+def test_fused_layers_of_mixed_types_run_each_part_as_stored(tiny_llama: Path, tmp_path: Path) -> None:
+    path = write_mixed_llama_gguf(tiny_llama, tmp_path / "tiny-llama-mixed.gguf")
+    quantized = LLM(str(path), kv_cache_memory=16 << 20)
+    layer = quantized.engine.parts.model.layers[1]
+    qkv, gate_up = layer.self_attn.qkv_proj.quantized, layer.mlp.gate_up_proj.quantized
+    assert isinstance(qkv, StackedWeight) and isinstance(gate_up, StackedWeight)
+    assert [type(p) for p in qkv.parts] == [QuantizedWeight, torch.Tensor]  # q and k fused, v float
+    assert [p.ggml_type for p in gate_up.parts] == [3, 8]  # type: ignore[union-attr]
+    assert isinstance(layer.mlp.down_proj.quantized, QuantizedWeight)
+    # Row for row the weights of the float model that transformers dequantized from the file.
+    dequantized = LLM(str(path), quantization="none", kv_cache_memory=16 << 20)
+    reference = dequantized.engine.parts.model.layers[1]
+    for stacked, linear in ((qkv, reference.self_attn.qkv_proj), (gate_up, reference.mlp.gate_up_proj)):
+        rows = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in stacked.parts]
+        torch.testing.assert_close(torch.cat(rows), linear.weight, rtol=1e-6, atol=1e-6)
+    prompts = random_prompts([6, 21], TINY_VOCAB, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
+    for a, b in zip(quantized.generate(prompts, params), dequantized.generate(prompts, params), strict=True):
+        token = b.outputs[0].token_ids[0]
+        assert a.outputs[0].token_ids[0] == token
+        assert np.isclose(a.outputs[0].logprobs[0][token].logprob, b.outputs[0].logprobs[0][token].logprob, atol=0.05)
+    assert_no_block_leaked(quantized)
