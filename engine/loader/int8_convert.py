@@ -35,15 +35,8 @@ _INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "a
 
 def quantization_config(static_input_scale: bool) -> dict:
     """config.json's `quantization_config` for int8 weights per channel and int8 inputs."""
-    inputs = (
-        {**_INT8, "strategy": "tensor", "dynamic": False}
-        if static_input_scale
-        else {
-            **_INT8,
-            "strategy": "token",
-            "dynamic": True,
-        }
-    )
+    strategy, dynamic = ("tensor", False) if static_input_scale else ("token", True)
+    inputs = {**_INT8, "strategy": strategy, "dynamic": dynamic}
     return {
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
@@ -141,10 +134,11 @@ def convert(
     smoothing: float = 0.5,
     calibration_tokens: int = CALIBRATION_TOKENS,
 ) -> None:
+    """Write the W8A8 checkpoint of the float model in `source` to `target` (see above)."""
     target.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor for name, tensor in iter_weights(source)}
-    architecture = json.loads((source / "config.json").read_text()).get("model_type")
-    if smoothing > 0 and architecture in ("llama", "mistral", "qwen2", "qwen3"):
+    tensors = dict(iter_weights(source))
+    config = json.loads((source / "config.json").read_text())
+    if smoothing > 0 and config.get("model_type") in ("llama", "mistral", "qwen2", "qwen3"):
         smooth(source, tensors, smoothing, calibration_tokens)
     for name, tensor in list(tensors.items()):
         if name.endswith("_proj.weight") and tensor.dim() == 2:
@@ -156,7 +150,6 @@ def convert(
         else:
             tensors[name] = tensor.contiguous()
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = quantization_config(static_input_scale is not None)
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for path in source.iterdir():  # tokenizer and generation config
