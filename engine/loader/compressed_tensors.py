@@ -142,11 +142,10 @@ class Int8Checkpoint:
 
 def _llama_sources(config: ModelConfig) -> dict[str, list[str]]:
     """Our fused linear layers (module paths) and the checkpoint's layers they stack."""
+    from pagefleet.engine.models.llama import FUSED_PROJECTIONS  # here: models imports this module
+
     sources = {"lm_head": ["lm_head"]} if not config.tie_word_embeddings else {}
     for i in range(config.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        sources[ours + "self_attn.qkv_proj"] = [hf + f"self_attn.{p}_proj" for p in "qkv"]
-        sources[ours + "self_attn.o_proj"] = [hf + "self_attn.o_proj"]
-        sources[ours + "mlp.gate_up_proj"] = [hf + "mlp.gate_proj", hf + "mlp.up_proj"]
-        sources[ours + "mlp.down_proj"] = [hf + "mlp.down_proj"]
+        for ours, parts in FUSED_PROJECTIONS.items():
+            sources[f"layers.{i}.{ours}"] = [f"model.layers.{i}.{part}" for part in parts]
     return sources

@@ -39,20 +39,28 @@ class _Source:
     permuted_heads: int | None = None
 
 
+# llama.cpp's names of the Hugging Face projections.
+_GGUF_PROJECTIONS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
 def _llama_sources(config: ModelConfig) -> dict[str, list[_Source]]:
     """Our fused linear layers (module paths) and the GGUF tensors they stack, in order."""
-    sources = {}
-    for i in range(config.num_layers):
-        blk, ours = f"blk.{i}.", f"layers.{i}."
-        sources[ours + "self_attn.qkv_proj"] = [
-            _Source(blk + "attn_q.weight", config.num_heads),
-            _Source(blk + "attn_k.weight", config.num_kv_heads),
-            _Source(blk + "attn_v.weight"),
-        ]
-        sources[ours + "self_attn.o_proj"] = [_Source(blk + "attn_output.weight")]
-        sources[ours + "mlp.gate_up_proj"] = [_Source(blk + "ffn_gate.weight"), _Source(blk + "ffn_up.weight")]
-        sources[ours + "mlp.down_proj"] = [_Source(blk + "ffn_down.weight")]
-    return sources
+    from pagefleet.engine.models.llama import FUSED_PROJECTIONS  # here: models imports this module
+
+    permuted = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
+    return {
+        f"layers.{i}.{ours}": [_Source(f"blk.{i}.{_GGUF_PROJECTIONS[p]}.weight", permuted.get(p)) for p in parts]
+        for i in range(config.num_layers)
+        for ours, parts in FUSED_PROJECTIONS.items()
+    }
 
 
 def _gpt2_sources(config: ModelConfig) -> dict[str, list[_Source]]:

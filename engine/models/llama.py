@@ -23,6 +23,15 @@ from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import WeightLoader
 
+# Each fused projection of a decoder layer and the Hugging Face projections it stacks, in
+# row order (quantized checkpoints are read by these names: engine/loader/).
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
 
 class LlamaAttention(nn.Module):
     """Column-parallel q/k/v (this rank's heads), row-parallel o_proj (one all-reduce)."""
