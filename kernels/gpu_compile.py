@@ -51,8 +51,21 @@ def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
         ("copy_blocks", _copy_blocks_kernel, {"BLOCK_S": 16, "BLOCK_D": 128}),
         ("lora_shrink", _lora_shrink_kernel, {"BLOCK_R": 64, "BLOCK_K": 128}),
         ("lora_expand", _lora_expand_kernel, {"BLOCK_R": 64, "BLOCK_O": 128}),
-        ("quantized_matmul_4bit", _quantized_matmul_kernel, {"FOUR_BIT": True, "BLOCK_M": 16, "BLOCK_N": 64}),
-        ("quantized_matmul_8bit", _quantized_matmul_kernel, {"FOUR_BIT": False, "BLOCK_M": 32, "BLOCK_N": 64}),
+        (
+            "quantized_matmul_4bit",
+            _quantized_matmul_kernel,
+            {"FOUR_BIT": True, "GROUPS_PER_BLOCK": 1, "BLOCK_M": 16, "BLOCK_N": 64},
+        ),
+        (
+            "quantized_matmul_8bit",
+            _quantized_matmul_kernel,
+            {"FOUR_BIT": False, "GROUPS_PER_BLOCK": 1, "BLOCK_M": 32, "BLOCK_N": 64},
+        ),
+        (
+            "quantized_matmul_8bit_16",
+            _quantized_matmul_kernel,
+            {"FOUR_BIT": False, "GROUPS_PER_BLOCK": 2, "BLOCK_M": 16, "BLOCK_N": 64},
+        ),
     ]
 
 

@@ -1,9 +1,9 @@
-"""x @ W.T with W in GGML's Q4_0/Q4_1/Q8_0/Q4_K blocks, as engine/layers/quantized.py stores them,
-for CUDA: the compiled CPU operator's counterpart.
+"""x @ W.T with W in GGML's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), as
+engine/layers/quantized.py stores them, for CUDA: the compiled CPU operator's counterpart.
 
-Every weight is unsigned, w = scale * u + min per block of 32 along in_features (4-bit: a
-block's 16 bytes hold its elements 0-15 in the low nibbles and 16-31 in the high ones;
-8-bit: one byte each). One program per (row tile, output tile) walks the blocks,
+Every weight is unsigned, w = scale * u + min per group of 32 along in_features, or of 16
+(Q6_K) (4-bit: a block's 16 bytes hold its elements 0-15 in the low nibbles and 16-31 in
+the high ones; 8-bit: one byte each). One program per (row tile, output tile) walks the blocks,
 dequantizes a [BLOCK_N, 32] tile into registers and multiplies it in float32 (IEEE, as the
 attention kernels do), whatever the activations' dtype: the weight crosses memory at 4-8
 bits, which is what bounds a decode step. `quantized_linear_torch` (engine/layers/quantized.py), which dequantizes
@@ -37,6 +37,7 @@ def _quantized_matmul_kernel(
     stride_sn,
     stride_om,
     FOUR_BIT: tl.constexpr,
+    GROUPS_PER_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -54,9 +55,15 @@ def _quantized_matmul_kernel(
         else:
             offsets = ns[:, None] * stride_qn + block * 32 + elements[None, :]
             unsigned = tl.load(quants_ptr + offsets, mask=out_mask[:, None], other=0)
-        scales = tl.load(scales_ptr + ns * stride_sn + block, mask=out_mask, other=0.0).to(tl.float32)
-        mins = tl.load(mins_ptr + ns * stride_sn + block, mask=out_mask, other=0.0).to(tl.float32)
-        weight = unsigned.to(tl.float32) * scales[:, None] + mins[:, None]
+        if GROUPS_PER_BLOCK == 1:
+            scales = tl.load(scales_ptr + ns * stride_sn + block, mask=out_mask, other=0.0).to(tl.float32)[:, None]
+            mins = tl.load(mins_ptr + ns * stride_sn + block, mask=out_mask, other=0.0).to(tl.float32)[:, None]
+        else:  # each element's group: [BLOCK_N, 32] loads of the block's scales and mins
+            element_groups = elements // (32 // GROUPS_PER_BLOCK)
+            groups = ns[:, None] * stride_sn + block * GROUPS_PER_BLOCK + element_groups[None, :]
+            scales = tl.load(scales_ptr + groups, mask=out_mask[:, None], other=0.0).to(tl.float32)
+            mins = tl.load(mins_ptr + groups, mask=out_mask[:, None], other=0.0).to(tl.float32)
+        weight = unsigned.to(tl.float32) * scales + mins
         acc += tl.dot(x.to(tl.float32), tl.trans(weight), input_precision="ieee")
     out_offsets = ms[:, None] * stride_om + ns[None, :]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & out_mask[None, :])
@@ -66,15 +73,18 @@ def quantized_matmul(
     x: torch.Tensor, quants: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, four_bit: bool
 ) -> torch.Tensor:
     """x: [rows, in] (float32/bfloat16/float16, unit last stride); quants: uint8 [out, in / 2]
-    (4-bit) or [out, in] (8-bit); scales, mins: float16 [out, in / 32] -> [rows, out] in x's dtype."""
+    (4-bit) or [out, in] (8-bit); scales, mins: float16 [out, in / 32], or [out, in / 16]
+    (8-bit only) -> [rows, out] in x's dtype."""
     check_tensor("x", x, 2, FLOAT_DTYPES, unit_last_stride=True)
     check_tensor("quants", quants, 2, (torch.uint8,), x.device, unit_last_stride=True)
     check_tensor("scales", scales, 2, (torch.float16,), x.device, unit_last_stride=True)
     check_tensor("mins", mins, 2, (torch.float16,), x.device, unit_last_stride=True)
     rows, in_features = x.shape
-    out_features, num_blocks = scales.shape
+    out_features, num_groups = scales.shape
+    groups_per_block = 2 if num_groups * 16 == in_features and not four_bit else 1
+    num_blocks = num_groups // groups_per_block
     if in_features != num_blocks * QUANT_BLOCK or mins.shape != scales.shape or scales.stride() != mins.stride():
-        raise KernelArgumentError(f"scales/mins {tuple(scales.shape)} do not fit x {tuple(x.shape)} in blocks of 32")
+        raise KernelArgumentError(f"scales/mins {tuple(scales.shape)} do not fit x {tuple(x.shape)} in groups")
     if quants.shape != (out_features, in_features // 2 if four_bit else in_features):
         raise KernelArgumentError(f"quants {tuple(quants.shape)} do not fit {out_features} x {in_features} weights")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
@@ -97,6 +107,7 @@ def quantized_matmul(
         scales.stride(0),
         out.stride(0),
         FOUR_BIT=four_bit,
+        GROUPS_PER_BLOCK=groups_per_block,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
     )

@@ -1,16 +1,28 @@
-"""Weights kept in GGML's block formats (Q4_0, Q4_1, Q8_0, Q4_K) and the matmul that reads them.
+"""Weights kept in GGML's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and
+the matmul that reads them.
 
-A block is 32 weights of one output row: 4-bit blocks store an unsigned nibble per weight,
-a float16 scale `d` and (Q4_1) a float16 min `m` (w = d * u + m; Q4_0 is u - 8, so its min
-is -8 d); Q8_0 stores a signed byte per weight and `d` (w = d * q). Q4_K groups 8 such
-blocks of nibbles in a super-block of 256 with one float16 `d` and `dmin` and a 6-bit scale
-and min per block (w = d * sc * u - dmin * m). At load the blocks are split into three
-arrays (nibbles or bytes, scales, mins) with every weight unsigned, w = scale * u + min
-(Q8_0: u = q + 128, min = -128 d, which VNNI's unsigned-by-signed dot product wants; Q4_K:
-scale = d * sc and min = -dmin * m, rounded to float16, at most 2^-11 of each, far below
-a 4-bit step), and the compiled operator (kernels/csrc/cpu_quant.cpp) reads them as they are.
-`quantized_linear_torch`, the oracle and the fallback, dequantizes and multiplies in
-float32; every dequantized value is exact (a float16 times at most 8 bits, plus a min).
+A block is 32 weights of one output row: Q4_0/Q4_1 store an unsigned nibble per weight, a
+float16 scale `d` and (Q4_1) a float16 min `m` (w = d * u + m; Q4_0 is u - 8, so its min
+is -8 d); Q5_0/Q5_1 the same with a fifth bit per weight kept apart (Q5_0 is u - 16);
+Q8_0 stores a signed byte per weight and `d` (w = d * q). Q4_K and Q5_K group 8 such
+blocks in a super-block of 256 with one float16 `d` and `dmin` and a 6-bit scale and min
+per block (w = d * sc * u - dmin * m); Q6_K stores 6 bits a weight and a signed 8-bit scale
+per 16 weights under one float16 `d` (w = d * sc * (u - 32)). At load the blocks are split
+into three arrays (nibbles or bytes, scales, mins) with every weight unsigned, w = scale * u
++ min, a scale and min per group of 32 weights (16 for Q6_K):
+
+    format       quants                     formats       group
+    FOUR_BIT     two nibbles a byte         Q4_0 Q4_1 Q4_K  32
+    EIGHT_BIT    a byte a weight            Q5_0 Q5_1 Q5_K Q8_0  32
+    EIGHT_BIT_16 a byte a weight            Q6_K           16
+
+(Q8_0: u = q + 128, min = -128 d, which VNNI's unsigned-by-signed dot product wants; the
+K formats' scale d * sc and min -dmin * m are rounded to float16, at most 2^-11 of each,
+far below a 4-bit step.) 5- and 6-bit codes take a byte each: exact, and read by the 8-bit
+kernels, at 9-10 bits a weight instead of 5.5-6.6. The compiled operator
+(kernels/csrc/cpu_quant.cpp) reads the arrays as they are. `quantized_linear_torch`, the
+oracle and the fallback, dequantizes and multiplies in float32; every dequantized value is
+exact (a float16 times at most 8 bits, plus a min).
 """
 
 from __future__ import annotations
@@ -25,21 +37,41 @@ from pagefleet.kernels import cpu_ops
 
 BLOCK = 32
 # GGML's type ids (gguf.GGMLQuantizationType) of the formats read as stored.
-GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K = 2, 3, 8, 12
-GGML_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0", GGML_Q4_K: "Q4_K"}
+GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
+GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
+GGML_NAMES = {
+    GGML_Q4_0: "Q4_0",
+    GGML_Q4_1: "Q4_1",
+    GGML_Q5_0: "Q5_0",
+    GGML_Q5_1: "Q5_1",
+    GGML_Q8_0: "Q8_0",
+    GGML_Q4_K: "Q4_K",
+    GGML_Q5_K: "Q5_K",
+    GGML_Q6_K: "Q6_K",
+}
 # Each format's stored block: (weights, bytes).
-GGML_BLOCKS = {GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20), GGML_Q8_0: (32, 34), GGML_Q4_K: (256, 144)}
-# The operator's two layouts (`format` in cpu_quant.cpp).
-FOUR_BIT, EIGHT_BIT = 0, 1
+GGML_BLOCKS = {
+    GGML_Q4_0: (32, 18),
+    GGML_Q4_1: (32, 20),
+    GGML_Q5_0: (32, 22),
+    GGML_Q5_1: (32, 24),
+    GGML_Q8_0: (32, 34),
+    GGML_Q4_K: (256, 144),
+    GGML_Q5_K: (256, 176),
+    GGML_Q6_K: (256, 210),
+}
+# The operator's three layouts (`format` in cpu_quant.cpp).
+FOUR_BIT, EIGHT_BIT, EIGHT_BIT_16 = 0, 1, 2
+_FORMATS = {GGML_Q4_0: FOUR_BIT, GGML_Q4_1: FOUR_BIT, GGML_Q4_K: FOUR_BIT, GGML_Q6_K: EIGHT_BIT_16}
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
     """An [out_features, in_features] weight in blocks of 32 along in_features.
 
-    quants: uint8 [out, in / 2] (4-bit: block b's 16 bytes hold its elements 0-15 in the
-    low nibbles, 16-31 in the high) or [out, in] (8-bit); scales, mins: float16
-    [out, in / 32]; w = scale * u + min."""
+    quants: uint8 [out, in / 2] (FOUR_BIT: block b's 16 bytes hold its elements 0-15 in the
+    low nibbles, 16-31 in the high) or [out, in] (a byte a weight); scales, mins: float16
+    [out, in / group]; w = scale * u + min."""
 
     ggml_type: int
     quants: torch.Tensor
@@ -48,11 +80,16 @@ class QuantizedWeight:
 
     @property
     def format(self) -> int:
-        return EIGHT_BIT if self.ggml_type == GGML_Q8_0 else FOUR_BIT
+        return _FORMATS.get(self.ggml_type, EIGHT_BIT)
+
+    @property
+    def group(self) -> int:
+        """Weights sharing a scale and a min."""
+        return 16 if self.format == EIGHT_BIT_16 else BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+        return self.scales.shape[0], self.scales.shape[1] * self.group
 
     @property
     def nbytes(self) -> int:
@@ -62,38 +99,20 @@ class QuantizedWeight:
     def from_blocks(cls, blocks: torch.Tensor, ggml_type: int) -> QuantizedWeight:
         """From GGUF's bytes: uint8 [out_features, in_features / block weights * block bytes]."""
         rows = blocks.shape[0]
-        if ggml_type == GGML_Q4_K:
-            return cls._from_q4_k(blocks.reshape(rows, -1, GGML_BLOCKS[GGML_Q4_K][1]))
         blocks = blocks.reshape(rows, -1, GGML_BLOCKS[ggml_type][1])
-        scales = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, -1)
-        if ggml_type == GGML_Q8_0:
-            quants, mins = blocks[..., 2:] ^ 0x80, scales * -128  # exact: power-of-two multiples
-        elif ggml_type == GGML_Q4_1:
-            quants = blocks[..., 4:]
-            mins = blocks[..., 2:4].contiguous().view(torch.float16).reshape(rows, -1)
+        if ggml_type in (GGML_Q4_K, GGML_Q5_K, GGML_Q6_K):
+            unsigned, scales, mins = _K_READERS[ggml_type](blocks)
         else:
-            quants, mins = blocks[..., 2:], scales * -8
-        return cls(ggml_type, quants.reshape(rows, -1).contiguous(), scales.contiguous(), mins.contiguous())
-
-    @classmethod
-    def _from_q4_k(cls, blocks: torch.Tensor) -> QuantizedWeight:
-        """Q4_K super-blocks [rows, n, 144]: d, dmin (float16), 12 bytes of eight 6-bit scales
-        and mins, 128 bytes of nibbles (bytes 32c..32c+31 hold block 2c's weights in their
-        low nibbles and block 2c+1's in their high ones), as llama.cpp's get_scale_min_k4."""
-        rows, supers = blocks.shape[:2]
-        d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n, 1]
-        dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-        packed = blocks[..., 4:16].long()
-        low, high = packed[..., 0:4], packed[..., 4:8]
-        extra = packed[..., 8:12]
-        sc = torch.cat([low & 63, (extra & 0xF) | ((low >> 6) << 4)], dim=-1)  # blocks 0-3, 4-7
-        m = torch.cat([high & 63, (extra >> 4) | ((high >> 6) << 4)], dim=-1)
-        scales = (d * sc).half().reshape(rows, -1)
-        mins = (-(dmin * m)).half().reshape(rows, -1)
-        chunks = blocks[..., 16:].reshape(rows, supers, 4, 32)  # 4 chunks of 64 weights
-        unsigned = torch.stack([chunks & 0x0F, chunks >> 4], dim=3).reshape(rows, supers * 8, 32)
-        quants = unsigned[..., :16] | (unsigned[..., 16:] << 4)  # the 4-bit layout of the other formats
-        return cls(GGML_Q4_K, quants.reshape(rows, -1).contiguous(), scales.contiguous(), mins.contiguous())
+            unsigned, scales, mins = _read_block_32(blocks, ggml_type)
+        if ggml_type in (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K):  # the 4-bit layout: 0-15 low, 16-31 high
+            unsigned = unsigned.reshape(rows, -1, BLOCK)
+            unsigned = unsigned[..., :16] | (unsigned[..., 16:] << 4)
+        return cls(
+            ggml_type,
+            unsigned.reshape(rows, -1).contiguous(),
+            scales.half().reshape(rows, -1).contiguous(),
+            mins.half().reshape(rows, -1).contiguous(),
+        )
 
     def to(self, device: torch.device) -> QuantizedWeight:
         return QuantizedWeight(self.ggml_type, self.quants.to(device), self.scales.to(device), self.mins.to(device))
@@ -118,16 +137,97 @@ class QuantizedWeight:
         """float32 [out_features, in_features], or only `rows` of it (an embedding lookup)."""
         weight = self if rows is None else self.select_rows(rows)
         out = weight.quants.shape[0]
-        if self.format == EIGHT_BIT:
-            unsigned = weight.quants.reshape(out, -1, BLOCK)
-        else:
+        if self.format == FOUR_BIT:
             packed = weight.quants.reshape(out, -1, BLOCK // 2)
-            unsigned = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+            unsigned = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(out, -1, self.group)
+        else:
+            unsigned = weight.quants.reshape(out, -1, self.group)
         values = unsigned.float() * weight.scales.float().unsqueeze(-1) + weight.mins.float().unsqueeze(-1)
         return values.reshape(out, -1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, self)
+
+
+def _read_block_32(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks [rows, n, bytes] -> unsigned codes [rows, n, 32]
+    in element order, float32 scales and mins [rows, n] (exact: float16 values)."""
+    rows = blocks.shape[0]
+
+    def half(at: int) -> torch.Tensor:
+        return blocks[..., at : at + 2].contiguous().view(torch.float16).reshape(rows, -1).float()
+
+    scales = half(0)
+    if ggml_type == GGML_Q8_0:
+        return blocks[..., 2:] ^ 0x80, scales, scales * -128
+    with_min = ggml_type in (GGML_Q4_1, GGML_Q5_1)
+    at = 4 if with_min else 2
+    high_bits = None
+    if ggml_type in (GGML_Q5_0, GGML_Q5_1):  # 32 fifth bits, element i at bit i
+        packed = blocks[..., at : at + 4].long()
+        word = packed[..., 0] | (packed[..., 1] << 8) | (packed[..., 2] << 16) | (packed[..., 3] << 24)
+        high_bits = ((word[..., None] >> torch.arange(32)) & 1).to(torch.uint8) << 4
+        at += 4
+    nibbles = blocks[..., at : at + 16]
+    unsigned = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # elements 0-15, 16-31
+    if high_bits is not None:
+        unsigned = unsigned | high_bits
+    mins = half(2) if with_min else scales * (-8.0 if ggml_type == GGML_Q4_0 else -16.0)
+    return unsigned, scales, mins
+
+
+def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K super-blocks [rows, n, bytes]: each of the 8 blocks' scale d * sc and min
+    -dmin * m, float32 [rows, n, 8] (bytes 0-15: d, dmin, twelve bytes of 6-bit sc and m, as
+    llama.cpp's get_scale_min_k4)."""
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n, 1]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    packed = blocks[..., 4:16].long()
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([low & 63, (extra & 0xF) | ((low >> 6) << 4)], dim=-1)  # blocks 0-3, 4-7
+    m = torch.cat([high & 63, (extra >> 4) | ((high >> 6) << 4)], dim=-1)
+    return d * sc, -(dmin * m)
+
+
+def _read_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K: 128 bytes of nibbles after the scales; bytes 32c..32c+31 hold block 2c's
+    weights in their low nibbles and block 2c+1's in their high ones."""
+    rows, supers = blocks.shape[:2]
+    scales, mins = _k_scales(blocks)
+    chunks = blocks[..., 16:].reshape(rows, supers, 4, 32)
+    unsigned = torch.stack([chunks & 0x0F, chunks >> 4], dim=3).reshape(rows, supers * 8, 32)
+    return unsigned, scales, mins
+
+
+def _read_q5_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K: Q4_K's layout with 32 bytes of fifth bits before the nibbles (block j's at bit j
+    of each byte)."""
+    rows, supers = blocks.shape[:2]
+    scales, mins = _k_scales(blocks)
+    high = blocks[..., 16:48]  # [rows, n, 32]
+    chunks = blocks[..., 48:].reshape(rows, supers, 4, 32)
+    low = torch.stack([chunks & 0x0F, chunks >> 4], dim=3).reshape(rows, supers, 8, 32)
+    fifth = (high[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [rows, n, 8, 32]
+    return (low | (fifth << 4)).reshape(rows, supers * 8, 32), scales, mins
+
+
+def _read_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales, d. Each half
+    of 128 weights: low nibbles of bytes 0-63 then their high nibbles; the high pairs of
+    bytes 0-31 at bits 0, 2, 4, 6 for its four runs of 32. Per 16 weights: scale d * sc,
+    min -32 d * sc."""
+    rows, supers = blocks.shape[:2]
+    nibble_shifts, pair_shifts = torch.tensor([0, 4], dtype=torch.uint8), torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    low = blocks[..., :128].reshape(rows, supers, 2, 1, 64) >> nibble_shifts[:, None]
+    low = (low & 0x0F).reshape(rows, supers, 2, 4, 32)
+    high = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32) >> pair_shifts[:, None]
+    unsigned = (low | ((high & 3) << 4)).reshape(rows, supers * 16, 16)
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()
+    scales = d * blocks[..., 192:208].contiguous().view(torch.int8).float()  # [rows, n, 16]
+    return unsigned, scales, scales.half().float() * -32  # the min of the rounded scale: exact
+
+
+_K_READERS = {GGML_Q4_K: _read_q4_k, GGML_Q5_K: _read_q5_k, GGML_Q6_K: _read_q6_k}
 
 
 @dataclass(frozen=True)

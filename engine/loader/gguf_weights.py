@@ -2,10 +2,11 @@
 
 The model is first loaded as always, from the float32 directory the file was converted to
 (engine/loader/gguf_cache.py: config, tokenizer, norms, biases); then each linear layer
-whose GGUF tensors are of types the operator reads (Q4_0, Q4_1, Q8_0, Q4_K) takes them and
-frees its float weight; a fused layer whose parts differ in type (a Q4_K_M file's v in Q6_K)
-runs each run of one type on its own. Any other type (Q6_K, Q5_K, F16, ...) stays
-dequantized, and the log says which. llama.cpp's converter permutes q and k rows for its rotary layout;
+whose GGUF tensors are of types the operator reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K: all of a Q4_K_M or Q5_K_M file's) takes them and frees its float weight; a fused
+layer whose parts differ in type (a Q4_K_M file's v in Q6_K beside q and k in Q4_K) runs
+each run of one type on its own. Any other type (F16, Q2_K, Q3_K, the IQ formats, ...)
+stays dequantized, and the log says which. llama.cpp's converter permutes q and k rows for its rotary layout;
 the rows are put back in Hugging Face's order here, blocks untouched (a block lies within
 one row).
 """

@@ -118,7 +118,8 @@ class ServerSettings(BaseSettings):
     dtype: str = _default("dtype")
     quantization: str | None = Field(
         None,
-        description="a quantized model's weights: gguf (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K served as stored), "
+        description="a quantized model's weights: gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K "
+        "served as stored), "
         "compressed-tensors (an int8 W8A8 checkpoint run as int8 GEMMs); each the default for its models "
         "on a CPU; or none (dequantized to --dtype)",
     )

@@ -28,19 +28,30 @@ inline float horizontal_sum(__m256 v) {
 constexpr int kTileRows = 4;  // activation rows sharing each unpacked weight block
 
 // out[m, n] for columns [first, last) and every row m: y = sum over blocks of
-// d_w * d_x * (integer dot) (+ min_w * d_x * sum(q_x) for 4-bit blocks). 8-bit weights are
-// stored offset by 128 (u = q + 128): here they are made signed again.
+// d_w * d_x * (integer dot) + sum over groups of min'_w * d_x * sum(q_x). 8-bit weights are
+// made signed (u - 128: vpmaddubsw's unsigned operand must stay below 128), so their min'
+// is min + 128 d_w (zero for Q8_0, whose min is -128 d_w). With a scale per 16
+// (groups_per_block 2), the dot's lanes 0-3 are a block's elements 0-15 and 4-7 its 16-31.
 template <bool kFourBit>
 void columns(const QuantizedActivations& x, const uint8_t* quants, const at::Half* scales, const at::Half* mins,
-             int64_t in_features, int64_t first, int64_t last, float* out, int64_t out_stride) {
-  const int64_t num_blocks = in_features / kBlock;
+             int64_t in_features, int64_t groups_per_block, int64_t first, int64_t last, float* out,
+             int64_t out_stride) {
+  const int64_t num_blocks = in_features / kBlock, num_groups = num_blocks * groups_per_block;
   const int64_t row_bytes = kFourBit ? in_features / 2 : in_features;
-  std::vector<float> weight_scale(num_blocks), weight_min(num_blocks);
+  const float* group_sums = groups_per_block == 2 ? x.half_sums : x.scaled_sums;
+  std::vector<float> weight_scale(num_groups), weight_min(num_groups);
+  std::vector<__m256> block_scales(num_blocks);
   for (int64_t n = first; n < last; ++n) {
     const uint8_t* row = quants + n * row_bytes;
+    bool has_min = false;
+    for (int64_t g = 0; g < num_groups; ++g) {
+      weight_scale[g] = static_cast<float>(scales[n * num_groups + g]);
+      weight_min[g] = static_cast<float>(mins[n * num_groups + g]) + (kFourBit ? 0.f : 128.f * weight_scale[g]);
+      has_min = has_min || weight_min[g] != 0.f;
+    }
     for (int64_t b = 0; b < num_blocks; ++b) {
-      weight_scale[b] = static_cast<float>(scales[n * num_blocks + b]);
-      if constexpr (kFourBit) weight_min[b] = static_cast<float>(mins[n * num_blocks + b]);
+      const float low = weight_scale[b * groups_per_block], high = weight_scale[(b + 1) * groups_per_block - 1];
+      block_scales[b] = _mm256_set_m128(_mm_set1_ps(high), _mm_set1_ps(low));
     }
     for (int64_t m0 = 0; m0 < x.rows; m0 += kTileRows) {
       const int tile = static_cast<int>(std::min<int64_t>(kTileRows, x.rows - m0));
@@ -61,15 +72,16 @@ void columns(const QuantizedActivations& x, const uint8_t* quants, const at::Hal
           __m256i values = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.quants + m * in_features + b * kBlock));
           if constexpr (!kFourBit) values = _mm256_sign_epi8(values, weights);
           const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(unsigned_weights, values));
-          acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(weight_scale[b] * x.scales[m * num_blocks + b]), acc[r]);
+          const __m256 scale = _mm256_mul_ps(block_scales[b], _mm256_set1_ps(x.scales[m * num_blocks + b]));
+          acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
         }
       }
       for (int r = 0; r < tile; ++r) {
         const int64_t m = m0 + r;
         float total = horizontal_sum(acc[r]);
-        if constexpr (kFourBit) {
-          const float* sums = x.scaled_sums + m * num_blocks;
-          for (int64_t b = 0; b < num_blocks; ++b) total += weight_min[b] * sums[b];
+        if (has_min) {
+          const float* sums = group_sums + m * num_groups;
+          for (int64_t g = 0; g < num_groups; ++g) total += weight_min[g] * sums[g];
         }
         out[m * out_stride + n] = total;
       }

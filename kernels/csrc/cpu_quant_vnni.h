@@ -26,9 +26,17 @@ inline __m512 pair_lanes(float first, float second) {
   return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_set_ps(0.f, 0.f, second, first)));
 }
 
+// Four scales over the lanes: a for lanes 0-3, b for 4-7, c for 8-11, d for 12-15 (a pair of
+// blocks whose halves of 16 each have a scale: b's 0-15, b+1's 0-15, b's 16-31, b+1's 16-31).
+inline __m512 quad_lanes(float a, float b, float c, float d) {
+  const __m512i index = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_set_ps(d, c, b, a)));
+}
+
 inline float scale_at(const at::Half* scales, int64_t index) { return static_cast<float>(scales[index]); }
 
-// sum over blocks of min_w * d_x * sum(q_x): the offset of the unsigned weights.
+// sum over groups (blocks, or halves of 16) of min_w * d_x * sum(q_x): the offset of the
+// unsigned weights.
 inline float min_term(const at::Half* mins, const float* scaled_sums, int64_t num_blocks) {
   __m512 acc = _mm512_setzero_ps();
   int64_t b = 0;
@@ -42,12 +50,15 @@ inline float min_term(const at::Half* mins, const float* scaled_sums, int64_t nu
 }
 
 // out[m, n] for rows [m0, m0 + kRows) and columns [n0, n0 + kCols): the integer dots of
-// every block pair, each scaled by d_w * d_x; an odd last block 256 bits wide.
+// every block pair, each lane scaled by its d_w * d_x; an odd last block 256 bits wide
+// (scales per 32 only: with scales per 16, in_features is a multiple of 64).
 template <bool kFourBit, int kRows, int kCols>
 void tile(const QuantizedActivations& x, const __m512* activation_pair_scales, const __m512* weight_pair_scales,
-          const uint8_t* quants, const at::Half* scales, const at::Half* mins, int64_t in_features, int64_t m0,
-          int64_t n0, float* out, int64_t out_stride) {
+          const uint8_t* quants, const at::Half* scales, const at::Half* mins, int64_t in_features,
+          int64_t groups_per_block, int64_t m0, int64_t n0, float* out, int64_t out_stride) {
   const int64_t num_blocks = in_features / kBlock, num_pairs = num_blocks / 2;
+  const int64_t num_groups = num_blocks * groups_per_block;
+  const float* group_sums = groups_per_block == 2 ? x.half_sums : x.scaled_sums;
   const int64_t row_bytes = kFourBit ? in_features / 2 : in_features;
   __m512 acc[kRows][kCols];
   for (int r = 0; r < kRows; ++r)
@@ -92,7 +103,7 @@ void tile(const QuantizedActivations& x, const __m512* activation_pair_scales, c
                         _mm_extract_epi32(half, 3);
         total += static_cast<float>(sum) * scale_at(scales, n * num_blocks + b) * x.scales[m * num_blocks + b];
       }
-      out[m * out_stride + n] = total + min_term(mins + n * num_blocks, x.scaled_sums + m * num_blocks, num_blocks);
+      out[m * out_stride + n] = total + min_term(mins + n * num_groups, group_sums + m * num_groups, num_groups);
     }
   }
 }
@@ -100,12 +111,12 @@ void tile(const QuantizedActivations& x, const __m512* activation_pair_scales, c
 template <bool kFourBit, int kCols>
 void rows_of_tile(const QuantizedActivations& x, const __m512* pair_scales, const __m512* weight_pair_scales,
                   const uint8_t* quants, const at::Half* scales, const at::Half* mins, int64_t in_features,
-                  int64_t m0, int rows, int64_t n0, float* out, int64_t out_stride) {
+                  int64_t groups_per_block, int64_t m0, int rows, int64_t n0, float* out, int64_t out_stride) {
   switch (rows) {
-    case 4: return tile<kFourBit, 4, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, m0, n0, out, out_stride);
-    case 3: return tile<kFourBit, 3, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, m0, n0, out, out_stride);
-    case 2: return tile<kFourBit, 2, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, m0, n0, out, out_stride);
-    default: return tile<kFourBit, 1, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, m0, n0, out, out_stride);
+    case 4: return tile<kFourBit, 4, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, groups_per_block, m0, n0, out, out_stride);
+    case 3: return tile<kFourBit, 3, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, groups_per_block, m0, n0, out, out_stride);
+    case 2: return tile<kFourBit, 2, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, groups_per_block, m0, n0, out, out_stride);
+    default: return tile<kFourBit, 1, kCols>(x, pair_scales, weight_pair_scales, quants, scales, mins, in_features, groups_per_block, m0, n0, out, out_stride);
   }
 }
 
@@ -114,10 +125,11 @@ constexpr int64_t kRowBlock = 64;  // activation rows whose quants stay in L1/L2
 // Columns [first, last), every row: tiles of 4 rows by 2 columns, rows in blocks of 64.
 template <bool kFourBit>
 void columns(const QuantizedActivations& x, const __m512* pair_scales, const uint8_t* quants,
-             const at::Half* scales, const at::Half* mins, int64_t in_features, int64_t first, int64_t last,
-             float* out, int64_t out_stride) {
+             const at::Half* scales, const at::Half* mins, int64_t in_features, int64_t groups_per_block,
+             int64_t first, int64_t last, float* out, int64_t out_stride) {
   const int64_t num_blocks = in_features / kBlock, num_pairs = num_blocks / 2;
-  std::vector<float> column_scales(num_blocks);
+  const int64_t num_groups = num_blocks * groups_per_block;
+  std::vector<float> column_scales(num_groups);
   std::vector<__m512> weight_pair_scales(2 * num_pairs);  // the tile's two columns' scales over the lanes
   for (int64_t row_block = 0; row_block < x.rows; row_block += kRowBlock) {
     const int64_t row_end = std::min(x.rows, row_block + kRowBlock);
@@ -130,23 +142,26 @@ void columns(const QuantizedActivations& x, const __m512* pair_scales, const uin
       for (const uint8_t* line = quants + next * row_bytes; line < quants + next_end * row_bytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
       for (int c = 0; c < columns_here; ++c) {
-        const at::Half* column = scales + (n + c) * num_blocks;
-        int64_t b = 0;
-        for (; b + 16 <= num_blocks; b += 16)
-          _mm512_storeu_ps(column_scales.data() + b,
-                           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + b))));
-        for (; b < num_blocks; ++b) column_scales[b] = scale_at(column, b);
+        const at::Half* column = scales + (n + c) * num_groups;
+        int64_t g = 0;
+        for (; g + 16 <= num_groups; g += 16)
+          _mm512_storeu_ps(column_scales.data() + g,
+                           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + g))));
+        for (; g < num_groups; ++g) column_scales[g] = scale_at(column, g);
+        const float* s = column_scales.data();
         for (int64_t p = 0; p < num_pairs; ++p)
-          weight_pair_scales[c * num_pairs + p] = pair_lanes(column_scales[2 * p], column_scales[2 * p + 1]);
+          weight_pair_scales[c * num_pairs + p] = groups_per_block == 2
+                                                      ? quad_lanes(s[4 * p], s[4 * p + 2], s[4 * p + 1], s[4 * p + 3])
+                                                      : pair_lanes(s[2 * p], s[2 * p + 1]);
       }
       for (int64_t m = row_block; m < row_end; m += 4) {
         const int rows = static_cast<int>(std::min<int64_t>(4, row_end - m));
         if (columns_here == 2) {
-          rows_of_tile<kFourBit, 2>(x, pair_scales, weight_pair_scales.data(), quants, scales, mins, in_features, m,
-                                    rows, n, out, out_stride);
+          rows_of_tile<kFourBit, 2>(x, pair_scales, weight_pair_scales.data(), quants, scales, mins, in_features,
+                                    groups_per_block, m, rows, n, out, out_stride);
         } else {
-          rows_of_tile<kFourBit, 1>(x, pair_scales, weight_pair_scales.data(), quants, scales, mins, in_features, m,
-                                    rows, n, out, out_stride);
+          rows_of_tile<kFourBit, 1>(x, pair_scales, weight_pair_scales.data(), quants, scales, mins, in_features,
+                                    groups_per_block, m, rows, n, out, out_stride);
         }
       }
     }

@@ -1,8 +1,8 @@
 """GGUF files written here from tiny random models, as llama.cpp's converter lays them out,
 are served from their blocks as stored and generate as their dequantized float models do:
-GPT-2 (Conv1D weights stored [out, in], q/k/v fused; Q4_1, or Q4_K on a model 256 wide)
-and a Llama whose fused layers mix types (q/k Q4_1 with v F16; gate Q4_1 with up Q8_0), as
-a Q4_K_M file mixes Q4_K and Q6_K."""
+GPT-2 (Conv1D weights stored [out, in], q/k/v fused; Q4_1, or the K formats Q4_K, Q5_K and
+Q6_K on a model 256 wide, as a Q4_K_M file mixes them) and a Llama whose fused layers mix
+types (q/k Q4_1 with v F16; gate Q4_1 with up Q8_0)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pagefleet.engine.layers.quantized import QuantizedWeight, StackedWeight
 from pagefleet.engine.models.loading import iter_weights
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, random_prompts
-from tests.kernels.test_quantized import random_q4_k
+from tests.kernels.test_quantized import random_blocks
 
 _LAYER_TENSORS = {  # HF's GPT-2 names -> llama.cpp's
     "ln_1": "attn_norm",
@@ -32,6 +32,9 @@ _LAYER_TENSORS = {  # HF's GPT-2 names -> llama.cpp's
     "mlp.c_proj": "ffn_down",
 }
 _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# The K formats of the wide GPT-2's projections (random blocks: the gguf package cannot
+# quantize to them), and the GGML type ids the engine must keep.
+_K_QUANT_TYPES = {"attn.c_attn": "Q4_K", "attn.c_proj": "Q5_K", "mlp.c_fc": "Q4_K", "mlp.c_proj": "Q6_K"}
 _POSITIONS = 1024
 
 
@@ -67,11 +70,10 @@ def _finish(writer: gguf.GGUFWriter) -> None:
     writer.close()
 
 
-def write_gpt2_gguf(model_dir: Path, path: Path, q4_k_projections: bool = False) -> Path:
-    """The HF GPT-2 in `model_dir` as a GGUF file: projections Q4_1 (or random Q4_K blocks,
-    which the float model then reads dequantized too: the gguf package cannot quantize to
-    Q4_K), the (tied) embedding Q8_0, norms, biases and positions float32; the byte-level
-    BPE tokenizer with it."""
+def write_gpt2_gguf(model_dir: Path, path: Path, k_quant_projections: bool = False) -> Path:
+    """The HF GPT-2 in `model_dir` as a GGUF file: projections Q4_1 (or random blocks of the
+    K formats, which the float model then reads dequantized too), the (tied) embedding Q8_0,
+    norms, biases and positions float32; the byte-level BPE tokenizer with it."""
     config = json.loads((model_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), "gpt2")
     # transformers reads context_length as n_ctx and leaves n_positions at GPT-2's 1024: the
@@ -96,10 +98,11 @@ def write_gpt2_gguf(model_dir: Path, path: Path, q4_k_projections: bool = False)
         elif name.startswith("transformer.h.") and not name.endswith((".attn.bias", ".attn.masked_bias")):
             layer, module = parts[2], ".".join(parts[3:-1])
             target = f"blk.{layer}.{_LAYER_TENSORS[module]}.{parts[-1]}"
-            if module in _CONV1D and parts[-1] == "weight" and q4_k_projections:
+            if module in _CONV1D and parts[-1] == "weight" and k_quant_projections:
                 out_features, in_features = tensor.T.shape
-                blocks = random_q4_k(out_features, in_features, torch.Generator().manual_seed(len(target)))
-                writer.add_tensor(target, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+                ggml_type = gguf.GGMLQuantizationType[_K_QUANT_TYPES[module]]
+                blocks = random_blocks(out_features, in_features, ggml_type, torch.Generator().manual_seed(len(target)))
+                writer.add_tensor(target, blocks, raw_dtype=ggml_type)
             elif module in _CONV1D and parts[-1] == "weight":
                 add(target, tensor.T.contiguous(), gguf.GGMLQuantizationType.Q4_1)  # [out, in]
             else:
@@ -165,8 +168,9 @@ def gpt2_gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.fixture(scope="module")
-def wide_gpt2_q4_k(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A one-layer GPT-2 256 wide (Q4_K's super-blocks are 256 weights), its projections Q4_K."""
+def wide_gpt2_k_quants(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer GPT-2 256 wide (the K formats' super-blocks are 256 weights), its
+    projections in Q4_K, Q5_K and Q6_K."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from tests.conftest import _build_tokenizer
@@ -176,15 +180,20 @@ def wide_gpt2_q4_k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = GPT2Config(n_embd=256, n_layer=1, n_head=4, n_positions=512, vocab_size=TINY_VOCAB, bos_token_id=None)
     GPT2LMHeadModel(config).save_pretrained(root / "hf")
     _build_tokenizer().save_pretrained(root / "hf")
-    return write_gpt2_gguf(root / "hf", root / "wide-gpt2-Q4_K.gguf", q4_k_projections=True)
+    return write_gpt2_gguf(root / "hf", root / "wide-gpt2-K.gguf", k_quant_projections=True)
 
 
-def _assert_generates_as_its_float_model(gguf_path: Path, layer_type: int, layers: int) -> None:
+def _assert_generates_as_its_float_model(gguf_path: Path, layer_types: list[str]) -> None:
+    """`layer_types`: the GGML types of every layer's four projections, in module order."""
     quantized = LLM(str(gguf_path), kv_cache_memory=16 << 20)
     model = quantized.engine.parts.model
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    types = [linear.quantized.ggml_type for linear in linears if linear.quantized is not None]
-    assert types.count(layer_type) == layers * 4 and types.count(8) == 1  # the layers, the tied head Q8_0
+    types = {
+        name: gguf.GGMLQuantizationType(module.quantized.ggml_type).name
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module.quantized is not None
+    }
+    assert types.pop("lm_head") == "Q8_0"  # the tied head
+    assert list(types.values()) == layer_types
     assert model.quantized_embedding is not None and model.wte.numel() == 0
     dequantized = LLM(str(gguf_path), quantization="none", kv_cache_memory=16 << 20)
     prompts = random_prompts([4, 11, 29], TINY_VOCAB, seed=3)
@@ -200,11 +209,11 @@ def _assert_generates_as_its_float_model(gguf_path: Path, layer_type: int, layer
 
 
 def test_gpt2_serves_its_gguf_blocks_and_generates_as_its_float_model(gpt2_gguf: Path) -> None:
-    _assert_generates_as_its_float_model(gpt2_gguf, layer_type=3, layers=2)  # Q4_1
+    _assert_generates_as_its_float_model(gpt2_gguf, ["Q4_1"] * 8)  # two layers
 
 
-def test_q4_k_blocks_are_served_as_stored(wide_gpt2_q4_k: Path) -> None:
-    _assert_generates_as_its_float_model(wide_gpt2_q4_k, layer_type=12, layers=1)  # Q4_K
+def test_k_quant_blocks_are_served_as_stored(wide_gpt2_k_quants: Path) -> None:
+    _assert_generates_as_its_float_model(wide_gpt2_k_quants, list(_K_QUANT_TYPES.values()))
 
 
 def test_fused_layers_of_mixed_types_run_each_part_as_stored(tiny_llama: Path, tmp_path: Path) -> None:

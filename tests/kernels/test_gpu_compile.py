@@ -19,6 +19,7 @@ KERNELS = [
     "lora_expand",
     "quantized_matmul_4bit",
     "quantized_matmul_8bit",
+    "quantized_matmul_8bit_16",
 ]
 
 

@@ -1,7 +1,7 @@
-"""GGUF's Q4_0, Q4_1, Q8_0 and Q4_K weights read as stored: the blocks dequantize to what the
-`gguf` package's own reader gives, and the compiled matmul equals the dequantize-then-matmul
-reference within the error its int8 activations allow, on random blocks and on SmolLM2's
-tensors."""
+"""GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights read as stored: the blocks
+dequantize to what the `gguf` package's own reader gives, and the compiled matmul equals the
+dequantize-then-matmul reference within the error its int8 activations allow, on random
+blocks and on SmolLM2's tensors."""
 
 from __future__ import annotations
 
@@ -17,9 +17,14 @@ import torch
 from pagefleet.engine.layers.quantized import (
     BLOCK,
     DEQUANTIZED_ROWS,
+    GGML_BLOCKS,
     GGML_Q4_0,
     GGML_Q4_1,
     GGML_Q4_K,
+    GGML_Q5_0,
+    GGML_Q5_1,
+    GGML_Q5_K,
+    GGML_Q6_K,
     GGML_Q8_0,
     QuantizedWeight,
     quantized_linear,
@@ -29,7 +34,10 @@ from pagefleet.engine.loader.builtins import find_builtin_gguf
 from pagefleet.engine.loader.gguf_weights import GGUFTensors
 from pagefleet.kernels import cpu_ops
 
-TYPES = {"Q4_0": GGML_Q4_0, "Q4_1": GGML_Q4_1, "Q8_0": GGML_Q8_0}
+TYPES = {"Q4_0": GGML_Q4_0, "Q4_1": GGML_Q4_1, "Q5_0": GGML_Q5_0, "Q5_1": GGML_Q5_1, "Q8_0": GGML_Q8_0}
+# Super-block formats: 256 weights, float16 scales rounded at load.
+K_TYPES = {"Q4_K": GGML_Q4_K, "Q5_K": GGML_Q5_K, "Q6_K": GGML_Q6_K}
+ALL_TYPES = TYPES | K_TYPES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,14 +46,35 @@ def operators() -> None:
 
 
 def random_blocks(rows: int, in_features: int, ggml_type: int, generator: torch.Generator) -> np.ndarray:
-    """GGUF bytes of a random [rows, in_features] weight: uint8 [rows, row bytes]."""
+    """GGUF bytes of a random [rows, in_features] weight: uint8 [rows, row bytes]. Every byte
+    pattern is a valid block once its float16 scales (and mins) are sane numbers."""
+    if ggml_type in K_TYPES.values():
+        return random_k_blocks(rows, in_features, ggml_type, generator)
     num_blocks = in_features // BLOCK
     scales = (torch.rand(rows, num_blocks, 1, generator=generator) * 0.02 + 0.001).half()
     parts = [scales.view(torch.uint8)]
-    if ggml_type == GGML_Q4_1:
+    if ggml_type in (GGML_Q4_1, GGML_Q5_1):
         parts.append((torch.randn(rows, num_blocks, 1, generator=generator) * 0.05).half().view(torch.uint8))
-    quant_bytes = BLOCK if ggml_type == GGML_Q8_0 else BLOCK // 2
+    quant_bytes = GGML_BLOCKS[ggml_type][1] - 2 * len(parts)
     parts.append(torch.randint(0, 256, (rows, num_blocks, quant_bytes), dtype=torch.uint8, generator=generator))
+    return torch.cat(parts, dim=-1).reshape(rows, -1).numpy()
+
+
+def random_k_blocks(rows: int, in_features: int, ggml_type: int, generator: torch.Generator) -> np.ndarray:
+    """Q4_K/Q5_K: d, dmin (float16) then 6-bit scales and mins and the codes; Q6_K: codes,
+    16 signed 8-bit scales, then d."""
+    supers = in_features // 256
+    block_bytes = GGML_BLOCKS[ggml_type][1]
+
+    def half(low: float, high: float) -> torch.Tensor:
+        return (torch.rand(rows, supers, 1, generator=generator) * (high - low) + low).half().view(torch.uint8)
+
+    if ggml_type == GGML_Q6_K:
+        rest = torch.randint(0, 256, (rows, supers, block_bytes - 2), dtype=torch.uint8, generator=generator)
+        parts = [rest, half(1e-4, 1e-3)]
+    else:
+        rest = torch.randint(0, 256, (rows, supers, block_bytes - 4), dtype=torch.uint8, generator=generator)
+        parts = [half(1e-4, 1e-3), half(0.0, 1e-3), rest]
     return torch.cat(parts, dim=-1).reshape(rows, -1).numpy()
 
 
@@ -81,33 +110,27 @@ def test_blocks_dequantize_as_the_gguf_package_reads_them(type_name: str) -> Non
     assert torch.equal(ours.dequantize(rows), ours.dequantize()[rows])
 
 
-def random_q4_k(rows: int, in_features: int, generator: torch.Generator) -> np.ndarray:
-    """GGUF bytes of a random Q4_K weight: per 256 weights d, dmin (float16), 12 bytes of
-    6-bit scales and mins, 128 bytes of nibbles; every byte pattern is a valid block."""
-    supers = in_features // 256
-    d = (torch.rand(rows, supers, 1, generator=generator) * 1e-3 + 1e-4).half().view(torch.uint8)
-    dmin = (torch.rand(rows, supers, 1, generator=generator) * 1e-3).half().view(torch.uint8)
-    rest = torch.randint(0, 256, (rows, supers, 140), dtype=torch.uint8, generator=generator)
-    return torch.cat([d, dmin, rest], dim=-1).reshape(rows, -1).numpy()
-
-
-def test_q4_k_super_blocks_dequantize_as_the_gguf_package_reads_them() -> None:
-    """Each 32-weight block's scale d * sc and min dmin * m are kept in float16: rounding
-    moves each by at most 2^-11 of itself, far below a 4-bit step."""
-    raw = random_q4_k(24, 512, torch.Generator().manual_seed(2))
-    ours = QuantizedWeight.from_blocks(torch.from_numpy(raw), GGML_Q4_K)
-    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K))
-    assert ours.shape == (24, 512) and ours.format == 0
-    scale_part = (expected - ours.mins.float().repeat_interleave(32, dim=1)).abs()
-    bound = 2**-11 * (scale_part + ours.mins.float().abs().repeat_interleave(32, dim=1)) + 1e-7
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_super_blocks_dequantize_as_the_gguf_package_reads_them(type_name: str) -> None:
+    """Each group's scale (d * sc) and min (dmin * m, or -32 d * sc for Q6_K) are kept in
+    float16: rounding moves each by at most 2^-11 of itself, far below a 4-bit step."""
+    ggml_type = K_TYPES[type_name]
+    raw = random_blocks(24, 512, ggml_type, torch.Generator().manual_seed(2))
+    ours = QuantizedWeight.from_blocks(torch.from_numpy(raw), ggml_type)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type)))
+    assert ours.shape == (24, 512)
+    mins = ours.mins.float().repeat_interleave(ours.group, dim=1)
+    bound = 2**-11 * ((expected - mins).abs() + mins.abs()) + 1e-7
     assert ((ours.dequantize() - expected).abs() <= bound).all()
 
 
-def test_both_paths_read_q4_k_blocks() -> None:
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_both_paths_read_super_blocks(type_name: str) -> None:
     """Few rows: the int8 kernel within the int8 activations' error; many: the exact
-    bfloat16 copy of the weight (a Q4_K layer is one more 4-bit layout to the kernels)."""
-    raw = random_q4_k(40, 512, torch.Generator().manual_seed(3))
-    weight = QuantizedWeight.from_blocks(torch.from_numpy(raw), GGML_Q4_K)
+    bfloat16 copy of the weight."""
+    ggml_type = K_TYPES[type_name]
+    raw = random_blocks(40, 512, ggml_type, torch.Generator().manual_seed(3))
+    weight = QuantizedWeight.from_blocks(torch.from_numpy(raw), ggml_type)
     dense = weight.dequantize()
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
     assert torch.all(
@@ -127,17 +150,20 @@ def int8_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return torch.ops.pagefleet.quantized_linear(x, weight.quants, weight.scales, weight.mins, weight.format)
 
 
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3, 5, 70])  # tiles of 4 rows, blocks of 64
 def test_int8_matmul_equals_its_reference_within_the_int8_activation_error(
     type_name: str, dtype: torch.dtype, rows: int
 ) -> None:
-    ggml_type = TYPES[type_name]
+    ggml_type = ALL_TYPES[type_name]
     generator = torch.Generator().manual_seed(rows)
-    # 288 = 9 blocks: four pairs and an odd last block; 101 columns: an odd last column.
-    weight = QuantizedWeight.from_blocks(torch.from_numpy(random_blocks(101, 288, ggml_type, generator)), ggml_type)
-    x = torch.randn(rows, 288, generator=generator).to(dtype)
+    # 288 = 9 blocks: four pairs and an odd last block (a super-block format: 512, two);
+    # 101 columns: an odd last column.
+    in_features = 512 if type_name in K_TYPES else 288
+    raw = random_blocks(101, in_features, ggml_type, generator)
+    weight = QuantizedWeight.from_blocks(torch.from_numpy(raw), ggml_type)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
     x[0, :BLOCK] = 0  # an all-zero block (scale 0)
     y = int8_matmul(x, weight)
     assert y.dtype == dtype and y.shape == (rows, 101)
@@ -194,8 +220,8 @@ def test_the_avx2_path_gives_the_same_results_as_vnni(tmp_path) -> None:  # type
     """CPUs without AVX-512 VNNI multiply with AVX2's vpmaddubsw: forced here in a process
     of its own, it gives the same integer sums (its floats summed in another order)."""
     generator = torch.Generator().manual_seed(7)
-    weights = {name: random_blocks(64, 128, ggml_type, generator) for name, ggml_type in TYPES.items()}
-    x = torch.randn(5, 128, generator=generator)
+    weights = {name: random_blocks(64, 256, ggml_type, generator) for name, ggml_type in ALL_TYPES.items()}
+    x = torch.randn(5, 256, generator=generator)
     torch.save({"weights": weights, "x": x}, tmp_path / "inputs.pt")
     script = f"""
 import torch
@@ -203,7 +229,7 @@ from pagefleet.engine.layers.quantized import QuantizedWeight
 from pagefleet.kernels import cpu_ops
 cpu_ops.load()
 inputs = torch.load({str(tmp_path / "inputs.pt")!r}, weights_only=False)
-types = {TYPES!r}
+types = {ALL_TYPES!r}
 def int8_matmul(x, w):
     return torch.ops.pagefleet.quantized_linear(x, w.quants, w.scales, w.mins, w.format)
 out = {{n: int8_matmul(inputs["x"], QuantizedWeight.from_blocks(torch.from_numpy(w), types[n]))
@@ -214,13 +240,13 @@ torch.save(out, {str(tmp_path / "avx2.pt")!r})
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
     avx2 = torch.load(tmp_path / "avx2.pt")
     for name, raw in weights.items():
-        weight = QuantizedWeight.from_blocks(torch.from_numpy(raw), TYPES[name])
+        weight = QuantizedWeight.from_blocks(torch.from_numpy(raw), ALL_TYPES[name])
         summation_order = 1e-5 * (x.abs() @ weight.dequantize().abs().T) + 1e-6
         assert torch.all((avx2[name] - int8_matmul(x, weight)).abs() <= summation_order)
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_triton_kernel_equals_the_reference(type_name: str, dtype: torch.dtype) -> None:
     """The CUDA kernel (run by Triton's interpreter here) dequantizes in registers and
@@ -229,14 +255,17 @@ def test_the_triton_kernel_equals_the_reference(type_name: str, dtype: torch.dty
     from pagefleet.kernels.quantized_matmul import quantized_matmul
 
     generator = torch.Generator().manual_seed(5)
+    in_features = 256 if type_name in K_TYPES else 96
     weight = QuantizedWeight.from_blocks(
-        torch.from_numpy(random_blocks(70, 96, TYPES[type_name], generator)), TYPES[type_name]
+        torch.from_numpy(random_blocks(70, in_features, ALL_TYPES[type_name], generator)), ALL_TYPES[type_name]
     )
-    x = torch.randn(19, 96, generator=generator).to(dtype)
+    x = torch.randn(19, in_features, generator=generator).to(dtype)
     y = quantized_matmul(x, weight.quants, weight.scales, weight.mins, four_bit=weight.format == 0)
     expected = quantized_linear_torch(x.float(), weight)
-    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-5}  # 1 ulp
-    torch.testing.assert_close(y.float(), expected.to(dtype).float(), **tolerance)
+    summation_order = 1e-5 * (x.float().abs() @ weight.dequantize().abs().T) + 1e-6
+    output_rounding = 0 if dtype == torch.float32 else 2**-7  # a bfloat16 ulp (the interpreter truncates)
+    bound = summation_order + output_rounding * expected.abs()
+    assert torch.all((y.float() - expected).abs() <= bound)
 
 
 @pytest.mark.triton
