@@ -11,10 +11,10 @@ per 16 weights under one float16 `d` (w = d * sc * (u - 32)). At load the blocks
 into three arrays (nibbles or bytes, scales, mins) with every weight unsigned, w = scale * u
 + min, a scale and min per group of 32 weights (16 for Q6_K):
 
-    format       quants                     formats       group
-    FOUR_BIT     two nibbles a byte         Q4_0 Q4_1 Q4_K  32
-    EIGHT_BIT    a byte a weight            Q5_0 Q5_1 Q5_K Q8_0  32
-    EIGHT_BIT_16 a byte a weight            Q6_K           16
+    format        codes               formats                  group
+    FOUR_BIT      two nibbles a byte  Q4_0, Q4_1, Q4_K           32
+    EIGHT_BIT     a byte each         Q5_0, Q5_1, Q5_K, Q8_0     32
+    EIGHT_BIT_16  a byte each         Q6_K                       16
 
 (Q8_0: u = q + 128, min = -128 d, which VNNI's unsigned-by-signed dot product wants; the
 K formats' scale d * sc and min -dmin * m are rounded to float16, at most 2^-11 of each,
