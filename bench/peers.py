@@ -56,8 +56,11 @@ def vllm_python() -> Path:
 def vllm_environment(threads: int) -> dict[str, str]:
     """vLLM's CPU settings for a fair comparison: the same cores and OpenMP policy as ours.
     Its default binding leaves one of two cores idle; its KV cache gets 4 GiB like ours."""
+    # Without pagefleet's GOMP_SPINCOUNT (its engine sets one when imported): vLLM sets none
+    # for torch's libgomp.
+    inherited = {name: value for name, value in os.environ.items() if name != "GOMP_SPINCOUNT"}
     return {
-        **os.environ,
+        **inherited,
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
         "OMP_WAIT_POLICY": "PASSIVE",

@@ -237,6 +237,9 @@ def main() -> None:
         "--weights", nargs="+", default=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"], choices=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"]
     )
     args = parser.parse_args()
+    import pagefleet.engine  # noqa: F401  (before torch: the engine's OpenMP defaults)
+
+    # isort: split
     import torch
 
     torch.set_num_threads(args.threads)

@@ -177,6 +177,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
+    import pagefleet.engine  # noqa: F401  (before torch: the engine's OpenMP defaults)
+
+    # isort: split
     import torch
 
     torch.set_num_threads(args.threads)

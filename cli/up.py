@@ -180,7 +180,8 @@ class Fleet:
         return f"http://{self.spec.host}:{self.spec.gateway_port}"
 
     def spawn(self, name: str, command: list[str], threads: int = 1) -> Child:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+        # Replicas share this machine's cores: their idle OpenMP threads sleep at once.
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
         child = Child(name, command, env, self._popen(name, command, env, "wb"))
         self.children.append(child)
         return child
