@@ -138,8 +138,7 @@ class QuantizedWeight:
         weight = self if rows is None else self.select_rows(rows)
         out = weight.quants.shape[0]
         if self.format == FOUR_BIT:
-            packed = weight.quants.reshape(out, -1, BLOCK // 2)
-            unsigned = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(out, -1, self.group)
+            unsigned = _nibbles(weight.quants.reshape(out, -1, BLOCK // 2), dim=2).reshape(out, -1, self.group)
         else:
             unsigned = weight.quants.reshape(out, -1, self.group)
         values = unsigned.float() * weight.scales.float().unsqueeze(-1) + weight.mins.float().unsqueeze(-1)
@@ -149,30 +148,31 @@ class QuantizedWeight:
         return quantized_linear(x, self)
 
 
+def _float16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of every block [rows, n, bytes], as float32 [rows, n, 1]."""
+    return blocks[..., at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Low nibbles, then high ones, stacked along `dim` (GGML's order of 4-bit codes)."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=dim)
+
+
 def _read_block_32(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks [rows, n, bytes] -> unsigned codes [rows, n, 32]
-    in element order, float32 scales and mins [rows, n] (exact: float16 values)."""
-    rows = blocks.shape[0]
-
-    def half(at: int) -> torch.Tensor:
-        return blocks[..., at : at + 2].contiguous().view(torch.float16).reshape(rows, -1).float()
-
-    scales = half(0)
+    in element order, float32 scales and mins [rows, n, 1] (exact: float16 values)."""
+    rows, n = blocks.shape[:2]
+    scales = _float16(blocks, 0)
     if ggml_type == GGML_Q8_0:
         return blocks[..., 2:] ^ 0x80, scales, scales * -128
     with_min = ggml_type in (GGML_Q4_1, GGML_Q5_1)
     at = 4 if with_min else 2
-    high_bits = None
-    if ggml_type in (GGML_Q5_0, GGML_Q5_1):  # 32 fifth bits, element i at bit i
-        packed = blocks[..., at : at + 4].long()
-        word = packed[..., 0] | (packed[..., 1] << 8) | (packed[..., 2] << 16) | (packed[..., 3] << 24)
-        high_bits = ((word[..., None] >> torch.arange(32)) & 1).to(torch.uint8) << 4
-        at += 4
-    nibbles = blocks[..., at : at + 16]
-    unsigned = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # elements 0-15, 16-31
-    if high_bits is not None:
-        unsigned = unsigned | high_bits
-    mins = half(2) if with_min else scales * (-8.0 if ggml_type == GGML_Q4_0 else -16.0)
+    unsigned = _nibbles(blocks[..., at + 4 if ggml_type in (GGML_Q5_0, GGML_Q5_1) else at :], dim=2)
+    unsigned = unsigned.reshape(rows, n, 32)  # elements 0-15 in the low nibbles, 16-31 in the high
+    if ggml_type in (GGML_Q5_0, GGML_Q5_1):  # 4 bytes of fifth bits: element i at bit i % 8 of byte i / 8
+        fifth = (blocks[..., at : at + 4, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+        unsigned = unsigned | (fifth.reshape(rows, n, 32) << 4)
+    mins = _float16(blocks, 2) if with_min else scales * (-8.0 if ggml_type == GGML_Q4_0 else -16.0)
     return unsigned, scales, mins
 
 
@@ -180,8 +180,7 @@ def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K super-blocks [rows, n, bytes]: each of the 8 blocks' scale d * sc and min
     -dmin * m, float32 [rows, n, 8] (bytes 0-15: d, dmin, twelve bytes of 6-bit sc and m, as
     llama.cpp's get_scale_min_k4)."""
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n, 1]
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    d, dmin = _float16(blocks, 0), _float16(blocks, 2)  # [rows, n, 1]
     packed = blocks[..., 4:16].long()
     low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sc = torch.cat([low & 63, (extra & 0xF) | ((low >> 6) << 4)], dim=-1)  # blocks 0-3, 4-7
@@ -194,8 +193,7 @@ def _read_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     weights in their low nibbles and block 2c+1's in their high ones."""
     rows, supers = blocks.shape[:2]
     scales, mins = _k_scales(blocks)
-    chunks = blocks[..., 16:].reshape(rows, supers, 4, 32)
-    unsigned = torch.stack([chunks & 0x0F, chunks >> 4], dim=3).reshape(rows, supers * 8, 32)
+    unsigned = _nibbles(blocks[..., 16:].reshape(rows, supers, 4, 32), dim=3).reshape(rows, supers * 8, 32)
     return unsigned, scales, mins
 
 
@@ -205,8 +203,7 @@ def _read_q5_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     rows, supers = blocks.shape[:2]
     scales, mins = _k_scales(blocks)
     high = blocks[..., 16:48]  # [rows, n, 32]
-    chunks = blocks[..., 48:].reshape(rows, supers, 4, 32)
-    low = torch.stack([chunks & 0x0F, chunks >> 4], dim=3).reshape(rows, supers, 8, 32)
+    low = _nibbles(blocks[..., 48:].reshape(rows, supers, 4, 32), dim=3).reshape(rows, supers, 8, 32)
     fifth = (high[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [rows, n, 8, 32]
     return (low | (fifth << 4)).reshape(rows, supers * 8, 32), scales, mins
 
@@ -217,13 +214,11 @@ def _read_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     bytes 0-31 at bits 0, 2, 4, 6 for its four runs of 32. Per 16 weights: scale d * sc,
     min -32 d * sc."""
     rows, supers = blocks.shape[:2]
-    nibble_shifts, pair_shifts = torch.tensor([0, 4], dtype=torch.uint8), torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-    low = blocks[..., :128].reshape(rows, supers, 2, 1, 64) >> nibble_shifts[:, None]
-    low = (low & 0x0F).reshape(rows, supers, 2, 4, 32)
+    low = _nibbles(blocks[..., :128].reshape(rows, supers, 2, 64), dim=3).reshape(rows, supers, 2, 4, 32)
+    pair_shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
     high = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32) >> pair_shifts[:, None]
     unsigned = (low | ((high & 3) << 4)).reshape(rows, supers * 16, 16)
-    d = blocks[..., 208:210].contiguous().view(torch.float16).float()
-    scales = d * blocks[..., 192:208].contiguous().view(torch.int8).float()  # [rows, n, 16]
+    scales = _float16(blocks, 208) * blocks[..., 192:208].contiguous().view(torch.int8).float()  # [rows, n, 16]
     return unsigned, scales, scales.half().float() * -32  # the min of the rounded scale: exact
 
 

@@ -33,7 +33,7 @@ _LAYER_TENSORS = {  # HF's GPT-2 names -> llama.cpp's
 }
 _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # The K formats of the wide GPT-2's projections (random blocks: the gguf package cannot
-# quantize to them), and the GGML type ids the engine must keep.
+# quantize to them), which the engine must keep as stored.
 _K_QUANT_TYPES = {"attn.c_attn": "Q4_K", "attn.c_proj": "Q5_K", "mlp.c_fc": "Q4_K", "mlp.c_proj": "Q6_K"}
 _POSITIONS = 1024
 
