@@ -1,8 +1,8 @@
 """Paged attention compiled for the CPU (csrc/cpu_attention.cpp and csrc/cpu_prefill.cpp,
-built by cpu_ops.py).
+built by cpu_ops.py), and the write of a step's keys and values into the cache.
 
-Their references, and the fallbacks where no compiler is, are `paged_attention_decode_torch`
-and `paged_attention_prefill_torch`.
+Their references, and the fallbacks where no compiler is, are `paged_attention_decode_torch`,
+`paged_attention_prefill_torch` and `reshape_and_cache_torch`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,21 @@ import torch
 
 from pagefleet.kernels.paged_attention_decode import _check
 from pagefleet.kernels.paged_attention_prefill import _check as _check_prefill
+from pagefleet.kernels.reshape_and_cache import _check as _check_cache_write
+
+
+def reshape_and_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Like `reshape_and_cache_torch`: token t's key and value go to slot `slot_mapping[t]`
+    (negative: skipped). Call `cpu_ops.load()` first."""
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    dtype = key_cache.dtype
+    torch.ops.pagefleet.reshape_and_cache(key.to(dtype), value.to(dtype), key_cache, value_cache, slot_mapping)
 
 
 def paged_attention_decode_cpu(

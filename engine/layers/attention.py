@@ -24,6 +24,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pagefleet.engine.core.host_memory import zeros_on_huge_pages
+
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key cache, value cache)
 
 
@@ -161,6 +163,11 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
 def allocate_kv_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
-    """A zeroed cache, [num_blocks, block_size, num_kv_heads, head_dim] over head-major storage."""
-    storage = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+    """A zeroed cache, [num_blocks, block_size, num_kv_heads, head_dim] over head-major storage;
+    on the CPU, on huge pages where the kernel gives them (engine/core/host_memory.py)."""
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    if torch.device(device).type == "cpu":
+        storage = zeros_on_huge_pages(*shape, dtype=dtype)
+    else:
+        storage = torch.zeros(*shape, dtype=dtype, device=device)
     return storage.permute(1, 2, 0, 3)

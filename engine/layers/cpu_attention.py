@@ -14,8 +14,7 @@ from pagefleet.engine.layers.attention import AttentionMetadata, CacheSpec, Page
 from pagefleet.engine.layers.torch_attention import PrefillChunk, TorchAttentionBackend
 from pagefleet.kernels import cpu_ops
 from pagefleet.kernels.copy_blocks import copy_blocks_torch
-from pagefleet.kernels.cpu_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
-from pagefleet.kernels.reshape_and_cache import reshape_and_cache_torch
+from pagefleet.kernels.cpu_attention import paged_attention_prefill_cpu
 
 
 @dataclass(slots=True)
@@ -52,7 +51,13 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:
         batch = metadata
         assert isinstance(batch, CpuMetadata), "metadata from another backend's prepare()"
-        reshape_and_cache_torch(key, value, key_cache, value_cache, batch.slot_mapping)
+        # The operators themselves, not their checked wrappers: this metadata is built to their
+        # contract, their C++ checks remain, and the wrappers' Python checks would run on every
+        # layer of every step.
+        dtype = key_cache.dtype
+        torch.ops.pagefleet.reshape_and_cache(
+            key.to(dtype), value.to(dtype), key_cache, value_cache, batch.slot_mapping
+        )
         decodes = batch.num_decodes
         if self.torch_prefill is not None:  # no prefill operator: the torch backend's prefill
             output = torch.empty_like(query)
@@ -72,9 +77,8 @@ class CpuAttentionBackend:
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch, scale: float
     ) -> torch.Tensor:
         tables, lengths = batch.decodes.tables, batch.decodes.lengths
-        return paged_attention_decode_cpu(
-            query, key_cache, value_cache, tables, lengths, scale, self.spec.sliding_window
-        )
+        window = self.spec.sliding_window or 0
+        return torch.ops.pagefleet.paged_attention_decode(query, key_cache, value_cache, tables, lengths, scale, window)
 
     def _prefill(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch, scale: float

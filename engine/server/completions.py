@@ -34,9 +34,11 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
         return [prompt]
     if not prompt:
         raise OpenAIError(400, "prompt: must not be empty", "prompt")
-    if all(isinstance(item, int) for item in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+    token_ids = [item for item in prompt if isinstance(item, int)]
+    if len(token_ids) == len(prompt):
+        return [token_ids]
+    # The request's type admits no mixed list: these are strings or token lists.
+    return [item for item in prompt if not isinstance(item, int)]
 
 
 def _params(body: CompletionRequest) -> SamplingParams:

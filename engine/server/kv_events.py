@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import redis.asyncio as redis
 from redis.exceptions import RedisError
+from redis.typing import EncodableT, FieldT
 
 from pagefleet.engine.core.block_pool import KVEvent
 from pagefleet.protocol.block_hash import pack
@@ -70,7 +71,7 @@ class KVEventPublisher:
         if self._in_sync and not stored and not removed and not refresh_ttl:
             return
         pipe = self.client.pipeline(transaction=True)
-        entry: dict[str, str | bytes] = {"replica": self.replica_id}
+        entry: dict[FieldT, EncodableT] = {"replica": self.replica_id}
         if not self._in_sync:
             pipe.delete(self.set_key)
             stored, removed = set(self.held), set()
@@ -82,7 +83,7 @@ class KVEventPublisher:
             pipe.srem(self.set_key, *set_members(removed))
             entry["removed"] = pack(sorted(removed))
         if len(entry) > 1:
-            pipe.xadd(self.stream_key, entry, maxlen=STREAM_MAX_ENTRIES, approximate=True)  # type: ignore[arg-type]
+            pipe.xadd(self.stream_key, entry, maxlen=STREAM_MAX_ENTRIES, approximate=True)
         pipe.pexpire(self.set_key, self.ttl_ms)  # last: its answer says whether the SET still exists
         self._in_sync = False  # until the transaction is known to have gone through
         refreshed = (await pipe.execute())[-1]
@@ -94,8 +95,8 @@ class KVEventPublisher:
         try:
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(self.set_key)
-            entry = {"replica": self.replica_id, "reset": "1"}
-            pipe.xadd(self.stream_key, entry, maxlen=STREAM_MAX_ENTRIES, approximate=True)  # type: ignore[arg-type]
+            entry: dict[FieldT, EncodableT] = {"replica": self.replica_id, "reset": "1"}
+            pipe.xadd(self.stream_key, entry, maxlen=STREAM_MAX_ENTRIES, approximate=True)
             await pipe.execute()
         except (RedisError, OSError) as error:
             logger.warning("could not withdraw %s from the prefix index: %s", self.set_key, error)

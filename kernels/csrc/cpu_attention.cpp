@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_paged.h"
@@ -107,14 +108,17 @@ inline __m512 sum_each16(const __m512* v) {
 // prefetcher cannot guess the next one: each row is asked for kAhead rows before its use.
 constexpr int64_t kAhead = 16;
 
-template <int C, typename T>
+template <int C, typename T, int kLocality = 3>
 inline void prefetch_row(const T* row) {
   constexpr int kBytes = C * 16 * static_cast<int>(sizeof(T));
-  for (int byte = 0; byte < kBytes; byte += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + byte, 0, 3);
+  for (int byte = 0; byte < kBytes; byte += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + byte, 0, kLocality);
 }
 
+// value_offset (bytes from a key row to its value row), when not 0: the value rows are
+// asked for too, into L2, so that both streams are in flight during the scoring.
 template <int C, int H, typename T>
-void score_heads(const float* q, const T* const* rows, int64_t count, int64_t count_stride, float* scores) {
+void score_heads(const float* q, const T* const* rows, int64_t count, int64_t count_stride, float* scores,
+                 std::ptrdiff_t value_offset) {
   __m512 qh[H][C];
   for (int h = 0; h < H; ++h) {
     for (int c = 0; c < C; ++c) qh[h][c] = _mm512_loadu_ps(q + h * C * 16 + c * 16);
@@ -123,7 +127,11 @@ void score_heads(const float* q, const T* const* rows, int64_t count, int64_t co
   int64_t t = 0;
   for (; t + 16 <= count; t += 16) {
     for (int k = 0; k < 16; ++k) {
-      prefetch_row<C>(rows[std::min(t + k + kAhead, count - 1)]);
+      const T* ahead = rows[std::min(t + k + kAhead, count - 1)];
+      prefetch_row<C>(ahead);
+      if (value_offset != 0) {
+        prefetch_row<C, T, 2>(reinterpret_cast<const T*>(reinterpret_cast<std::intptr_t>(ahead) + value_offset));
+      }
       const T* row = rows[t + k];
       __m512 r[C];
       for (int c = 0; c < C; ++c) r[c] = load16(row + c * 16);
@@ -166,23 +174,36 @@ void accumulate_heads(const float* weights, const T* const* rows, int64_t count,
   }
 }
 
-// The group's heads in chunks that keep their accumulators in registers (16 of the 32).
-template <int C, typename T>
-void score_rows(const float* q, const T* const* rows, int64_t count, int64_t group, float* scores) {
+// The group's heads in chunks whose accumulators stay in registers: 4 heads (2 at head
+// size 128) a chunk, and the rest as one chunk (a group of 3, as SmolLM2's, is one pass over
+// the rows, not three). Only the first chunk asks for the value rows.
+template <int C, typename T, typename Run>
+void by_head_chunks(int64_t group, const Run& run) {
   constexpr int kHeads = C <= 4 ? 4 : 2;
-  int64_t h = 0;
-  for (; h + kHeads <= group; h += kHeads) score_heads<C, kHeads>(q + h * C * 16, rows, count, count, scores + h * count);
-  for (; h < group; ++h) score_heads<C, 1>(q + h * C * 16, rows, count, count, scores + h * count);
+  for (int64_t h = 0; h < group;) {
+    const int64_t heads = std::min<int64_t>(kHeads, group - h);
+    if (heads == 4) run(h, std::integral_constant<int, 4>{});
+    if (heads == 3) run(h, std::integral_constant<int, 3>{});
+    if (heads == 2) run(h, std::integral_constant<int, 2>{});
+    if (heads == 1) run(h, std::integral_constant<int, 1>{});
+    h += heads;
+  }
+}
+
+template <int C, typename T>
+void score_rows(const float* q, const T* const* rows, int64_t count, int64_t group, float* scores,
+                std::ptrdiff_t value_offset) {
+  by_head_chunks<C, T>(group, [&](int64_t h, auto heads) {
+    score_heads<C, decltype(heads)::value>(q + h * C * 16, rows, count, count, scores + h * count,
+                                           h == 0 ? value_offset : 0);
+  });
 }
 
 template <int C, typename T>
 void accumulate_rows(const float* weights, const T* const* rows, int64_t count, int64_t group, float* acc) {
-  constexpr int kHeads = C <= 4 ? 4 : 2;
-  int64_t h = 0;
-  for (; h + kHeads <= group; h += kHeads) {
-    accumulate_heads<C, kHeads>(weights + h * count, rows, count, count, acc + h * C * 16);
-  }
-  for (; h < group; ++h) accumulate_heads<C, 1>(weights + h * count, rows, count, count, acc + h * C * 16);
+  by_head_chunks<C, T>(group, [&](int64_t h, auto heads) {
+    accumulate_heads<C, decltype(heads)::value>(weights + h * count, rows, count, count, acc + h * C * 16);
+  });
 }
 #endif
 
@@ -243,10 +264,12 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
   };
   row_pointers(key_cache);
 #if defined(__AVX512F__)
+  // The caches share strides: a token's value row lies this many bytes from its key row.
+  const std::ptrdiff_t value_offset = reinterpret_cast<std::intptr_t>(value_cache) - reinterpret_cast<std::intptr_t>(key_cache);
   if (head_dim == 64) {
-    score_rows<4>(q, pointers, count, group, scores);
+    score_rows<4>(q, pointers, count, group, scores, value_offset);
   } else if (head_dim == 128) {
-    score_rows<8>(q, pointers, count, group, scores);
+    score_rows<8>(q, pointers, count, group, scores, value_offset);
   } else
 #endif
     score_rows_any(q, pointers, count, group, head_dim, row, scores);
@@ -370,12 +393,53 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+// Writes each new token's keys and values into its cache slot (block * block_size + offset;
+// a negative slot skips the token): one call for both caches, where the torch path needs a
+// mask, a sync and an index_copy_ per cache on every layer of every step.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                       const at::Tensor& slot_mapping) {
+  check_paged_args(key, key_cache, value_cache, {});
+  TORCH_CHECK(value.sizes() == key.sizes() && value.stride(2) == 1 && value.scalar_type() == key.scalar_type(),
+              "value must have the key's shape and dtype, head_dim contiguous");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3), "key [T, KVH, D] must fit the cache");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0), "slot_mapping [T]");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), block_size = key_cache.size(1);
+  const int64_t num_slots = key_cache.size(0) * block_size;
+  for (int64_t t = 0; t < num_tokens; ++t) TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " is past the cache");
+  const int64_t row_bytes = key.size(2) * key.element_size();
+  const auto* k = static_cast<const char*>(key.data_ptr());
+  const auto* v = static_cast<const char*>(value.data_ptr());
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t e = key.element_size();
+  at::parallel_for(0, num_tokens, 256, [&](int64_t start, int64_t stop) {
+    for (int64_t t = start; t < stop; ++t) {
+      if (slot[t] < 0) continue;
+      const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+      const int64_t target = block * key_cache.stride(0) + offset * key_cache.stride(1);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t to = (target + h * key_cache.stride(2)) * e;
+        std::memcpy(kc + to, k + (t * key.stride(0) + h * key.stride(1)) * e, row_bytes);
+        std::memcpy(vc + to, v + (t * value.stride(0) + h * value.stride(1)) * e, row_bytes);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagefleet, m) {
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor context_lens, float scale, int sliding_window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagefleet, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }
+TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {
+  m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+}

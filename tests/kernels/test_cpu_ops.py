@@ -15,9 +15,14 @@ import torch
 from pagefleet.engine.layers import fused
 from pagefleet.engine.layers.attention import allocate_kv_cache
 from pagefleet.kernels import cpu_ops
-from pagefleet.kernels.cpu_attention import paged_attention_decode_cpu, paged_attention_prefill_cpu
+from pagefleet.kernels.cpu_attention import (
+    paged_attention_decode_cpu,
+    paged_attention_prefill_cpu,
+    reshape_and_cache_cpu,
+)
 from pagefleet.kernels.paged_attention_decode import paged_attention_decode_torch
 from pagefleet.kernels.paged_attention_prefill import paged_attention_prefill_torch
+from pagefleet.kernels.reshape_and_cache import reshape_and_cache_torch
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # bf16: the rounding of the output
 
@@ -65,6 +70,23 @@ def test_decode_attention_equals_the_reference(
     expected = paged_attention_decode_torch(query, key_cache, value_cache, tables, context_lens, scale, window)
     actual = paged_attention_decode_cpu(query, key_cache, value_cache, tables, context_lens, scale, window)
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["head_major", "contiguous"])
+def test_cache_write_equals_the_reference(dtype: torch.dtype, layout: str) -> None:
+    num_blocks, block_size = 48, 16
+    ours = _caches(num_blocks, block_size, 3, 64, dtype, layout)
+    reference = [cache.clone() for cache in ours]
+    key, value = torch.randn(700, 3, 64).to(dtype), torch.randn(700, 3, 64).to(dtype)
+    # Slots in shuffled order, with padding (-1) skipped, and more tokens than one thread's share.
+    slots = torch.randperm(num_blocks * block_size)[:700].clone()
+    slots[::7] = -1
+    reshape_and_cache_cpu(key, value, *ours, slots)
+    reshape_and_cache_torch(key, value, *reference, slots)
+    assert torch.equal(ours[0], reference[0]) and torch.equal(ours[1], reference[1])
+    with pytest.raises(RuntimeError, match="past the cache"):
+        reshape_and_cache_cpu(key[:1], value[:1], *ours, torch.tensor([num_blocks * block_size]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
