@@ -177,7 +177,7 @@ void accumulate_heads(const float* weights, const T* const* rows, int64_t count,
 // The group's heads in chunks whose accumulators stay in registers: 4 heads (2 at head
 // size 128) a chunk, and the rest as one chunk (a group of 3, as SmolLM2's, is one pass over
 // the rows, not three). Only the first chunk asks for the value rows.
-template <int C, typename T, typename Run>
+template <int C, typename Run>
 void by_head_chunks(int64_t group, const Run& run) {
   constexpr int kHeads = C <= 4 ? 4 : 2;
   for (int64_t h = 0; h < group;) {
@@ -193,7 +193,7 @@ void by_head_chunks(int64_t group, const Run& run) {
 template <int C, typename T>
 void score_rows(const float* q, const T* const* rows, int64_t count, int64_t group, float* scores,
                 std::ptrdiff_t value_offset) {
-  by_head_chunks<C, T>(group, [&](int64_t h, auto heads) {
+  by_head_chunks<C>(group, [&](int64_t h, auto heads) {
     score_heads<C, decltype(heads)::value>(q + h * C * 16, rows, count, count, scores + h * count,
                                            h == 0 ? value_offset : 0);
   });
@@ -201,7 +201,7 @@ void score_rows(const float* q, const T* const* rows, int64_t count, int64_t gro
 
 template <int C, typename T>
 void accumulate_rows(const float* weights, const T* const* rows, int64_t count, int64_t group, float* acc) {
-  by_head_chunks<C, T>(group, [&](int64_t h, auto heads) {
+  by_head_chunks<C>(group, [&](int64_t h, auto heads) {
     accumulate_heads<C, decltype(heads)::value>(weights + h * count, rows, count, count, acc + h * C * 16);
   });
 }
