@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import logging
+import math
+import mmap
 import sys
 
 import torch
@@ -33,7 +34,6 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD = 32 << 20  # glibc's largest; bigger blocks (the KV cache, weights) still get their own mapping
 _TRIM_THRESHOLD = 1 << 30
 
-_MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 _tuned = False
@@ -46,9 +46,10 @@ def keep_freed_memory() -> bool:
         return True
     if not sys.platform.startswith("linux"):
         return False
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
         return False
     _tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     if not _tuned:
@@ -56,23 +57,23 @@ def keep_freed_memory() -> bool:
     return _tuned
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
 def zeros_on_huge_pages(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose whole 2 MiB pages are asked for as huge pages before they are
-    first touched (on Linux; elsewhere, or if the kernel says no, ordinary pages)."""
-    tensor = torch.empty(*shape, dtype=dtype)
-    libc = _libc() if sys.platform.startswith("linux") else None
-    start = tensor.data_ptr()
-    first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-    last = (start + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if libc is not None and last > first:
-        if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE) != 0:
-            logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d): 4 KiB pages", ctypes.get_errno())
+    """A zeroed CPU tensor on a mapping of its own, asked for as huge pages before it is first
+    touched, then touched at once (as `torch.zeros` would) so that no step pays for the page
+    faults. A fresh private mapping, not the allocator's: memory that glibc reuses from freed
+    activations is already on 4 KiB pages. Where there is no MADV_HUGEPAGE: `torch.zeros`."""
+    numel = math.prod(shape)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or numel == 0:
+        return torch.zeros(*shape, dtype=dtype)
+    size = numel * dtype.itemsize
+    # One huge page more, to start the tensor on a 2 MiB boundary (mmap gives 4 KiB ones).
+    mapping = mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(advice)
+    except OSError as error:  # a kernel without transparent huge pages: ordinary pages
+        logger.debug("madvise(MADV_HUGEPAGE) refused (%s): 4 KiB pages", error)
+    offset = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % _HUGE_PAGE
+    # The tensor holds a reference to the mapping, which is unmapped when the tensor goes.
+    tensor = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset).view(*shape)
     return tensor.zero_()
