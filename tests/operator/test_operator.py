@@ -3,7 +3,10 @@ deletion, invalid specs, autoscaling."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -13,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagefleet.operator.settings import OperatorSettings
 from pagefleet.protocol.demand import demand_key, scalable_key
-from pagefleet.protocol.replica import ReplicaRecord, record_key
+from pagefleet.protocol.replica import RECORD_TTL_S, ReplicaRecord, record_key
 from tests.operator.cluster import Cluster
 from tests.operator.conftest import NAMESPACE, Client, eventually
 
@@ -39,6 +42,29 @@ def publish(client: redis.Redis, model: str, replica_id: str, free: int, total: 
         total_blocks=total, block_size=16, running=1, waiting=waiting, max_model_len=2048,
     )  # fmt: skip
     client.set(record_key(model, replica_id), record.model_dump_json(), px=60_000)
+
+
+@contextmanager
+def live_replicas(client: redis.Redis, model: str) -> Iterator[dict[str, tuple[int, int]]]:
+    """Replicas that publish their records several times within RECORD_TTL_S, as running
+    engines do: a record published once goes stale while a slow test still reads it. Yields
+    replica id -> (free blocks, waiting requests), which the test may change or extend."""
+    replicas: dict[str, tuple[int, int]] = {}
+    stop = threading.Event()
+
+    def publish_all() -> None:
+        while not stop.is_set():
+            for replica_id, (free, waiting) in list(replicas.items()):
+                publish(client, model, replica_id, free=free, waiting=waiting)
+            stop.wait(RECORD_TTL_S / 6)
+
+    thread = threading.Thread(target=publish_all, daemon=True)
+    thread.start()
+    try:
+        yield replicas
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_a_resource_becomes_a_deployment_service_and_pdb_owned_by_it(
@@ -228,21 +254,22 @@ def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
     operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
 ) -> None:
     autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetKVUtilization": 0.5}
-    publish(redis_client, "busy", "busy-a", free=5)  # 95% used against a target of 50%
-    client.create(resource("busy", replicas=1, autoscaling=autoscaling))
-    eventually(lambda: client.get("busy")["spec"]["replicas"] == 2, timeout=3 * operator.reconcile_interval_s + 2)
-    assert any(path.endswith("/inferencedeployments/busy/scale") for _, path in cluster.writes)
-    eventually(lambda: client.deployment("busy")["spec"]["replicas"] == 2)
-    events = eventually(lambda: [e for e in cluster.objects.values() if e.get("reason") == "ScaledUp"])
-    assert "1 -> 2 replicas" in events[0]["message"]
-    # Never past maxReplicas, however high the pressure.
-    publish(redis_client, "busy", "busy-b", free=0, waiting=10)
-    eventually(lambda: client.get("busy")["spec"]["replicas"] == 3)
-    publish(redis_client, "busy", "busy-c", free=0, waiting=10)
-    wait_for_reconciles(cluster, "busy", 2, operator)
-    assert client.get("busy")["spec"]["replicas"] == 3
-    # What the autoscaler saw and did, on the operator's /metrics (the chart's ServiceMonitor scrapes it).
-    figures = operator_metrics(operator)
+    with live_replicas(redis_client, "busy") as replicas:
+        replicas["busy-a"] = (5, 0)  # 95% used against a target of 50%
+        client.create(resource("busy", replicas=1, autoscaling=autoscaling))
+        eventually(lambda: client.get("busy")["spec"]["replicas"] == 2, timeout=3 * operator.reconcile_interval_s + 2)
+        assert any(path.endswith("/inferencedeployments/busy/scale") for _, path in cluster.writes)
+        eventually(lambda: client.deployment("busy")["spec"]["replicas"] == 2)
+        events = eventually(lambda: [e for e in cluster.objects.values() if e.get("reason") == "ScaledUp"])
+        assert "1 -> 2 replicas" in events[0]["message"]
+        # Never past maxReplicas, however high the pressure.
+        replicas["busy-b"] = (0, 10)
+        eventually(lambda: client.get("busy")["spec"]["replicas"] == 3)
+        replicas["busy-c"] = (0, 10)
+        wait_for_reconciles(cluster, "busy", 2, operator)
+        assert client.get("busy")["spec"]["replicas"] == 3
+        # What the autoscaler saw and did, on the operator's /metrics (the chart's ServiceMonitor scrapes it).
+        figures = operator_metrics(operator)
     busy = {"namespace": NAMESPACE, "name": "busy"}
     assert figures["pagefleet_operator:desired_replicas", frozenset({**busy, "pool": ""}.items())] == 3
     utilization = figures["pagefleet_operator:kv_utilization", frozenset({**busy, "pool": ""}.items())]
