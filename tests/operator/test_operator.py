@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,23 +45,26 @@ def publish(client: redis.Redis, model: str, replica_id: str, free: int, total: 
 
 
 @contextmanager
-def live_replicas(client: redis.Redis, model: str) -> Iterator[dict[str, tuple[int, int]]]:
+def live_replicas(client: redis.Redis, model: str) -> Iterator[Callable[[str, int, int], None]]:
     """Replicas that publish their records several times within RECORD_TTL_S, as running
     engines do: a record published once goes stale while a slow test still reads it. Yields
-    replica id -> (free blocks, waiting requests), which the test may change or extend."""
+    `replica(replica_id, free_blocks, waiting)`, which publishes at once and keeps it fresh."""
     replicas: dict[str, tuple[int, int]] = {}
     stop = threading.Event()
 
-    def publish_all() -> None:
-        while not stop.is_set():
+    def replica(replica_id: str, free: int, waiting: int) -> None:
+        publish(client, model, replica_id, free=free, waiting=waiting)
+        replicas[replica_id] = (free, waiting)
+
+    def refresh() -> None:
+        while not stop.wait(RECORD_TTL_S / 6):
             for replica_id, (free, waiting) in list(replicas.items()):
                 publish(client, model, replica_id, free=free, waiting=waiting)
-            stop.wait(RECORD_TTL_S / 6)
 
-    thread = threading.Thread(target=publish_all, daemon=True)
+    thread = threading.Thread(target=refresh, daemon=True)
     thread.start()
     try:
-        yield replicas
+        yield replica
     finally:
         stop.set()
         thread.join()
@@ -254,8 +257,8 @@ def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
     operator: OperatorSettings, client: Client, cluster: Cluster, redis_client: redis.Redis
 ) -> None:
     autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetKVUtilization": 0.5}
-    with live_replicas(redis_client, "busy") as replicas:
-        replicas["busy-a"] = (5, 0)  # 95% used against a target of 50%
+    with live_replicas(redis_client, "busy") as replica:
+        replica("busy-a", 5, 0)  # 95% used against a target of 50%
         client.create(resource("busy", replicas=1, autoscaling=autoscaling))
         eventually(lambda: client.get("busy")["spec"]["replicas"] == 2, timeout=3 * operator.reconcile_interval_s + 2)
         assert any(path.endswith("/inferencedeployments/busy/scale") for _, path in cluster.writes)
@@ -263,9 +266,9 @@ def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
         events = eventually(lambda: [e for e in cluster.objects.values() if e.get("reason") == "ScaledUp"])
         assert "1 -> 2 replicas" in events[0]["message"]
         # Never past maxReplicas, however high the pressure.
-        replicas["busy-b"] = (0, 10)
+        replica("busy-b", 0, 10)
         eventually(lambda: client.get("busy")["spec"]["replicas"] == 3)
-        replicas["busy-c"] = (0, 10)
+        replica("busy-c", 0, 10)
         wait_for_reconciles(cluster, "busy", 2, operator)
         assert client.get("busy")["spec"]["replicas"] == 3
         # What the autoscaler saw and did, on the operator's /metrics (the chart's ServiceMonitor scrapes it).
