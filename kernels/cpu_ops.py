@@ -1,22 +1,22 @@
 """The compiled CPU operators (`csrc/*.cpp`, registered as `torch.ops.pagefleet.*`):
 building and loading them.
 
-- `paged_attention_decode` (csrc/cpu_attention.cpp; wrapper in cpu_attention.py, reference
-  `paged_attention_decode_torch`): reads each sequence's blocks in place through its block
-  table, once for all the query heads that share a kv head, and splits long contexts over
-  threads.
-- `paged_attention_prefill` (csrc/cpu_prefill.cpp; wrapper in cpu_attention.py, reference
-  `paged_attention_prefill_torch`): chunks of new tokens over their cached context, in
-  place, 2-4x faster than torch's SDPA on the engine's shapes; AVX-512 builds only
-  (`has_prefill()`).
+- `paged_attention_rows` and `paged_attention_decode` (csrc/cpu_attention.cpp, AVX2 pieces
+  in cpu_attention_avx2.h; wrappers in cpu_attention.py, references
+  `paged_attention_decode_torch` and `paged_attention_prefill_torch`): every query row,
+  decode or prompt, over its context up to its own position, read in place through its
+  sequence's block table once for all the query heads that share a kv head and all the
+  rows of a prompt chunk, with one arithmetic for every row (path invariance); long
+  contexts split over threads.
 - `rms_norm`, `silu_and_mul`, `rotary` (csrc/cpu_fused.cpp; wrappers and references in
   pagefleet/engine/layers/fused.py): one pass where plain torch makes several.
 - `lora_add` (csrc/cpu_lora.cpp; wrapper and reference in pagefleet/engine/lora/layer.py):
   every adapter's update to one projection of a multi-LoRA step in one call.
-- `quantized_linear` (csrc/cpu_quant.cpp; wrapper and reference in
-  pagefleet/engine/layers/quantized.py): a matmul over GGML Q4_0/Q4_1/Q8_0/Q4_K weights as
-  stored, int8 dot products (AVX-512 VNNI where the CPU has it, else AVX2); AVX2 and AVX-512
-  builds (`has_quantized_linear()`).
+- `quantized_linear`, `quantized_linear_packed` (csrc/cpu_quant.cpp; wrapper and reference
+  in pagefleet/engine/layers/quantized.py): a matmul over GGML's block formats as stored,
+  int8 dot products, one kernel for every number of rows (AVX-512 VNNI on GGML's order
+  where the CPU has it, else AVX2 on weights repacked with 8 columns interleaved); AVX2 and
+  AVX-512 builds (`has_quantized_linear()`, `quantized_packed_layout()`).
 - `int8_linear` (csrc/cpu_int8.cpp; wrapper and reference in pagefleet/engine/layers/int8.py):
   an int8 W8A8 layer: activations quantized per token, oneDNN's int8 GEMM, one rescale.
 
@@ -45,12 +45,12 @@ SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
         "cpu_attention.cpp",
-        "cpu_prefill.cpp",
         "cpu_fused.cpp",
         "cpu_lora.cpp",
         "cpu_quant.cpp",
         "cpu_int8.cpp",
-        "cpu_quant_avx2.h",
+        "cpu_quant_columns.h",
+        "cpu_attention_avx2.h",
         "cpu_quant_vnni.h",
         "cpu_paged.h",
         "cpu_vec.h",
@@ -96,16 +96,18 @@ def _clear_stale_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def has_prefill() -> bool:
-    """Whether the loaded operators include the prefill kernel (AVX-512 builds)."""
-    return load() and bool(torch.ops.pagefleet.has_prefill())
-
-
 @functools.cache
 def has_quantized_linear() -> bool:
     """Whether the loaded operators include the quantized matmul (AVX2 and AVX-512 builds);
     asked by every quantized layer at every step, hence kept."""
     return load() and bool(torch.ops.pagefleet.has_quantized_linear())
+
+
+@functools.cache
+def quantized_packed_layout() -> bool:
+    """Whether the quantized matmul this CPU runs reads weights repacked with 8 columns
+    interleaved (AVX2) rather than in GGML's order (AVX-512 VNNI)."""
+    return has_quantized_linear() and bool(torch.ops.pagefleet.quantized_packed_layout())
 
 
 def is_loaded() -> bool:

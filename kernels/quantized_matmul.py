@@ -90,8 +90,9 @@ def quantized_matmul(
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m = 16 if rows <= 16 else 32
-    block_n = 64
+    # One tile shape for every row count: a row's sums never depend on how many rows share
+    # the step (batch invariance).
+    block_m, block_n = 16, 64
     grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))
     _quantized_matmul_kernel[grid](
         x,

@@ -355,6 +355,7 @@ class Scheduler:
 
 
 def _batch_order(chunk: ScheduledChunk) -> tuple[bool, int]:
-    """Decodes first; then by adapter slot, the base model's first (no slot)."""
+    """Decodes first (with their drafts: each draft row attends as a decode, see
+    ModelRunner._build_batch); then by adapter slot, the base model's first (no slot)."""
     slot = chunk.request.lora_slot
-    return chunk.num_new_tokens != 1, -1 if slot is None else slot
+    return chunk.num_own_tokens != 1, -1 if slot is None else slot

@@ -84,10 +84,14 @@ class BlockTables:
 
     @classmethod
     def of(cls, tables: list[list[int]], lengths: list[int], device: torch.device) -> BlockTables:
-        width = max((len(t) for t in tables), default=0)
-        rows = [t + [0] * (width - len(t)) for t in tables]
-        table_tensor = torch.tensor(rows, dtype=torch.int32, device=device).view(len(tables), width)
-        return cls(table_tensor, torch.tensor(lengths, dtype=torch.int32, device=device))
+        return cls(padded_tables(tables, device), torch.tensor(lengths, dtype=torch.int32, device=device))
+
+
+def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as one int32 tensor [len(tables), longest], padded with block 0."""
+    width = max((len(t) for t in tables), default=0)
+    rows = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(tables), width)
 
 
 @dataclass(slots=True)

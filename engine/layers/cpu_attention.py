@@ -1,25 +1,45 @@
 """The CPU backend: the compiled operators of `pagefleet.kernels.cpu_attention`, which read
-each sequence's blocks in place. Decodes go through the decode operator; prefill chunks
-(cached prefix or not) through the prefill operator, 2-4x faster than torch's SDPA here.
-Where the prefill operator is not built (CPUs without AVX-512, head sizes not a multiple
-of 8), prefill chunks are attended as the torch backend does."""
+each sequence's blocks in place. Every row of a step, decode or prompt, goes through one
+operator with one arithmetic (`paged_attention_rows`): a row attends over the context up to
+its own position in partitions of 256 keys cut at the same positions whatever the chunk, so
+its output never depends on whether its prefix was computed in this step, an earlier one,
+another replica or the file tier, nor on the other rows (path invariance). The rows of a
+prompt chunk share each key read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from pagefleet.engine.layers.attention import AttentionMetadata, CacheSpec, PagedBatch, StepLayout, head_major
-from pagefleet.engine.layers.torch_attention import PrefillChunk, TorchAttentionBackend
-from pagefleet.kernels import cpu_ops
+from pagefleet.engine.layers.attention import AttentionMetadata, CacheSpec, StepLayout, padded_tables
 from pagefleet.kernels.copy_blocks import copy_blocks_torch
-from pagefleet.kernels.cpu_attention import paged_attention_prefill_cpu
 
 
 @dataclass(slots=True)
-class CpuMetadata(PagedBatch):
-    torch_prefills: list[PrefillChunk] = field(default_factory=list)  # without the prefill operator
+class RowTables:
+    """Every row of a step as the rows operator reads it: one block table per sequence,
+    each row's context up to and including its own position, and the rows of each table."""
+
+    tables: torch.Tensor  # [num_sequences, max_blocks] int32
+    lengths: torch.Tensor  # [num_rows] int32
+    row_groups: torch.Tensor  # [num_sequences + 1] int32
+
+    @classmethod
+    def of(cls, step: StepLayout, device: torch.device) -> RowTables:
+        tables = list(step.decode_block_tables) + [span.block_table for span in step.prefills]
+        lengths = list(step.decode_context_lens)
+        groups = list(range(len(lengths) + 1))
+        for span in step.prefills:
+            lengths += range(span.context_len - span.num_new + 1, span.context_len + 1)
+            groups.append(len(lengths))
+        lengths_tensor = torch.tensor(lengths, dtype=torch.int32, device=device)
+        return cls(padded_tables(tables, device), lengths_tensor, torch.tensor(groups, dtype=torch.int32, device=device))
+
+
+@dataclass(slots=True)
+class CpuMetadata(AttentionMetadata):
+    rows: RowTables
 
 
 class CpuAttentionBackend:
@@ -27,14 +47,9 @@ class CpuAttentionBackend:
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
-        compiled_prefill = cpu_ops.has_prefill() and spec.head_dim % 8 == 0
-        self.torch_prefill = None if compiled_prefill else TorchAttentionBackend(spec)
 
     def prepare(self, step: StepLayout) -> CpuMetadata:
-        metadata = CpuMetadata.of(step, self.spec.device)
-        if self.torch_prefill is not None:
-            metadata.torch_prefills = self.torch_prefill.prefill_chunks(step)
-        return metadata
+        return CpuMetadata(step.slot_mapping, RowTables.of(step, self.spec.device))
 
     def copy_blocks(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
         copy_blocks_torch(key_cache, value_cache, block_mapping)
@@ -58,38 +73,14 @@ class CpuAttentionBackend:
         torch.ops.pagefleet.reshape_and_cache(
             key.to(dtype), value.to(dtype), key_cache, value_cache, batch.slot_mapping
         )
-        decodes = batch.num_decodes
-        if self.torch_prefill is not None:  # no prefill operator: the torch backend's prefill
-            output = torch.empty_like(query)
-            if decodes:
-                output[:decodes] = self._decode(query[:decodes], key_cache, value_cache, batch, scale)
-            keys, values = head_major(key_cache), head_major(value_cache)
-            self.torch_prefill.attend_prefills(query, key, value, keys, values, batch.torch_prefills, scale, output)
-            return output
-        parts = []  # decode rows first, then prefill rows; a step of one kind is not copied
-        if decodes:
-            parts.append(self._decode(query[:decodes], key_cache, value_cache, batch, scale))
-        if decodes < query.shape[0]:
-            parts.append(self._prefill(query[decodes:], key_cache, value_cache, batch, scale))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _decode(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch, scale: float
-    ) -> torch.Tensor:
-        tables, lengths = batch.decodes.tables, batch.decodes.lengths
-        window = self.spec.sliding_window or 0
-        return torch.ops.pagefleet.paged_attention_decode(query, key_cache, value_cache, tables, lengths, scale, window)
-
-    def _prefill(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: PagedBatch, scale: float
-    ) -> torch.Tensor:
-        return paged_attention_prefill_cpu(
+        rows = batch.rows
+        return torch.ops.pagefleet.paged_attention_rows(
             query,
             key_cache,
             value_cache,
-            batch.prefills.tables,
-            batch.prefill_cu_seqlens,
-            batch.prefills.lengths,
+            rows.tables,
+            rows.lengths,
+            rows.row_groups,
             scale,
-            self.spec.sliding_window,
+            self.spec.sliding_window or 0,
         )

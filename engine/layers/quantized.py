@@ -27,7 +27,6 @@ exact (a float16 times at most 8 bits, plus a min).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -231,7 +230,7 @@ class StackedWeight:
     in Q4_K, v in Q6_K): each block multiplies on its own and the outputs are concatenated.
     A block of a type the kernels do not read is a float tensor [rows, in_features]."""
 
-    parts: tuple[QuantizedWeight | torch.Tensor, ...]
+    parts: tuple[QuantizedWeight | PackedWeight | torch.Tensor, ...]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -239,10 +238,13 @@ class StackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size() for p in self.parts)
+        return sum(
+            p.nbytes if isinstance(p, QuantizedWeight | PackedWeight) else p.numel() * p.element_size()
+            for p in self.parts
+        )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        outputs = [p.matmul(x) if isinstance(p, QuantizedWeight) else F.linear(x, p) for p in self.parts]
+        outputs = [p.matmul(x) if isinstance(p, QuantizedWeight | PackedWeight) else F.linear(x, p) for p in self.parts]
         return torch.cat(outputs, dim=-1)
 
 
@@ -251,44 +253,137 @@ def quantized_linear_torch(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     return F.linear(x.float(), weight.dequantize()).to(x.dtype)
 
 
-# From this many rows on, dequantizing the weight and multiplying in bfloat16 (two
-# multiply-adds an instruction, no float scale per block) beats the int8 dots. On SmolLM2
-# (2 threads), gate/up (3072 x 576, Q4_1): 0.24 vs 0.28 ms at 16 rows, 0.48 vs 0.37 at 32,
-# 1.0 vs 0.58 at 64; the Q8_0 head (49152 x 576): 10.2 vs 10.9 ms at 16, 18.0 vs 13.1 at 32.
-# The dequantized copy is made in tiles of at most _TILE_WEIGHTS weights.
-DEQUANTIZED_ROWS = 24
-_TILE_WEIGHTS = 1 << 22
-
-
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x @ W.T: on CUDA the Triton kernel (kernels/quantized_matmul.py); on a CPU the
-    compiled operators, else the float32 reference. x: [rows, in_features] float32 or
-    bfloat16. On a CPU, a few rows: int8 dots on the blocks as stored (activations quantized
-    per block of 32); many: the weight dequantized tile by tile, a float matmul."""
+    compiled operator, else the float32 reference. x: [rows, in_features] float32 or
+    bfloat16. On a CPU every number of rows takes the same int8 kernel, so a row's output
+    does not depend on the others (the layers pack their weights once: `for_this_device`)."""
     if x.device.type == "cuda":
         from pagefleet.kernels.quantized_matmul import quantized_matmul
 
         return quantized_matmul(x.contiguous(), weight.quants, weight.scales, weight.mins, weight.format == FOUR_BIT)
     if x.device.type != "cpu" or not cpu_ops.has_quantized_linear():
         return quantized_linear_torch(x, weight)
-    x = x.contiguous()
-    if x.shape[0] < DEQUANTIZED_ROWS:
-        return torch.ops.pagefleet.quantized_linear(x, weight.quants, weight.scales, weight.mins, weight.format)
-    dtype = torch.bfloat16 if _bf16_matmul() else torch.float32
-    x_in = x.to(dtype)
-    tile_rows = max(1, _TILE_WEIGHTS // weight.shape[1])
-    parts = []
-    for start in range(0, weight.shape[0], tile_rows):
-        tile = slice(start, start + tile_rows)
-        dense = torch.ops.pagefleet.quantized_dequantize(
-            weight.quants[tile], weight.scales[tile], weight.mins[tile], weight.format, dtype
+    if cpu_ops.quantized_packed_layout():
+        return PackedWeight.pack(weight).matmul(x)
+    return torch.ops.pagefleet.quantized_linear(
+        x.contiguous(), weight.quants, weight.scales, weight.mins, weight.format
+    )
+
+
+# The packed kernel's kinds (`kind` in cpu_quant.cpp): how each format's codes multiply.
+_PACKED_KINDS = {
+    GGML_Q4_0: 0,
+    GGML_Q4_1: 0,
+    GGML_Q4_K: 0,
+    GGML_Q5_0: 1,
+    GGML_Q5_1: 1,
+    GGML_Q5_K: 1,
+    GGML_Q6_K: 2,
+    GGML_Q8_0: 3,
+}
+LANES = 8  # output columns interleaved in the packed layout
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A `QuantizedWeight` repacked for the AVX2 kernel (kernels/csrc/cpu_quant_columns.h):
+    output columns in groups of 8 (the last padded with zero columns), each block of 32
+    weights stored as 8 steps of 4 weights of each of the 8 columns, so that a 256-bit lane
+    holds one column. Q8_0's codes are stored signed (u - 128, min 0).
+
+    quants: uint8 [groups, blocks * (128 if 4-bit else 256)]; scales, mins: float16 [groups,
+    in_features / group, 8]."""
+
+    ggml_type: int
+    quants: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    out_features: int
+
+    @property
+    def kind(self) -> int:
+        return _PACKED_KINDS[self.ggml_type]
+
+    @property
+    def group(self) -> int:
+        return 16 if self.ggml_type == GGML_Q6_K else BLOCK
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.scales.shape[1] * self.group
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.mins))
+
+    @classmethod
+    def pack(cls, weight: QuantizedWeight) -> PackedWeight:
+        out, in_features = weight.shape
+        groups, blocks = -(-out // LANES), in_features // BLOCK
+        codes = _codes(weight)  # [out, in] uint8
+        pad = groups * LANES - out
+        scales, mins = weight.scales, weight.mins
+        if weight.ggml_type == GGML_Q8_0:
+            codes, mins = codes ^ 0x80, (mins.float() + 128 * scales.float()).half()
+        if pad:
+            codes = F.pad(codes, (0, 0, 0, pad))
+            scales, mins = F.pad(scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
+        steps = codes.reshape(groups, LANES, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [j, b, k, c, i]
+        if weight.format == FOUR_BIT:
+            steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
+        return cls(
+            weight.ggml_type,
+            steps.reshape(groups, -1).contiguous(),
+            scales.reshape(groups, LANES, -1).transpose(1, 2).contiguous(),
+            mins.reshape(groups, LANES, -1).transpose(1, 2).contiguous(),
+            out,
         )
-        parts.append(F.linear(x_in, dense))
-    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return y.to(x.dtype)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [out_features, in_features], or only `rows` of it (an embedding lookup)."""
+        group_index = slice(None) if rows is None else rows // LANES
+        quants, scales, mins = self.quants[group_index], self.scales[group_index], self.mins[group_index]
+        groups = quants.shape[0]
+        steps = quants.reshape(groups, -1, 4 if self.kind == 0 else 8, LANES, 4)
+        if self.kind == 0:
+            steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)
+        codes = steps.view(torch.int8) if self.kind == 3 else steps
+        codes = codes.permute(0, 3, 1, 2, 4).reshape(groups, LANES, -1, self.group)  # [j, c, groups, group]
+        values = codes.float() * scales.transpose(1, 2).float().unsqueeze(-1) + mins.transpose(1, 2).float().unsqueeze(
+            -1
+        )
+        values = values.reshape(groups, LANES, -1)
+        if rows is None:
+            return values.reshape(groups * LANES, -1)[: self.out_features]
+        return values[torch.arange(len(rows)), rows % LANES]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x.float(), self.dequantize()).to(x.dtype)
+        has_min = self.ggml_type != GGML_Q8_0  # packed Q8_0 is signed, its mins zero
+        return torch.ops.pagefleet.quantized_linear_packed(
+            x.contiguous(), self.quants, self.scales, self.mins, self.kind, self.out_features, has_min
+        )
 
 
-@functools.cache
-def _bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16, AMX): else float32."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def _codes(weight: QuantizedWeight) -> torch.Tensor:
+    """The unsigned code of every weight, uint8 [out_features, in_features] in element order."""
+    out = weight.quants.shape[0]
+    if weight.format == FOUR_BIT:
+        return _nibbles(weight.quants.reshape(out, -1, BLOCK // 2), dim=2).reshape(out, -1)
+    return weight.quants
+
+
+def for_this_device(weight: QuantizedWeight | StackedWeight) -> QuantizedWeight | PackedWeight | StackedWeight:
+    """The weight in the layout its device's kernel reads: packed where that is the AVX2
+    kernel, else as it is."""
+    if isinstance(weight, StackedWeight):
+        return StackedWeight(tuple(_for_this_device(p) if isinstance(p, QuantizedWeight) else p for p in weight.parts))
+    return _for_this_device(weight)
+
+
+def _for_this_device(weight: QuantizedWeight) -> QuantizedWeight | PackedWeight:
+    if weight.quants.device.type == "cpu" and cpu_ops.quantized_packed_layout():
+        return PackedWeight.pack(weight)
+    return weight

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pagefleet.engine.layers.linear import Linear
-from pagefleet.engine.layers.quantized import GGML_BLOCKS, GGML_NAMES, QuantizedWeight, StackedWeight
+from pagefleet.engine.layers.quantized import GGML_BLOCKS, GGML_NAMES, PackedWeight, QuantizedWeight, StackedWeight
 from pagefleet.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -220,9 +220,11 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
         kept[GGML_NAMES[head.ggml_type]] += 1
     else:
         dequantized[tensors.type_name(head_name)] += 1
-    embedding = head if config.tie_word_embeddings else tensors.quantized("token_embd.weight")
+    # Tied: the head's own weight (in its kernel's layout), so the rows are held once.
+    embedding = lm_head.quantized if config.tie_word_embeddings else tensors.quantized("token_embd.weight")
     if embedding is not None:
-        embedding = embedding.to(lm_head.weight.device)
+        assert isinstance(embedding, QuantizedWeight | PackedWeight)
+        embedding = embedding.to(lm_head.weight.device) if isinstance(embedding, QuantizedWeight) else embedding
         model.quantized_embedding = embedding  # type: ignore[assignment]
         float_embedding = model.embedding
         assert isinstance(float_embedding, torch.Tensor)

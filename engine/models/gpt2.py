@@ -15,7 +15,7 @@ from torch import nn
 from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
-from pagefleet.engine.layers.quantized import QuantizedWeight
+from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import Transform, WeightLoader
@@ -76,7 +76,7 @@ class GPT2LMHeadModel(nn.Module):
         self.wpe = frozen_parameter(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, shard) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.quantized_embedding: QuantizedWeight | None = None  # a GGUF's, looked up as stored
+        self.quantized_embedding: QuantizedWeight | PackedWeight | None = None  # a GGUF's, looked up as stored
 
     @property
     def embedding(self) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadat
 from pagefleet.engine.layers.fused import rotary, silu_and_mul
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
-from pagefleet.engine.layers.quantized import QuantizedWeight
+from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
 from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
-        self.quantized_embedding: QuantizedWeight | None = None  # a GGUF's, looked up as stored
+        self.quantized_embedding: QuantizedWeight | PackedWeight | None = None  # a GGUF's, looked up as stored
 
     @property
     def embedding(self) -> torch.Tensor:

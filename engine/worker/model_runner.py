@@ -298,12 +298,15 @@ class ModelRunner:
             row = len(input_ids)
             input_ids.extend(chunk.input_token_ids)
             table = chunk.block_table[: (end + bs - 1) // bs]
-            if num_new == 1:
+            if chunk.num_own_tokens == 1:
+                # A decode, and each of its drafts' rows a decode of its own: a verified
+                # position is attended exactly as it would be without speculation.
                 assert not prefills, "decode chunks must come before prefill chunks"
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-                decode_context.append(end)
-                decode_tables.append(table)
+                for position in range(start, end):
+                    positions.append(position)
+                    slots.append(table[position // bs] * bs + position % bs)
+                    decode_context.append(position + 1)
+                    decode_tables.append(table)
             else:
                 pos = np.arange(end)
                 context_slots = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -36,6 +37,12 @@ namespace {
 using namespace pagefleet;
 
 constexpr int64_t kPartition = 256;  // tokens per work item
+constexpr int64_t kRowBlock = 16;    // query rows of one sequence sharing each key read
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;  // head sizes 64 and 128 take the AVX-512 kernels below
+#else
+constexpr bool kAvx512 = false;
+#endif
 
 template <typename T>
 inline void load_row(const T* source, float* row, int64_t head_dim) {
@@ -207,190 +214,345 @@ void accumulate_rows(const float* weights, const T* const* rows, int64_t count, 
 }
 #endif
 
-// Any head size: scores[j * count + t] = q_j . row_t.
+// Any head size, the rows of a row block at once: scores[(r * group + j) * kPartition + t] =
+// q_rj . key_t for the keys each row sees (t < counts[r]). Each key is widened once for
+// every row; a (row, head, key)'s dot product is the same loop whatever the other rows.
 template <typename T>
-void score_rows_any(const float* q, const T* const* rows, int64_t count, int64_t group, int64_t head_dim,
-                    float* buffer, float* scores) {
-  for (int64_t t = 0; t < count; ++t) {
-    load_row(rows[t], buffer, head_dim);
-    for (int64_t j = 0; j < group; ++j) {
-      const float* qj = q + j * head_dim;
-      float dot = 0.f;
+void score_rows_any(const float* q, const T* const* keys, const int64_t* counts, int64_t num_rows, int64_t group,
+                    int64_t head_dim, float* buffer, float* scores) {
+  const int64_t longest = *std::max_element(counts, counts + num_rows);
+  for (int64_t t = 0; t < longest; ++t) {
+    load_row(keys[t], buffer, head_dim);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      if (t >= counts[r]) continue;
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qj = q + (r * group + j) * head_dim;
+        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * buffer[d];
-      scores[j * count + t] = dot;
+        for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * buffer[d];
+        scores[(r * group + j) * kPartition + t] = dot;
+      }
     }
   }
 }
 
-// Any head size: acc[j] = sum_t weights[j * count + t] * row_t.
+// Any head size, every row of the block: acc[(r * group + j) * D + d] = sum over the keys
+// row r sees of weights[(r * group + j) * kPartition + t] * value_t[d], in key order.
 template <typename T>
-void accumulate_rows_any(const float* weights, const T* const* rows, int64_t count, int64_t group, int64_t head_dim,
-                         float* buffer, float* acc) {
-  std::fill(acc, acc + group * head_dim, 0.f);
-  for (int64_t t = 0; t < count; ++t) {
-    load_row(rows[t], buffer, head_dim);
-    for (int64_t j = 0; j < group; ++j) {
-      const float weight = weights[j * count + t];
-      float* out = acc + j * head_dim;
+void accumulate_rows_any(const float* weights, const T* const* values, const int64_t* counts, int64_t num_rows,
+                         int64_t group, int64_t head_dim, float* buffer, float* acc) {
+  const int64_t longest = *std::max_element(counts, counts + num_rows);
+  std::fill(acc, acc + num_rows * group * head_dim, 0.f);
+  for (int64_t t = 0; t < longest; ++t) {
+    load_row(values[t], buffer, head_dim);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      if (t >= counts[r]) continue;
+      for (int64_t j = 0; j < group; ++j) {
+        const float weight = weights[(r * group + j) * kPartition + t];
+        float* out = acc + (r * group + j) * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) out[d] += weight * buffer[d];
+        for (int64_t d = 0; d < head_dim; ++d) out[d] += weight * buffer[d];
+      }
     }
   }
 }
 
-// One item: query heads [kv_head * group, (kv_head + 1) * group) of sequence `seq` over
-// tokens [begin, end). Writes the partition's max, sum and unnormalised output (float32).
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+#include "cpu_attention_avx2.h"
+#endif
+
+// Scratch of one thread, sized for a block of kRowBlock rows.
+template <typename T>
+struct Scratch {
+  std::vector<float> scores, q, acc, buffer, widened;  // widened: bfloat16 rows as float
+  std::vector<int64_t> rows, counts;
+  std::vector<const T*> pointers;
+  std::vector<const float*> float_rows;
+  explicit Scratch(const Geometry& g)
+      : scores(kRowBlock * g.group * kPartition),
+        q(kRowBlock * g.group * g.head_dim),
+        acc(kRowBlock * g.group * g.head_dim),
+        buffer(g.head_dim),
+        rows(kPartition),
+        counts(kRowBlock),
+        pointers(kPartition),
+        float_rows(kPartition) {
+    if (!std::is_same_v<T, float>) widened.resize(kPartition * g.head_dim);
+  }
+};
+
+// One item: query heads [kv_head * group, (kv_head + 1) * group) of rows [r0, r0 + n) of one
+// sequence, over the partition of keys from `begin`: row r sees keys [begin, begin +
+// counts[r]). Writes each row's partition max, sum and unnormalised output (float32) at
+// slots[r] (a row's arithmetic is the same alone as in a block: decode rows are blocks of 1).
 template <typename T>
 void attend_partition(const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
-                      const Geometry& g, int64_t seq, int64_t kv_head, int64_t begin, int64_t end, float scale,
-                      float* scores, float* row, float* q, float* max_out, float* sum_out, float* acc, int64_t* rows,
-                      const T** pointers) {
-  const int64_t group = g.group, head_dim = g.head_dim, count = end - begin, block_size = g.block_size;
-  for (int64_t j = 0; j < group; ++j) {
-    const T* source = query + seq * g.query_stride_token + (kv_head * group + j) * g.query_stride_head;
-    load_row(source, q + j * head_dim, head_dim);
+                      const Geometry& g, int64_t r0, int64_t n, int64_t kv_head, int64_t begin, float scale,
+                      Scratch<T>& s, const int64_t* slots, float* maxima, float* sums, float* partial) {
+  const int64_t group = g.group, head_dim = g.head_dim, block_size = g.block_size;
+  const int64_t* counts = s.counts.data();
+  const int64_t longest = *std::max_element(counts, counts + n);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < group; ++j) {
+      const T* source = query + (r0 + r) * g.query_stride_token + (kv_head * group + j) * g.query_stride_head;
+      float* q = s.q.data() + (r * group + j) * head_dim;
+      load_row(source, q, head_dim);
 #pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) q[j * head_dim + d] *= scale;
+      for (int64_t d = 0; d < head_dim; ++d) q[d] *= scale;
+    }
   }
   // Where each of the partition's tokens lies in the key cache (the value cache has the same
   // strides); read in place, no copy.
+  const int64_t end = begin + longest;
   for (int64_t b = begin / block_size, t = begin; t < end; ++b) {
     const int64_t block = table[b] * g.cache_stride_block + kv_head * g.cache_stride_head - b * block_size * g.cache_stride_token;
-    for (const int64_t stop = std::min(end, (b + 1) * block_size); t < stop; ++t) rows[t - begin] = block + t * g.cache_stride_token;
+    for (const int64_t stop = std::min(end, (b + 1) * block_size); t < stop; ++t) s.rows[t - begin] = block + t * g.cache_stride_token;
   }
   const auto row_pointers = [&](const T* cache) {
-    for (int64_t t = 0; t < count; ++t) pointers[t] = cache + rows[t];
+    for (int64_t t = 0; t < longest; ++t) s.pointers[t] = cache + s.rows[t];
   };
+  float* scores = s.scores.data();
   row_pointers(key_cache);
+#if defined(__AVX2__)
+  if (head_dim % 8 == 0 && !(kAvx512 && (head_dim == 64 || head_dim == 128))) {
+    // The partition's key (then value) rows as float rows: in place, or widened once.
+    const auto float_rows = [&]() {
+      for (int64_t t = 0; t < longest; ++t) {
+        if constexpr (std::is_same_v<T, float>) {
+          s.float_rows[t] = s.pointers[t];
+        } else {
+          float* target = s.widened.data() + t * head_dim;
+          load_row(s.pointers[t], target, head_dim);
+          s.float_rows[t] = target;
+        }
+      }
+      return s.float_rows.data();
+    };
+    avx2::score(s.q.data(), float_rows(), counts, n, group, head_dim, longest, scores);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t j = 0; j < group; ++j) {
+        avx2::softmax_unnormalised(scores + (r * group + j) * kPartition, counts[r], maxima + slots[r] * group + j,
+                                   sums + slots[r] * group + j);
+      }
+    }
+    row_pointers(value_cache);
+    avx2::accumulate(scores, float_rows(), counts, n, group, head_dim, s.acc.data());
+    for (int64_t r = 0; r < n; ++r)
+      std::copy(s.acc.data() + r * group * head_dim, s.acc.data() + (r + 1) * group * head_dim,
+                partial + slots[r] * group * head_dim);
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   // The caches share strides: a token's value row lies this many bytes from its key row.
   const std::ptrdiff_t value_offset = reinterpret_cast<std::intptr_t>(value_cache) - reinterpret_cast<std::intptr_t>(key_cache);
-  if (head_dim == 64) {
-    score_rows<4>(q, pointers, count, group, scores, value_offset);
-  } else if (head_dim == 128) {
-    score_rows<8>(q, pointers, count, group, scores, value_offset);
+  const bool wide = head_dim == 64 || head_dim == 128;
+  if (wide) {  // row by row, each row's scores at stride counts[r] in its own region
+    for (int64_t r = 0; r < n; ++r) {
+      float* row_scores = scores + r * group * kPartition;
+      const float* q = s.q.data() + r * group * head_dim;
+      if (head_dim == 64) score_rows<4>(q, s.pointers.data(), counts[r], group, row_scores, value_offset);
+      else score_rows<8>(q, s.pointers.data(), counts[r], group, row_scores, value_offset);
+    }
   } else
 #endif
-    score_rows_any(q, pointers, count, group, head_dim, row, scores);
-  for (int64_t j = 0; j < group; ++j) softmax_unnormalised(scores + j * count, count, max_out + j, sum_out + j);
-  row_pointers(value_cache);
+    score_rows_any(s.q.data(), s.pointers.data(), counts, n, group, head_dim, s.buffer.data(), scores);
+  for (int64_t r = 0; r < n; ++r) {
 #if defined(__AVX512F__)
-  if (head_dim == 64) {
-    accumulate_rows<4>(scores, pointers, count, group, acc);
-  } else if (head_dim == 128) {
-    accumulate_rows<8>(scores, pointers, count, group, acc);
+    const int64_t stride = wide ? counts[r] : kPartition;
+#else
+    const int64_t stride = kPartition;
+#endif
+    for (int64_t j = 0; j < group; ++j) {
+      softmax_unnormalised(scores + r * group * kPartition + j * stride, counts[r], maxima + slots[r] * group + j,
+                           sums + slots[r] * group + j);
+    }
+  }
+  row_pointers(value_cache);
+  float* acc = s.acc.data();
+#if defined(__AVX512F__)
+  if (wide) {
+    for (int64_t r = 0; r < n; ++r) {
+      const float* weights = scores + r * group * kPartition;
+      if (head_dim == 64) accumulate_rows<4>(weights, s.pointers.data(), counts[r], group, acc + r * group * head_dim);
+      else accumulate_rows<8>(weights, s.pointers.data(), counts[r], group, acc + r * group * head_dim);
+    }
   } else
 #endif
-    accumulate_rows_any(scores, pointers, count, group, head_dim, row, acc);
+    accumulate_rows_any(scores, s.pointers.data(), counts, n, group, head_dim, s.buffer.data(), acc);
+  for (int64_t r = 0; r < n; ++r)
+    std::copy(acc + r * group * head_dim, acc + (r + 1) * group * head_dim, partial + slots[r] * group * head_dim);
 }
 
+// Attention of every query row over its sequence's first lengths[r] tokens. Rows
+// [row_groups[i], row_groups[i + 1]) share block table i (a prefill chunk's rows, or one
+// decode); their partitions of kPartition keys are cut at the same positions, so a block of
+// kRowBlock rows reads each key once for all of them. A row's result depends only on its own
+// query, length and keys: a prompt row is attended exactly as a decode row.
 template <typename T>
-void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t sliding_window) {
-  const int64_t num_seqs = query.size(0);
+void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, const std::vector<int64_t>& row_groups,
+                 double scale, int64_t sliding_window) {
+  const int64_t num_rows = query.size(0);
   const Geometry g(query, key_cache, block_tables);
-
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lengths = context_lens.data_ptr<int32_t>();
-  // Each sequence's visible range [first, length) and where its partitions start in the
-  // flat list of items (one list per kv head: item = (seq, partition)).
-  std::vector<int64_t> first(num_seqs), part_offset(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t length = lengths[s];
-    first[s] = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
-    const int64_t visible = std::max<int64_t>(length - first[s], 0);
-    part_offset[s + 1] = part_offset[s] + std::max<int64_t>(1, (visible + kPartition - 1) / kPartition);
+  // Each row's visible range [first, length) and where its partitions' slots start.
+  std::vector<int64_t> first(num_rows), slot_offset(num_rows + 1, 0);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t length = lengths[r];
+    first[r] = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+    const int64_t visible = std::max<int64_t>(length - first[r], 0);
+    slot_offset[r + 1] = slot_offset[r] + std::max<int64_t>(1, (visible + kPartition - 1) / kPartition);
   }
-  const int64_t parts_per_head = part_offset[num_seqs];
-  const int64_t num_items = parts_per_head * g.num_kv_heads;
-  // Partials: [kv head, item, group] max and sum, [kv head, item, group, D] output.
-  std::vector<float> maxima(num_items * g.group), sums(num_items * g.group), partial(num_items * g.group * g.head_dim);
+  const int64_t slots_per_head = slot_offset[num_rows];
+  // Work items: (table, block of rows, partition). With a sliding window rows start their
+  // partitions at different positions, so each row is a block of its own.
+  struct Item {
+    int64_t table, first_row, num_rows, partition;
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i + 1 < static_cast<int64_t>(row_groups.size()); ++i) {
+    const int64_t block = sliding_window > 0 ? 1 : kRowBlock;
+    for (int64_t r0 = row_groups[i]; r0 < row_groups[i + 1]; r0 += block) {
+      const int64_t n = std::min(block, row_groups[i + 1] - r0);
+      int64_t partitions = 0;
+      for (int64_t r = r0; r < r0 + n; ++r) partitions = std::max(partitions, slot_offset[r + 1] - slot_offset[r]);
+      for (int64_t p = 0; p < partitions; ++p) items.push_back(Item{i, r0, n, p});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  // Partials: [kv head, slot, group] max and sum, [kv head, slot, group, D] output.
+  const int64_t num_slots = slots_per_head * g.num_kv_heads;
+  std::vector<float> maxima(num_slots * g.group), sums(num_slots * g.group), partial(num_slots * g.group * g.head_dim);
 
   const T* q_data = query.data_ptr<T>();
   const T* k_data = key_cache.data_ptr<T>();
   const T* v_data = value_cache.data_ptr<T>();
   const float scale_f = static_cast<float>(scale);
 
-  struct Item {
-    int64_t seq, kv_head, begin, end;
-  };
-  const auto locate = [&](int64_t item) {
-    const int64_t kv_head = item / parts_per_head, index = item % parts_per_head;
-    const int64_t seq = std::upper_bound(part_offset.begin(), part_offset.end(), index) - part_offset.begin() - 1;
-    const int64_t begin = first[seq] + (index - part_offset[seq]) * kPartition;
-    return Item{seq, kv_head, begin, std::min<int64_t>(begin + kPartition, lengths[seq])};
-  };
-
-  at::parallel_for(0, num_items, 1, [&](int64_t start, int64_t stop) {
-    std::vector<float> scores(g.group * kPartition), row(g.head_dim), q(g.group * g.head_dim);
-    std::vector<int64_t> rows(kPartition);
-    std::vector<const T*> pointers(kPartition);
-    for (int64_t item = start; item < stop; ++item) {
-      const Item it = locate(item);
-      float* max_out = maxima.data() + item * g.group;
-      float* sum_out = sums.data() + item * g.group;
-      float* acc = partial.data() + item * g.group * g.head_dim;
-      if (it.end <= it.begin) {  // an empty context: attention is all zeros
-        std::fill(max_out, max_out + g.group, -std::numeric_limits<float>::infinity());
-        std::fill(sum_out, sum_out + g.group, 0.f);
-        std::fill(acc, acc + g.group * g.head_dim, 0.f);
-        continue;
+  at::parallel_for(0, num_items * g.num_kv_heads, 1, [&](int64_t start, int64_t stop) {
+    Scratch<T> scratch(g);
+    int64_t slots[kRowBlock], active_rows[kRowBlock];
+    for (int64_t index = start; index < stop; ++index) {
+      const int64_t kv_head = index / num_items;
+      const Item& it = items[index % num_items];
+      // The rows that have this partition, and how many of its keys each sees.
+      int64_t n = 0, begin = 0;
+      for (int64_t r = it.first_row; r < it.first_row + it.num_rows; ++r) {
+        if (it.partition >= slot_offset[r + 1] - slot_offset[r]) continue;
+        begin = first[r] + it.partition * kPartition;
+        const int64_t count = std::min<int64_t>(begin + kPartition, lengths[r]) - begin;
+        const int64_t slot = kv_head * slots_per_head + slot_offset[r] + it.partition;
+        if (count <= 0) {  // an empty context: attention is all zeros
+          std::fill(maxima.begin() + slot * g.group, maxima.begin() + (slot + 1) * g.group,
+                    -std::numeric_limits<float>::infinity());
+          std::fill(sums.begin() + slot * g.group, sums.begin() + (slot + 1) * g.group, 0.f);
+          std::fill(partial.begin() + slot * g.group * g.head_dim, partial.begin() + (slot + 1) * g.group * g.head_dim, 0.f);
+          continue;
+        }
+        active_rows[n] = r;
+        scratch.counts[n] = count;
+        slots[n] = slot;
+        ++n;
       }
-      attend_partition<T>(q_data, k_data, v_data, tables + it.seq * g.max_blocks, g, it.seq, it.kv_head, it.begin,
-                          it.end, scale_f, scores.data(), row.data(), q.data(), max_out, sum_out, acc, rows.data(),
-                          pointers.data());
+      // Active rows are consecutive (longer rows follow shorter ones in a chunk, and every
+      // row has the partitions before its last), so they form one block from active_rows[0].
+      for (int64_t b = 0; b < n;) {
+        int64_t e = b + 1;
+        while (e < n && active_rows[e] == active_rows[e - 1] + 1) ++e;
+        if (b > 0) {
+          std::copy(scratch.counts.begin() + b, scratch.counts.begin() + e, scratch.counts.begin());
+          std::copy(slots + b, slots + e, slots);
+        }
+        attend_partition<T>(q_data, k_data, v_data, tables + it.table * g.max_blocks, g, active_rows[b], e - b,
+                            kv_head, begin, scale_f, scratch, slots, maxima.data(), sums.data(), partial.data());
+        b = e;
+      }
     }
   });
 
   T* out_data = out.data_ptr<T>();
   const int64_t out_stride_token = out.stride(0), out_stride_head = out.stride(1);
-  at::parallel_for(0, num_seqs * g.num_kv_heads, 16, [&](int64_t start, int64_t stop) {
+  at::parallel_for(0, num_rows * g.num_kv_heads, 16, [&](int64_t start, int64_t stop) {
     std::vector<float> combined(g.head_dim);
     for (int64_t pair = start; pair < stop; ++pair) {
-      const int64_t seq = pair / g.num_kv_heads, kv_head = pair % g.num_kv_heads;
-      const int64_t items_begin = kv_head * parts_per_head + part_offset[seq];
-      const int64_t items_end = kv_head * parts_per_head + part_offset[seq + 1];
+      const int64_t row = pair / g.num_kv_heads, kv_head = pair % g.num_kv_heads;
+      const int64_t slots_begin = kv_head * slots_per_head + slot_offset[row];
+      const int64_t slots_end = kv_head * slots_per_head + slot_offset[row + 1];
       for (int64_t j = 0; j < g.group; ++j) {
         float maximum = -std::numeric_limits<float>::infinity();
-        for (int64_t item = items_begin; item < items_end; ++item) maximum = std::max(maximum, maxima[item * g.group + j]);
+        for (int64_t slot = slots_begin; slot < slots_end; ++slot) maximum = std::max(maximum, maxima[slot * g.group + j]);
         std::fill(combined.begin(), combined.end(), 0.f);
         float total = 0.f;
-        for (int64_t item = items_begin; item < items_end; ++item) {
-          const float sum = sums[item * g.group + j];
+        for (int64_t slot = slots_begin; slot < slots_end; ++slot) {
+          const float sum = sums[slot * g.group + j];
           if (sum == 0.f) continue;
-          const float weight = std::exp(maxima[item * g.group + j] - maximum);
+          const float weight = std::exp(maxima[slot * g.group + j] - maximum);
           total += weight * sum;
-          const float* acc = partial.data() + (item * g.group + j) * g.head_dim;
+          const float* acc = partial.data() + (slot * g.group + j) * g.head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < g.head_dim; ++d) combined[d] += weight * acc[d];
         }
         const float inverse = total > 0.f ? 1.f / total : 0.f;
-        T* destination = out_data + seq * out_stride_token + (kv_head * g.group + j) * out_stride_head;
+        T* destination = out_data + row * out_stride_token + (kv_head * g.group + j) * out_stride_head;
         for (int64_t d = 0; d < g.head_dim; ++d) narrow(combined[d] * inverse, destination + d);
       }
     }
   });
 }
 
-at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t sliding_window) {
-  check_paged_args(query, key_cache, value_cache, {block_tables, context_lens});
-  const at::Tensor tables = block_tables.contiguous(), lengths = context_lens.contiguous();
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, const std::vector<int64_t>& row_groups,
+                  double scale, int64_t sliding_window) {
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
   if (query.size(0) == 0) return out;
   switch (query.scalar_type()) {
     case at::kFloat:
-      decode<float>(out, query, key_cache, value_cache, tables, lengths, scale, sliding_window);
+      attend_rows<float>(out, query, key_cache, value_cache, block_tables, context_lens, row_groups, scale, sliding_window);
       break;
     case at::kBFloat16:
-      decode<c10::BFloat16>(out, query, key_cache, value_cache, tables, lengths, scale, sliding_window);
+      attend_rows<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, row_groups, scale,
+                                 sliding_window);
       break;
     default:
       TORCH_CHECK(false, "float32 or bfloat16 only, got ", query.scalar_type());
   }
   return out;
+}
+
+// One query token per sequence: row s over its table s.
+at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t sliding_window) {
+  check_paged_args(query, key_cache, value_cache, {block_tables, context_lens});
+  TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
+              "a block table and a length per query row");
+  std::vector<int64_t> row_groups(query.size(0) + 1);
+  std::iota(row_groups.begin(), row_groups.end(), 0);
+  return attend(query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), row_groups, scale,
+                sliding_window);
+}
+
+// Any rows: row r sees the first context_lens[r] tokens of the sequence whose block table is
+// i for rows [row_groups[i], row_groups[i + 1]) (a prefill chunk's rows attend causally
+// with lengths position + 1), with the decode operator's arithmetic.
+at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                const at::Tensor& row_groups, double scale, int64_t sliding_window) {
+  check_paged_args(query, key_cache, value_cache, {block_tables, context_lens, row_groups});
+  const at::Tensor groups = row_groups.contiguous();
+  const int32_t* offsets = groups.data_ptr<int32_t>();
+  const int64_t num_groups = groups.size(0) - 1;
+  TORCH_CHECK(groups.dim() == 1 && num_groups == block_tables.size(0) && offsets[0] == 0 &&
+                  offsets[num_groups] == query.size(0) && context_lens.size(0) == query.size(0),
+              "row_groups [num_tables + 1] from 0 to the number of rows, a length per row");
+  std::vector<int64_t> bounds(offsets, offsets + num_groups + 1);
+  for (int64_t i = 0; i < num_groups; ++i) TORCH_CHECK(bounds[i] <= bounds[i + 1], "row_groups must not decrease");
+  return attend(query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), bounds, scale,
+                sliding_window);
 }
 
 // Writes each new token's keys and values into its cache slot (block * block_size + offset;
@@ -437,9 +599,13 @@ TORCH_LIBRARY(pagefleet, m) {
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor context_lens, float scale, int sliding_window) -> Tensor");
+  m.def(
+      "paged_attention_rows(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor context_lens, Tensor row_groups, float scale, int sliding_window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {
   m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("paged_attention_rows", &paged_attention_rows);
   m.impl("reshape_and_cache", &reshape_and_cache);
 }

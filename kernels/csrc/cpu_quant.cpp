@@ -2,9 +2,11 @@
 // float16 scale and min per 32 weights, or per 16 for Q6_K): a decode step on a CPU is bound by
 // reading weights, and these are 5-7x smaller than float32. As llama.cpp does, each
 // activation row is quantized to int8 per block of 32 (scale = max |x| / 127), so a block's
-// dot product is integer multiply-adds (AVX-512 VNNI's vpdpbusd where the CPU has it,
-// AVX2's vpmaddubsw otherwise) and one float scale. Reference: pagefleet/engine/layers/
-// quantized.py (`quantized_linear_torch`), which does the same in plain torch.
+// dot product is integer multiply-adds and one float scale. One kernel serves every number
+// of rows, so a row's output never depends on what else is in the step (batch invariance):
+// on AVX2 the weights repacked with 8 columns interleaved (cpu_quant_columns.h), on AVX-512
+// VNNI the blocks in GGML's order (cpu_quant_vnni.h). Reference: pagefleet/engine/layers/
+// quantized.py (`quantized_linear_torch`), which dequantizes and multiplies in float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -13,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -79,7 +82,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t in_features, bool pair_layo
 }
 
 #if defined(__AVX2__)
-#include "cpu_quant_avx2.h"
+#include "cpu_quant_columns.h"
 
 #if defined(__AVX512F__)
 #pragma GCC push_options
@@ -90,7 +93,7 @@ namespace vnni {
 #pragma GCC pop_options
 #endif
 
-// PAGEFLEET_CPU_NO_VNNI=1 takes the AVX2 path on a VNNI CPU (its tests, and measuring both).
+// PAGEFLEET_CPU_NO_VNNI=1 takes the AVX2 kernel (and its packed layout) on a VNNI CPU.
 bool has_vnni() {
 #if defined(__AVX512F__)
   static const bool supported = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
@@ -104,9 +107,10 @@ bool has_vnni() {
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales,
                             const at::Tensor& mins, int64_t format) {
-#if !defined(__AVX2__)
-  TORCH_CHECK(false, "quantized_linear needs an AVX2 or AVX-512 build");
+#if !defined(__AVX512F__)
+  TORCH_CHECK(false, "quantized_linear (GGML's order) needs AVX-512 VNNI: elsewhere the weight is packed");
 #else
+  TORCH_CHECK(has_vnni(), "quantized_linear (GGML's order) needs AVX-512 VNNI: elsewhere the weight is packed");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [rows, in_features], contiguous");
   TORCH_CHECK(format == kFourBit || format == kEightBit || format == kEightBit16,
               "format: 0 (4-bit), 1 (8-bit) or 2 (8-bit, a scale per 16)");
@@ -125,7 +129,6 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
   TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scales.sizes(),
               "mins: float16, shaped like scales");
 
-  const bool vnni_dot = has_vnni();
   // Each thread gets at least kBytesPerThread of weights: waking a sleeping OpenMP thread
   // (OMP_WAIT_POLICY=PASSIVE) costs about 45 us here, as long as reading 0.4 MiB. A whole
   // SmolLM2 at one row, layer by layer: 15.3 ms with every layer split over 2 threads,
@@ -137,7 +140,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
   std::vector<float> activation_half_sums(2 * rows * num_blocks);
   dispatch_float(x, [&](auto zero) {
     using T = decltype(zero);
-    quantize_rows(x.data_ptr<T>(), rows, in_features, vnni_dot, activation_quants.data(), activation_scales.data(),
+    quantize_rows(x.data_ptr<T>(), rows, in_features, true, activation_quants.data(), activation_scales.data(),
                   activation_sums.data(), activation_half_sums.data());
   });
   const QuantizedActivations activations{rows, activation_quants.data(), activation_scales.data(),
@@ -148,8 +151,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
   const uint8_t* weight_data = quants.data_ptr<uint8_t>();
   const at::Half* scale_data = scales.data_ptr<at::Half>();
   const at::Half* min_data = mins.data_ptr<at::Half>();
-#if defined(__AVX512F__)
-  if (vnni_dot) {
+  {
     // Each row's block-pair scales spread over vpdpbusd's lanes, once for all columns.
     const int64_t num_pairs = num_blocks / 2;
     std::vector<__m512> pair_scales(rows * num_pairs);
@@ -168,79 +170,78 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
                              groups_per_block, begin, end, out_data, out_features);
       }
     });
-    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
   }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 #endif
-  at::parallel_for(0, out_features, min_columns, [&](int64_t first, int64_t last) {
-    if (four_bit) {
-      columns<true>(activations, weight_data, scale_data, min_data, in_features, 1, first, last, out_data,
-                    out_features);
-    } else {
-      columns<false>(activations, weight_data, scale_data, min_data, in_features, groups_per_block, first, last,
-                     out_data, out_features);
+}
+
+// The AVX2 kernel over the packed layout. kind: 0 4-bit (Q4_0, Q4_1, Q4_K), 1 5-bit bytes
+// (Q5_0, Q5_1, Q5_K), 2 6-bit bytes with a scale per 16 (Q6_K), 3 signed bytes (Q8_0).
+at::Tensor quantized_linear_packed(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales,
+                                   const at::Tensor& mins, int64_t kind, int64_t out_features, bool has_min) {
+#if !defined(__AVX2__)
+  TORCH_CHECK(false, "quantized_linear_packed needs an AVX2 build");
+#else
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [rows, in_features], contiguous");
+  TORCH_CHECK(kind >= 0 && kind <= 3, "kind: 0 (4-bit), 1 (5-bit), 2 (6-bit, a scale per 16) or 3 (signed 8-bit)");
+  const int64_t rows = x.size(0), in_features = x.size(1);
+  TORCH_CHECK(in_features % (2 * kBlock) == 0 || (kind != 2 && in_features % kBlock == 0),
+              "in_features must be a multiple of 32 (64 for Q6_K), got ", in_features);
+  const int64_t num_blocks = in_features / kBlock, num_column_groups = (out_features + kLanes - 1) / kLanes;
+  const int64_t groups_per_block = kind == 2 ? 2 : 1;
+  const int64_t block_bytes = kind == 0 ? 128 : 256;
+  TORCH_CHECK(quants.scalar_type() == at::kByte && quants.is_contiguous() && quants.dim() == 2 &&
+                  quants.size(0) == num_column_groups && quants.size(1) == num_blocks * block_bytes,
+              "quants: uint8 [out_features / 8, in_features / 32 * (128 if 4-bit else 256)]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == num_column_groups && scales.size(1) == num_blocks * groups_per_block &&
+                  scales.size(2) == kLanes,
+              "scales: float16 [out_features / 8, in_features / (16 if Q6_K else 32), 8]");
+  TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scales.sizes(),
+              "mins: float16, shaped like scales");
+
+  std::vector<int8_t> activation_quants(rows * in_features);
+  std::vector<float> activation_scales(rows * num_blocks), activation_sums(rows * num_blocks);
+  std::vector<float> activation_half_sums(2 * rows * num_blocks);
+  dispatch_float(x, [&](auto zero) {
+    using T = decltype(zero);
+    quantize_rows(x.data_ptr<T>(), rows, in_features, false, activation_quants.data(), activation_scales.data(),
+                  activation_sums.data(), activation_half_sums.data());
+  });
+  const QuantizedActivations activations{rows, activation_quants.data(), activation_scales.data(),
+                                         activation_sums.data(), activation_half_sums.data()};
+  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  float* out_data = out.data_ptr<float>();
+  const uint8_t* weight_data = quants.data_ptr<uint8_t>();
+  const at::Half* scale_data = scales.data_ptr<at::Half>();
+  const at::Half* min_data = mins.data_ptr<at::Half>();
+  // Each thread gets at least kBytesPerThread of weights: waking a sleeping OpenMP thread
+  // (OMP_WAIT_POLICY=PASSIVE) costs about as long as reading 0.4 MiB.
+  const int64_t group_bytes = num_blocks * block_bytes;
+  const int64_t min_groups = std::max<int64_t>(2, kBytesPerThread / (group_bytes * std::max<int64_t>(1, rows)));
+  at::parallel_for(0, num_column_groups, min_groups, [&](int64_t first, int64_t last) {
+    auto run = [&](auto kind_tag) {
+      column_groups<decltype(kind_tag)>(activations, weight_data, scale_data, min_data, has_min, in_features,
+                                        out_features, first, last, out_data);
+    };
+    switch (kind) {
+      case 0: return run(KindFourBit{});
+      case 1: return run(KindFiveBit{});
+      case 2: return run(KindSixBit16{});
+      default: return run(KindSigned{});
     }
   });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 #endif
 }
 
-// The weight dequantized to float32 or bfloat16, [out_features, in_features]: for large
-// batches, where a float matmul (bfloat16's dot product instructions) beats int8 dots that
-// need a float scale per block.
-template <typename T>
-void dequantize_rows(const uint8_t* quants, const at::Half* scales, const at::Half* mins, bool four_bit,
-                     int64_t groups_per_block, int64_t out_features, int64_t in_features, T* out) {
-  const int64_t num_blocks = in_features / kBlock, row_bytes = four_bit ? in_features / 2 : in_features;
-  const int64_t num_groups = num_blocks * groups_per_block;
-  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const uint8_t* block = quants + n * row_bytes + b * (four_bit ? kBlock / 2 : kBlock);
-        // The scale and min of elements 0-15 and of 16-31.
-        const int64_t group = n * num_groups + b * groups_per_block, second = group + groups_per_block - 1;
-        const float scale[2] = {static_cast<float>(scales[group]), static_cast<float>(scales[second])};
-        const float min[2] = {static_cast<float>(mins[group]), static_cast<float>(mins[second])};
-        T* target = out + n * in_features + b * kBlock;
-#if defined(__AVX512F__)
-        __m128i halves[2];  // elements 0-15 and 16-31 as bytes
-        if (four_bit) {
-          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-          halves[0] = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-          halves[1] = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-        } else {
-          halves[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-          halves[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16));
-        }
-        for (int half = 0; half < 2; ++half) {
-          const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[half]));
-          store16(target + 16 * half, _mm512_fmadd_ps(values, _mm512_set1_ps(scale[half]), _mm512_set1_ps(min[half])));
-        }
+// Whether quantized_linear_packed is the kernel this CPU runs (else quantized_linear).
+bool quantized_packed_layout() {
+#if defined(__AVX2__)
+  return !has_vnni();
 #else
-        for (int i = 0; i < kBlock; ++i) {
-          const int value = four_bit ? (i < 16 ? block[i] & 0x0F : block[i - 16] >> 4) : block[i];
-          narrow(static_cast<float>(value) * scale[i / 16] + min[i / 16], target + i);
-        }
+  return false;
 #endif
-      }
-    }
-  });
-}
-
-at::Tensor quantized_dequantize(const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& mins,
-                                int64_t format, at::ScalarType dtype) {
-  TORCH_CHECK(format == kFourBit || format == kEightBit || format == kEightBit16,
-              "format: 0 (4-bit), 1 (8-bit) or 2 (8-bit, a scale per 16)");
-  TORCH_CHECK(quants.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(), "contiguous inputs");
-  const bool four_bit = format == kFourBit;
-  const int64_t groups_per_block = format == kEightBit16 ? 2 : 1;
-  const int64_t out_features = quants.size(0), in_features = scales.size(1) / groups_per_block * kBlock;
-  at::Tensor out = at::empty({out_features, in_features}, scales.options().dtype(dtype));
-  dispatch_float(out, [&](auto zero) {
-    using T = decltype(zero);
-    dequantize_rows(quants.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), four_bit,
-                    groups_per_block, out_features, in_features, out.data_ptr<T>());
-  });
-  return out;
 }
 
 bool has_quantized_linear() {
@@ -255,13 +256,16 @@ bool has_quantized_linear() {
 
 TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
   m.def("quantized_linear(Tensor x, Tensor quants, Tensor scales, Tensor mins, int format) -> Tensor");
-  m.def("quantized_dequantize(Tensor quants, Tensor scales, Tensor mins, int format, ScalarType dtype) -> Tensor");
+  m.def(
+      "quantized_linear_packed(Tensor x, Tensor quants, Tensor scales, Tensor mins, int kind, int out_features, "
+      "bool has_min) -> Tensor");
   m.def("has_quantized_linear() -> bool", &has_quantized_linear);
+  m.def("quantized_packed_layout() -> bool", &quantized_packed_layout);
 }
 
 TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {
   m.impl("quantized_linear", &quantized_linear);
-  m.impl("quantized_dequantize", &quantized_dequantize);
+  m.impl("quantized_linear_packed", &quantized_linear_packed);
 }
 
 }  // namespace pagefleet

@@ -17,7 +17,7 @@ import torch
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.layers.linear import Linear
-from pagefleet.engine.layers.quantized import QuantizedWeight, StackedWeight
+from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight, StackedWeight
 from pagefleet.engine.models.loading import iter_weights
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, random_prompts
@@ -111,10 +111,11 @@ def write_gpt2_gguf(model_dir: Path, path: Path, k_quant_projections: bool = Fal
     return path
 
 
-def write_mixed_llama_gguf(model_dir: Path, path: Path) -> Path:
+def write_mixed_llama_gguf(model_dir: Path, path: Path, uniform: str | None = None) -> Path:
     """The HF Llama in `model_dir` as llama.cpp writes it (q and k rows permuted for its
     rotary layout), its layers mixing types: q/k Q4_1 and v F16 (a type the kernels do not
-    read), gate Q4_1 and up Q8_0, o and down Q4_1, the tied embedding Q8_0."""
+    read), gate Q4_1 and up Q8_0, o and down Q4_1, the tied embedding Q8_0; or, with
+    `uniform` (a GGML type's name), every projection in that type."""
     config = json.loads((model_dir / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -140,6 +141,10 @@ def write_mixed_llama_gguf(model_dir: Path, path: Path) -> Path:
         "input_layernorm": ("attn_norm", None),
         "post_attention_layernorm": ("ffn_norm", None),
     }
+    if uniform is not None:
+        names = {
+            hf: (target, t if t is None else gguf.GGMLQuantizationType[uniform]) for hf, (target, t) in names.items()
+        }
 
     def permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:  # llama.cpp's q/k row order
         return weight.reshape(num_heads, 2, -1, weight.shape[1]).transpose(1, 2).reshape(weight.shape)
@@ -204,7 +209,9 @@ def _assert_generates_as_its_float_model(gguf_path: Path, layer_types: list[str]
         first_a, first_b = a.outputs[0], b.outputs[0]
         assert first_a.token_ids[0] == first_b.token_ids[0]
         token = first_b.token_ids[0]
-        assert np.isclose(first_a.logprobs[0][token].logprob, first_b.logprobs[0][token].logprob, atol=0.05)
+        # Every row's activations are quantized to int8 per block of 32, as llama.cpp does (up
+        # to 0.11 here on this random model's sharp logits; a misread block moves them by units).
+        assert np.isclose(first_a.logprobs[0][token].logprob, first_b.logprobs[0][token].logprob, atol=0.15)
     assert_no_block_leaked(quantized)
 
 
@@ -222,19 +229,21 @@ def test_fused_layers_of_mixed_types_run_each_part_as_stored(tiny_llama: Path, t
     layer = quantized.engine.parts.model.layers[1]
     qkv, gate_up = layer.self_attn.qkv_proj.quantized, layer.mlp.gate_up_proj.quantized
     assert isinstance(qkv, StackedWeight) and isinstance(gate_up, StackedWeight)
-    assert [type(p) for p in qkv.parts] == [QuantizedWeight, torch.Tensor]  # q and k fused, v float
+    blocks = QuantizedWeight | PackedWeight  # PackedWeight: repacked for the AVX2 kernel
+    assert [isinstance(p, blocks) for p in qkv.parts] == [True, False]  # q and k fused, v float
     assert [p.ggml_type for p in gate_up.parts] == [3, 8]  # type: ignore[union-attr]
-    assert isinstance(layer.mlp.down_proj.quantized, QuantizedWeight)
+    assert isinstance(layer.mlp.down_proj.quantized, blocks)
     # Row for row the weights of the float model that transformers dequantized from the file.
     dequantized = LLM(str(path), quantization="none", kv_cache_memory=16 << 20)
     reference = dequantized.engine.parts.model.layers[1]
     for stacked, linear in ((qkv, reference.self_attn.qkv_proj), (gate_up, reference.mlp.gate_up_proj)):
-        rows = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in stacked.parts]
+        rows = [p.dequantize() if isinstance(p, blocks) else p for p in stacked.parts]
         torch.testing.assert_close(torch.cat(rows), linear.weight, rtol=1e-6, atol=1e-6)
     prompts = random_prompts([6, 21], TINY_VOCAB, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
     for a, b in zip(quantized.generate(prompts, params), dequantized.generate(prompts, params), strict=True):
         token = b.outputs[0].token_ids[0]
         assert a.outputs[0].token_ids[0] == token
-        assert np.isclose(a.outputs[0].logprobs[0][token].logprob, b.outputs[0].logprobs[0][token].logprob, atol=0.05)
+        # int8 activations, as above
+        assert np.isclose(a.outputs[0].logprobs[0][token].logprob, b.outputs[0].logprobs[0][token].logprob, atol=0.15)
     assert_no_block_leaked(quantized)

@@ -94,11 +94,9 @@ def test_cache_write_equals_the_reference(dtype: torch.dtype, layout: str) -> No
 @pytest.mark.parametrize("head_dim", [64, 128, 80, 16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("window", [None, 100])
-def test_prefill_attention_equals_the_reference(
+def test_prefill_attention_equals_the_reference_and_each_row_as_a_decode(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, window: int | None
 ) -> None:
-    if not cpu_ops.has_prefill():
-        pytest.skip("the prefill operator is built for AVX-512 CPUs only")
     generator = torch.Generator().manual_seed(head_dim + block_size + num_heads)
     # (new tokens, cached prefix): a lone token, short and long chunks, chunks after a
     # cached prefix (chunked prefill, prefix hits), one longer than the window.
@@ -122,6 +120,20 @@ def test_prefill_attention_equals_the_reference(
     expected = paged_attention_prefill_torch(*args, sliding_window=window)
     actual = paged_attention_prefill_cpu(*args, sliding_window=window)
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # Path invariance: each prompt row gives the bits it gives as a decode of its own, alone.
+    row_tables = torch.repeat_interleave(tables, cu_seqlens.diff().long(), dim=0)
+    row_lengths = torch.cat([torch.arange(p + 1, p + n + 1) for n, p in chunks]).int()
+    for row in (0, 1, int(cu_seqlens[2]) + 150, int(cu_seqlens[-1]) - 1):
+        alone = paged_attention_decode_cpu(
+            query[row : row + 1],
+            key_cache,
+            value_cache,
+            row_tables[row : row + 1],
+            row_lengths[row : row + 1],
+            scale,
+            window,
+        )
+        assert torch.equal(alone, actual[row : row + 1]), f"row {row}"
 
 
 def test_decode_attention_of_no_sequence_is_empty() -> None:

@@ -1,7 +1,8 @@
 """GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights read as stored: the blocks
-dequantize to what the `gguf` package's own reader gives, and the compiled matmul equals the
-dequantize-then-matmul reference within the error its int8 activations allow, on random
-blocks and on SmolLM2's tensors."""
+dequantize to what the `gguf` package's own reader gives (also from the AVX2 kernel's packed
+layout), the compiled matmul equals the dequantize-then-matmul reference within the error
+its int8 activations allow, on random blocks and on SmolLM2's tensors, and a row's output
+is bit for bit the same whatever other rows share its call (batch invariance)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import torch
 
 from pagefleet.engine.layers.quantized import (
     BLOCK,
-    DEQUANTIZED_ROWS,
     GGML_BLOCKS,
     GGML_Q4_0,
     GGML_Q4_1,
@@ -26,6 +26,7 @@ from pagefleet.engine.layers.quantized import (
     GGML_Q5_K,
     GGML_Q6_K,
     GGML_Q8_0,
+    PackedWeight,
     QuantizedWeight,
     quantized_linear,
     quantized_linear_torch,
@@ -124,33 +125,53 @@ def test_super_blocks_dequantize_as_the_gguf_package_reads_them(type_name: str) 
     assert ((ours.dequantize() - expected).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("type_name", K_TYPES)
-def test_both_paths_read_super_blocks(type_name: str) -> None:
-    """Few rows: the int8 kernel within the int8 activations' error; many: the exact
-    bfloat16 copy of the weight."""
-    ggml_type = K_TYPES[type_name]
-    raw = random_blocks(40, 512, ggml_type, torch.Generator().manual_seed(3))
-    weight = QuantizedWeight.from_blocks(torch.from_numpy(raw), ggml_type)
-    dense = weight.dequantize()
-    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
-    assert torch.all(
-        (int8_matmul(x, weight) - quantized_linear_torch(x, weight)).abs() <= activation_error_bound(x, dense)
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_the_packed_layout_dequantizes_to_the_same_weights(type_name: str) -> None:
+    """The AVX2 kernel's layout (8 columns interleaved, 37 columns: a padded last group)
+    holds exactly the weights, and an embedding lookup reads the same rows from it."""
+    ggml_type = ALL_TYPES[type_name]
+    in_features = 512 if type_name in K_TYPES else 288
+    weight = QuantizedWeight.from_blocks(
+        torch.from_numpy(random_blocks(37, in_features, ggml_type, torch.Generator().manual_seed(6))), ggml_type
     )
-    copy = torch.ops.pagefleet.quantized_dequantize(
-        weight.quants, weight.scales, weight.mins, weight.format, torch.float32
-    )
-    assert torch.equal(copy, dense)
-    many = torch.randn(DEQUANTIZED_ROWS, 512, generator=torch.Generator().manual_seed(5))
-    bound = 2**-7 * (many.abs() @ dense.abs().T) + 1e-5
-    assert torch.all((quantized_linear(many, weight) - quantized_linear_torch(many, weight)).abs() <= bound)
+    packed = PackedWeight.pack(weight)
+    assert packed.shape == weight.shape == (37, in_features)
+    assert torch.equal(packed.dequantize(), weight.dequantize())
+    rows = torch.tensor([36, 0, 9, 9])
+    assert torch.equal(packed.dequantize(rows), weight.dequantize(rows))
 
 
 def int8_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """The compiled int8 kernel itself, whatever the row count."""
-    return torch.ops.pagefleet.quantized_linear(x, weight.quants, weight.scales, weight.mins, weight.format)
+    """The compiled int8 kernel this CPU runs (on the packed layout where that is AVX2's)."""
+    return quantized_linear(x, weight)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q6_K"])
+OTHER_ROWS = [1, 7, 23, 24, 64, 300]
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rows_output_does_not_depend_on_the_other_rows(type_name: str, dtype: torch.dtype) -> None:
+    """Batch invariance: the same rows computed alone, then among 1, 7, 23, 24, 64 and 300
+    others (tiles of 4 rows and blocks of 64 fall differently each time), give the same bits."""
+    ggml_type = ALL_TYPES[type_name]
+    generator = torch.Generator().manual_seed(8)
+    in_features = 512 if type_name in K_TYPES else 288
+    weight = QuantizedWeight.from_blocks(
+        torch.from_numpy(random_blocks(45, in_features, ggml_type, generator)), ggml_type
+    )
+    served = PackedWeight.pack(weight) if cpu_ops.quantized_packed_layout() else weight
+    rows = torch.randn(3, in_features, generator=generator).to(dtype)
+    alone = torch.cat([served.matmul(rows[i : i + 1]) for i in range(3)])
+    assert torch.equal(served.matmul(rows), alone)
+    for others in OTHER_ROWS:
+        batch = torch.randn(others + 3, in_features, generator=generator).to(dtype)
+        at = torch.randperm(others + 3, generator=generator)[:3]
+        batch[at] = rows
+        assert torch.equal(served.matmul(batch)[at], alone), f"among {others} other rows"
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3, 5, 70])  # tiles of 4 rows, blocks of 64
 def test_int8_matmul_equals_its_reference_within_the_int8_activation_error(
@@ -179,22 +200,6 @@ def test_int8_matmul_equals_its_reference_within_the_int8_activation_error(
     assert torch.all((y.float() - reference).abs() <= bound)
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-def test_many_rows_multiply_the_weight_dequantized_exactly_then_rounded_to_bf16(type_name: str) -> None:
-    ggml_type = TYPES[type_name]
-    generator = torch.Generator().manual_seed(3)
-    weight = QuantizedWeight.from_blocks(torch.from_numpy(random_blocks(80, 256, ggml_type, generator)), ggml_type)
-    dense = weight.dequantize()
-    for dtype in (torch.float32, torch.bfloat16):
-        copy = torch.ops.pagefleet.quantized_dequantize(weight.quants, weight.scales, weight.mins, weight.format, dtype)
-        assert torch.equal(copy, dense.to(dtype))
-    x = torch.randn(DEQUANTIZED_ROWS, 256, generator=generator)
-    y = quantized_linear(x, weight)
-    # x and w each rounded to bfloat16 (2^-9 relative), products summed in float32.
-    bound = 2**-7 * (x.abs() @ dense.abs().T) + 1e-5
-    assert torch.all((y - quantized_linear_torch(x, weight)).abs() <= bound)
-
-
 @pytest.fixture(scope="module")
 def smollm2_tensors() -> GGUFTensors:
     return GGUFTensors(find_builtin_gguf("smollm2-135m-instruct"))
@@ -217,8 +222,9 @@ def test_matmul_on_smollm2s_own_tensors(smollm2_tensors: GGUFTensors, name: str)
 
 
 def test_the_avx2_path_gives_the_same_results_as_vnni(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """CPUs without AVX-512 VNNI multiply with AVX2's vpmaddubsw: forced here in a process
-    of its own, it gives the same integer sums (its floats summed in another order)."""
+    """CPUs without AVX-512 VNNI multiply with AVX2's vpmaddubsw on the packed layout:
+    forced here in a process of its own, it gives the same integer sums (its floats summed
+    in another order; on an AVX2 machine both sides are that kernel)."""
     generator = torch.Generator().manual_seed(7)
     weights = {name: random_blocks(64, 256, ggml_type, generator) for name, ggml_type in ALL_TYPES.items()}
     x = torch.randn(5, 256, generator=generator)
@@ -230,8 +236,7 @@ from pagefleet.kernels import cpu_ops
 cpu_ops.load()
 inputs = torch.load({str(tmp_path / "inputs.pt")!r}, weights_only=False)
 types = {ALL_TYPES!r}
-def int8_matmul(x, w):
-    return torch.ops.pagefleet.quantized_linear(x, w.quants, w.scales, w.mins, w.format)
+from pagefleet.engine.layers.quantized import quantized_linear as int8_matmul
 out = {{n: int8_matmul(inputs["x"], QuantizedWeight.from_blocks(torch.from_numpy(w), types[n]))
        for n, w in inputs["weights"].items()}}
 torch.save(out, {str(tmp_path / "avx2.pt")!r})
@@ -266,6 +271,9 @@ def test_the_triton_kernel_equals_the_reference(type_name: str, dtype: torch.dty
     output_rounding = 0 if dtype == torch.float32 else 2**-7  # a bfloat16 ulp (the interpreter truncates)
     bound = summation_order + output_rounding * expected.abs()
     assert torch.all((y.float() - expected).abs() <= bound)
+    # One tile shape whatever the row count: the first rows alone give the same bits.
+    alone = quantized_matmul(x[:3].contiguous(), weight.quants, weight.scales, weight.mins, weight.format == 0)
+    assert torch.equal(alone, y[:3])
 
 
 @pytest.mark.triton
