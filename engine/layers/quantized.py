@@ -20,9 +20,11 @@ into three arrays (nibbles or bytes, scales, mins) with every weight unsigned, w
 K formats' scale d * sc and min -dmin * m are rounded to float16, at most 2^-11 of each,
 far below a 4-bit step.) 5- and 6-bit codes take a byte each: exact, and read by the 8-bit
 kernels, at 9-10 bits a weight instead of 5.5-6.6. The compiled operator
-(kernels/csrc/cpu_quant.cpp) reads the arrays as they are. `quantized_linear_torch`, the
-oracle and the fallback, dequantizes and multiplies in float32; every dequantized value is
-exact (a float16 times at most 8 bits, plus a min).
+(kernels/csrc/cpu_quant.cpp) reads the arrays as they are on AVX-512 VNNI; on AVX2 a layer
+repacks them once at load (`PackedWeight`: 8 output columns interleaved). Either way one
+kernel serves every number of rows. `quantized_linear_torch`, the oracle and the fallback,
+dequantizes and multiplies in float32; every dequantized value is exact (a float16 times at
+most 8 bits, plus a min).
 """
 
 from __future__ import annotations
