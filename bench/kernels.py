@@ -154,8 +154,9 @@ def bench_cpu(dtype: torch.dtype) -> None:
 
 def bench_cpu_prefill(dtype: torch.dtype) -> None:
     """The CPU prefill paths on SmolLM2's shapes: one chunk of `length` new tokens (no cached
-    prefix, the common case) through the compiled operator, against torch's SDPA on the same
-    keys (what the engine ran before, and still runs without AVX-512)."""
+    prefix, the common case) through the compiled attention operator (every row as a decode
+    of its own would compute it, the rows of a block sharing key reads), against torch's SDPA
+    on the same keys (what the engine ran before issue 50 on CPUs without AVX-512)."""
     from pagefleet.engine.layers.attention import allocate_kv_cache
     from pagefleet.kernels.cpu_attention import paged_attention_prefill_cpu
 

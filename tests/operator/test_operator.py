@@ -110,7 +110,13 @@ def test_a_resource_becomes_a_deployment_service_and_pdb_owned_by_it(
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
     assert pdb["metadata"]["ownerReferences"][0]["uid"] == uid
 
-    body = eventually(lambda: client.get("smollm2") if "status" in client.get("smollm2") else None)
+    def handled() -> dict[str, Any] | None:
+        """The resource once kopf has written both its status and its bookkeeping
+        annotations (two patches: a slow machine can be read between them)."""
+        current = client.get("smollm2")
+        return current if "status" in current and current["metadata"].get("annotations") else None
+
+    body = eventually(handled)
     assert body["status"]["servedModelName"] == "smol"
     assert body["status"]["readyText"] == "0/2"
     assert condition(body, "Ready")["status"] == "False"
