@@ -34,7 +34,8 @@ class RowTables:
             lengths += range(span.context_len - span.num_new + 1, span.context_len + 1)
             groups.append(len(lengths))
         lengths_tensor = torch.tensor(lengths, dtype=torch.int32, device=device)
-        return cls(padded_tables(tables, device), lengths_tensor, torch.tensor(groups, dtype=torch.int32, device=device))
+        groups_tensor = torch.tensor(groups, dtype=torch.int32, device=device)
+        return cls(padded_tables(tables, device), lengths_tensor, groups_tensor)
 
 
 @dataclass(slots=True)
