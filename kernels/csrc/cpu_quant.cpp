@@ -81,6 +81,26 @@ void quantize_rows(const T* x, int64_t rows, int64_t in_features, bool pair_layo
   });
 }
 
+// x [rows, in_features] (float32 or bfloat16) quantized per block of 32, owning its arrays.
+struct ActivationRows {
+  int64_t rows;
+  std::vector<int8_t> quants;
+  std::vector<float> scales, sums, half_sums;
+  ActivationRows(const at::Tensor& x, bool pair_layout)
+      : rows(x.size(0)),
+        quants(x.numel()),
+        scales(x.numel() / kBlock),
+        sums(x.numel() / kBlock),
+        half_sums(2 * x.numel() / kBlock) {
+    dispatch_float(x, [&](auto zero) {
+      using T = decltype(zero);
+      quantize_rows(x.data_ptr<T>(), rows, x.size(1), pair_layout, quants.data(), scales.data(), sums.data(),
+                    half_sums.data());
+    });
+  }
+  QuantizedActivations view() const { return {rows, quants.data(), scales.data(), sums.data(), half_sums.data()}; }
+};
+
 #if defined(__AVX2__)
 #include "cpu_quant_columns.h"
 
@@ -135,16 +155,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
   // 9.5 ms with 0.5 MiB a thread at least, 10.2 ms on one thread.
   const int64_t row_bytes = four_bit ? in_features / 2 : in_features;
   const int64_t min_columns = std::max<int64_t>(16, kBytesPerThread / (row_bytes * std::max<int64_t>(1, rows)));
-  std::vector<int8_t> activation_quants(rows * in_features);
-  std::vector<float> activation_scales(rows * num_blocks), activation_sums(rows * num_blocks);
-  std::vector<float> activation_half_sums(2 * rows * num_blocks);
-  dispatch_float(x, [&](auto zero) {
-    using T = decltype(zero);
-    quantize_rows(x.data_ptr<T>(), rows, in_features, true, activation_quants.data(), activation_scales.data(),
-                  activation_sums.data(), activation_half_sums.data());
-  });
-  const QuantizedActivations activations{rows, activation_quants.data(), activation_scales.data(),
-                                         activation_sums.data(), activation_half_sums.data()};
+  const ActivationRows quantized(x, true);
+  const QuantizedActivations activations = quantized.view();
 
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
   float* out_data = out.data_ptr<float>();
@@ -158,7 +170,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t p = 0; p < num_pairs; ++p)
         pair_scales[m * num_pairs + p] =
-            vnni::pair_lanes(activation_scales[m * num_blocks + 2 * p], activation_scales[m * num_blocks + 2 * p + 1]);
+            vnni::pair_lanes(activations.scales[m * num_blocks + 2 * p], activations.scales[m * num_blocks + 2 * p + 1]);
     // Columns split over threads, in pairs: each reads only its own weight rows.
     at::parallel_for(0, (out_features + 1) / 2, min_columns / 2, [&](int64_t first, int64_t last) {
       const int64_t begin = 2 * first, end = std::min(out_features, 2 * last);
@@ -200,16 +212,8 @@ at::Tensor quantized_linear_packed(const at::Tensor& x, const at::Tensor& quants
   TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scales.sizes(),
               "mins: float16, shaped like scales");
 
-  std::vector<int8_t> activation_quants(rows * in_features);
-  std::vector<float> activation_scales(rows * num_blocks), activation_sums(rows * num_blocks);
-  std::vector<float> activation_half_sums(2 * rows * num_blocks);
-  dispatch_float(x, [&](auto zero) {
-    using T = decltype(zero);
-    quantize_rows(x.data_ptr<T>(), rows, in_features, false, activation_quants.data(), activation_scales.data(),
-                  activation_sums.data(), activation_half_sums.data());
-  });
-  const QuantizedActivations activations{rows, activation_quants.data(), activation_scales.data(),
-                                         activation_sums.data(), activation_half_sums.data()};
+  const ActivationRows quantized(x, false);
+  const QuantizedActivations activations = quantized.view();
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
   float* out_data = out.data_ptr<float>();
   const uint8_t* weight_data = quants.data_ptr<uint8_t>();
