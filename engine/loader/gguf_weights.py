@@ -220,11 +220,13 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
         kept[GGML_NAMES[head.ggml_type]] += 1
     else:
         dequantized[tensors.type_name(head_name)] += 1
-    # Tied: the head's own weight (in its kernel's layout), so the rows are held once.
-    embedding = lm_head.quantized if config.tie_word_embeddings else tensors.quantized("token_embd.weight")
+    if config.tie_word_embeddings:  # the head's own weight, in its kernel's layout: the rows held once
+        embedding = lm_head.quantized
+    else:
+        untied = tensors.quantized("token_embd.weight")
+        embedding = None if untied is None else untied.to(lm_head.weight.device)
     if embedding is not None:
         assert isinstance(embedding, QuantizedWeight | PackedWeight)
-        embedding = embedding.to(lm_head.weight.device) if isinstance(embedding, QuantizedWeight) else embedding
         model.quantized_embedding = embedding  # type: ignore[assignment]
         float_embedding = model.embedding
         assert isinstance(float_embedding, torch.Tensor)
