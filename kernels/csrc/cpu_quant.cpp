@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_team.h"
 #include "cpu_vec.h"
 
 #if defined(__AVX2__)
@@ -28,7 +29,7 @@ namespace pagefleet {
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kBytesPerThread = 1 << 19;  // weights a thread must have to be woken for them
+constexpr int64_t kBytesPerThread = 1 << 15;  // weights a thread must have to share a loop (cpu_team.h)
 
 // Formats of the op's `format` argument (the Python side maps GGML's types to them). Every
 // weight is stored unsigned, w = scale * u + min: Q4_0's min is -8 * scale, Q8_0's bytes
@@ -149,10 +150,6 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
   TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scales.sizes(),
               "mins: float16, shaped like scales");
 
-  // Each thread gets at least kBytesPerThread of weights: waking a sleeping OpenMP thread
-  // (OMP_WAIT_POLICY=PASSIVE) costs about 45 us here, as long as reading 0.4 MiB. A whole
-  // SmolLM2 at one row, layer by layer: 15.3 ms with every layer split over 2 threads,
-  // 9.5 ms with 0.5 MiB a thread at least, 10.2 ms on one thread.
   const int64_t row_bytes = four_bit ? in_features / 2 : in_features;
   const int64_t min_columns = std::max<int64_t>(16, kBytesPerThread / (row_bytes * std::max<int64_t>(1, rows)));
   const ActivationRows quantized(x, true);
@@ -172,7 +169,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
         pair_scales[m * num_pairs + p] =
             vnni::pair_lanes(activations.scales[m * num_blocks + 2 * p], activations.scales[m * num_blocks + 2 * p + 1]);
     // Columns split over threads, in pairs: each reads only its own weight rows.
-    at::parallel_for(0, (out_features + 1) / 2, min_columns / 2, [&](int64_t first, int64_t last) {
+    team_parallel_for((out_features + 1) / 2, min_columns / 2, [&](int64_t first, int64_t last) {
       const int64_t begin = 2 * first, end = std::min(out_features, 2 * last);
       if (four_bit) {
         vnni::columns<true>(activations, pair_scales.data(), weight_data, scale_data, min_data, in_features, 1,
@@ -219,11 +216,9 @@ at::Tensor quantized_linear_packed(const at::Tensor& x, const at::Tensor& quants
   const uint8_t* weight_data = quants.data_ptr<uint8_t>();
   const at::Half* scale_data = scales.data_ptr<at::Half>();
   const at::Half* min_data = mins.data_ptr<at::Half>();
-  // Each thread gets at least kBytesPerThread of weights: waking a sleeping OpenMP thread
-  // (OMP_WAIT_POLICY=PASSIVE) costs about as long as reading 0.4 MiB.
   const int64_t group_bytes = num_blocks * block_bytes;
   const int64_t min_groups = std::max<int64_t>(2, kBytesPerThread / (group_bytes * std::max<int64_t>(1, rows)));
-  at::parallel_for(0, num_column_groups, min_groups, [&](int64_t first, int64_t last) {
+  team_parallel_for(num_column_groups, min_groups, [&](int64_t first, int64_t last) {
     auto run = [&](auto kind_tag) {
       column_groups<decltype(kind_tag)>(activations, weight_data, scale_data, min_data, has_min, in_features,
                                         out_features, first, last, out_data);
