@@ -4,8 +4,10 @@ Weights are int8 with a float scale per output channel (w = scale * q); activati
 quantized to int8 when the layer runs, per token (scale = max |x| / 127) or with the one
 static scale a checkpoint may carry. The products are summed in int32 over the whole row,
 so unlike GGUF's blocks (a float scale per 32 weights) a layer is one int8 GEMM and one
-rescale: the form that beats bfloat16 on large batches (kernels/csrc/cpu_int8.cpp).
-`int8_linear_torch`, the oracle and the fallback, does the same arithmetic in plain torch.
+rescale: the form that beats bfloat16 on large batches (kernels/csrc/cpu_int8.cpp). On AVX2
+CPUs without VNNI the weight is repacked at load for the operator's own kernel
+(`PackedInt8Weight`), since oneDNN's int8 GEMM there is slower than float32. Integer sums are
+exact, so both kernels and `int8_linear_torch`, the oracle and the fallback, give the same bits.
 """
 
 from __future__ import annotations
@@ -62,6 +64,60 @@ class Int8Weight:
         if x.device.type != "cpu" or not cpu_ops.load():
             return int8_linear_torch(x, self)
         return torch.ops.pagefleet.int8_linear(x.contiguous(), self.weight.T, self.scales, self.input_scale)
+
+
+LANES = 8  # output channels a packed group interleaves
+
+
+@dataclass(frozen=True)
+class PackedInt8Weight:
+    """An Int8Weight as the AVX2 kernel reads it: groups of 8 output channels, each step of 4
+    inputs holding those 4 weights of every channel side by side (one 32-bit lane each), so
+    one byte-multiply instruction advances 8 channels.
+
+    packed: int8 [ceil(out / 8), ceil(in / 4) * 32], zeros past the ends."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    input_scale: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def pack(cls, weight: Int8Weight) -> PackedInt8Weight:
+        out, inputs = weight.shape
+        padded = torch.nn.functional.pad(weight.weight, (0, -inputs % 4, 0, -out % LANES))
+        groups, steps = padded.shape[0] // LANES, padded.shape[1] // 4
+        packed = padded.reshape(groups, LANES, steps, 4).transpose(1, 2).reshape(groups, -1).contiguous()
+        return cls(packed, weight.scales, weight.input_scale, out, inputs)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() * self.scales.element_size()
+
+    def unpacked(self) -> Int8Weight:
+        groups = self.packed.shape[0]
+        weight = self.packed.reshape(groups, -1, LANES, 4).transpose(1, 2).reshape(groups * LANES, -1)
+        return Int8Weight(weight[: self.out_features, : self.in_features].contiguous(), self.scales, self.input_scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.unpacked().dequantize()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return int8_linear_torch(x, self.unpacked())
+        return torch.ops.pagefleet.int8_linear_packed(x.contiguous(), self.packed, self.scales, self.input_scale)
+
+
+def for_this_cpu(weight: Int8Weight) -> Int8Weight | PackedInt8Weight:
+    """The weight in the layout its CPU's kernel reads: packed where that is AVX2's (no VNNI)."""
+    if weight.weight.device.type == "cpu" and cpu_ops.quantized_packed_layout():
+        return PackedInt8Weight.pack(weight)
+    return weight
 
 
 def quantize_tokens(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

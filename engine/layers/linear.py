@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.engine.layers.int8 import Int8Weight
+from pagefleet.engine.layers.int8 import Int8Weight, PackedInt8Weight, for_this_cpu
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight, StackedWeight, for_this_device
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Linear(nn.Module):
         self.weight = frozen_parameter(out_features, in_features)
         self.bias = frozen_parameter(out_features) if bias else None
         self._packed: torch.Tensor | None = None
-        self.quantized: QuantizedWeight | PackedWeight | StackedWeight | Int8Weight | None = None
+        self.quantized: QuantizedWeight | PackedWeight | StackedWeight | Int8Weight | PackedInt8Weight | None = None
         self.lora: LoRALayer | None = None
 
     def quantize(self, weight: QuantizedWeight | StackedWeight | Int8Weight) -> None:
@@ -61,7 +61,7 @@ class Linear(nn.Module):
         here for the CPU's kernel where it reads its own layout."""
         if weight.shape != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight of shape {weight.shape}, expected {tuple(self.weight.shape)}")
-        self.quantized = weight if isinstance(weight, Int8Weight) else for_this_device(weight)
+        self.quantized = for_this_cpu(weight) if isinstance(weight, Int8Weight) else for_this_device(weight)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         self._packed = None
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.engine.layers.int8 import Int8Weight, int8_linear_torch
+from pagefleet.engine.layers.int8 import Int8Weight, PackedInt8Weight, int8_linear_torch
 from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.loader import resolve_model_dir
 from pagefleet.engine.loader.int8_convert import convert, quantize_channels, smooth
@@ -68,7 +68,7 @@ def test_int8_layers_generate_what_transformers_does_with_int8_weights_and_activ
 ) -> None:
     llm = LLM(str(int8_llama), quantization=quantization, kv_cache_memory=16 << 20)
     linears = _linears(llm)
-    assert sum(isinstance(linear.quantized, Int8Weight) for linear in linears) == 2 * 4  # lm_head stays float
+    assert sum(isinstance(linear.quantized, (Int8Weight, PackedInt8Weight)) for linear in linears) == 2 * 4  # lm_head stays float
     assert all(linear.weight.numel() == 0 for linear in linears if linear.quantized is not None)
     reference = _transformers(tiny_llama, int8_activations=True)
     prompts = random_prompts([5, 17, 33], TINY_VOCAB, seed=11)
@@ -99,7 +99,7 @@ def _perplexity(llm: LLM, token_ids: list[int]) -> float:
 def test_smollm2_in_w8a8_predicts_a_fixed_text_within_one_percent_of_float32(smollm2: LLM, tmp_path: Path) -> None:
     convert(resolve_model_dir("smollm2-135m-instruct"), tmp_path / "w8a8", calibration_tokens=512)
     int8 = LLM(str(tmp_path / "w8a8"), kv_cache_memory=64 << 20)
-    assert sum(isinstance(linear.quantized, Int8Weight) for linear in _linears(int8)) == 30 * 4
+    assert sum(isinstance(linear.quantized, (Int8Weight, PackedInt8Weight)) for linear in _linears(int8)) == 30 * 4
     token_ids = int8.tokenizer.encode(topics["assignment"])[:512]  # Python's own reference text
     ratio = _perplexity(int8, token_ids) / _perplexity(smollm2, token_ids)
     assert abs(ratio - 1) <= 0.01, ratio
