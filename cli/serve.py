@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
     from pagefleet.engine.server.app import create_app
     from pagefleet.engine.server.settings import ServerSettings
 
-    settings = parse_flags(ServerSettings, args.flags, "pagefleet serve")
+    flags = model_first(args.flags)
+    settings = parse_flags(ServerSettings, flags, "pagefleet serve") if flags is not None else None
     if settings is None:
         return 2
     server = None
@@ -29,13 +31,19 @@ def run(args: argparse.Namespace) -> int:
         assert server is not None, "the server exists before the engine can die"
         server.should_exit = True
 
-    import os
-    import sys
-
-    if os.environ.get("PF_SWITCH"):
-        sys.setswitchinterval(float(os.environ["PF_SWITCH"]))
     app = create_app(settings, stop_server=stop_server)
     # SIGTERM drains: routers stop sending, requests in flight finish, then exit 0.
     server = make_server(app, settings.host, settings.port, settings.log_level, app.state.lifecycle.drain_soon)
     server.run()
     return int(app.state.server.exit_code)  # non-zero after the engine died: restart me
+
+
+def model_first(flags: list[str]) -> list[str] | None:
+    """`pagefleet serve MODEL [flags]`, as `vllm serve MODEL`: the model may come first,
+    without `--model`; None (after saying why) if it comes both ways."""
+    if not flags or flags[0].startswith("-"):
+        return flags
+    if any(flag == "--model" or flag.startswith("--model=") for flag in flags[1:]):
+        print("pagefleet serve: give the model once: first, or as --model", file=sys.stderr)
+        return None
+    return ["--model", flags[0], *flags[1:]]

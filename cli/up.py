@@ -240,7 +240,8 @@ class Fleet:
         name = replica_id(model, index, generation)
         command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", model.model]
         command += ["--served-model-name", model.name, "--replica-id", name, "--host", self.spec.host]
-        command += ["--port", str(port), "--redis-url", self.redis_url, "--role", model.role, *model.flags]
+        command += ["--port", str(port), "--redis-url", self.redis_url, "--role", model.role]
+        command += ["--enable-prompt-tokens-details", *model.flags]  # the gateway counts cached prompt tokens
         kv_dir = self.spec.kv_dir(model)
         if kv_dir is not None:
             command += ["--kv-cache-dir", str(kv_dir), "--kv-cache-dir-size-gib", str(self.spec.kv_cache_dir_size_gib)]
@@ -348,9 +349,9 @@ class Fleet:
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                listed = httpx.get(f"{self.gateway_url}/v1/models", timeout=1).json()["data"]
-                ready = {m["id"]: m["replicas"] for m in listed}
-                if all(name in ready for name in names):
+                # /health lists the models too, and needs no API key (--api-keys in gateway_flags).
+                ready = set(httpx.get(f"{self.gateway_url}/health", timeout=1).json()["models"])
+                if names <= ready:
                     return
             except (httpx.HTTPError, KeyError, ValueError):
                 pass

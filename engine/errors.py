@@ -21,6 +21,10 @@ class PromptTooLongError(InvalidParameterError):
     """The prompt (plus the tokens asked for) does not fit the context window or the cache."""
 
 
+class AdapterNotFoundError(InvalidParameterError):
+    """A LoRA adapter's path holds no adapter (HTTP 404, as vLLM answers it)."""
+
+
 class UnsupportedModelError(ValueError, EngineError):
     """The model's architecture, format or settings are not supported."""
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from pagefleet.gateway import errors
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.limits import RateLimiter
@@ -13,6 +15,29 @@ from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.shape import RequestShape, describe
 from pagefleet.protocol.demand import DemandSignal
+from pagefleet.protocol.http import is_api_path
+
+
+class APIKeyGuard:
+    """Every /v1 route needs a key when keys are set (as vLLM's --api-key), the gateway's own
+    (`GET /v1/models`, stored responses) as well as the proxied ones; probes, metrics and
+    the dashboard stay open. Anthropic's clients send theirs as `x-api-key`."""
+
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
+        self.app, self.admission = app, admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.admission.api_keys and is_api_path(scope):
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not authorization and b"x-api-key" in headers:
+                authorization = "Bearer " + headers[b"x-api-key"].decode("latin-1")
+            try:
+                self.admission.authorize(authorization)
+            except Refusal as refusal:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def bearer_key(authorization: str) -> str | None:
@@ -62,6 +87,8 @@ class Admission:
         shape = describe(body, chat)
         if not self.registry.is_available:
             raise errors.registry_unavailable()
+        if not shape.model:
+            shape.model = self._only_model()
         if not self.registry.is_known(shape.model):
             raise errors.unknown_model(shape.model, self.registry.models())
         if key is not None and self.limiter.enabled:
@@ -74,6 +101,14 @@ class Admission:
             if self.registry.is_scaled_to_zero(shape.model):
                 await self._hold(shape.model)
         return shape
+
+    def _only_model(self) -> str:
+        """The model a request without `model` means: the fleet's one base model (vLLM's
+        server means its own); with several there is no such thing, a 400."""
+        bases = sorted({name for name, records in self.registry.by_model.items() if records} | self.registry.scalable)
+        if len(bases) != 1:
+            raise errors.bad_request(f"model: required, since this gateway serves {len(bases)} models", "model")
+        return bases[0]
 
     async def _hold(self, model: str) -> None:
         """Wait while a replica of `model` starts (the demand signal asks for one)."""

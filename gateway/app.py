@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp
 
+from pagefleet.gateway.admission import APIKeyGuard
 from pagefleet.gateway.core import RoutingCore
 from pagefleet.gateway.dashboard import PAGE, dashboard_data
 from pagefleet.gateway.forwarding import PROXIED_PATHS, ProxiedRoutes
@@ -70,7 +71,8 @@ def create_app(settings: GatewaySettings, tracer_provider: TracerProvider | None
     app.include_router(fleet_routes(core.registry, metrics, history))
     app.include_router(stored_response_routes(core.registry, core.admission, pool))
     _document_proxied_routes(app)
-    guarded = ErrorGuard(ProxiedRoutes(app, core.admission, proxy, metrics, settings.max_request_bytes, core.responses))
+    proxied = ProxiedRoutes(app, core.admission, proxy, metrics, settings.max_request_bytes, core.responses)
+    guarded = ErrorGuard(APIKeyGuard(proxied, core.admission))
     return ServerSpans(guarded, tracer, PROXIED_PATHS) if tracer is not None else guarded
 
 

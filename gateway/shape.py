@@ -93,7 +93,8 @@ def _input_text(value: Any) -> str:
 
 def describe(body: bytes, chat: bool) -> RequestShape:
     """The shape of a completions (`chat=False`) or chat completions body; a body that is
-    not a JSON object naming a model is a Refusal (400)."""
+    not a JSON object is a Refusal (400). A body without `model` (or with null: optional,
+    as in vLLM) has model "" here: the admission names the fleet's one model, if it has one."""
     try:
         payload = json.loads(body)
     except ValueError:
@@ -101,7 +102,9 @@ def describe(body: bytes, chat: bool) -> RequestShape:
     if not isinstance(payload, dict):
         raise bad_request("the request body must be a JSON object")
     model = payload.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None:
+        model = ""
+    elif not isinstance(model, str) or not model:
         raise bad_request("model: a model name is required", "model")
     if "input" in payload:  # the Responses API's
         prompt_tokens, prefix = _text_tokens(f"{payload.get('instructions') or ''}\n{_input_text(payload['input'])}")

@@ -126,6 +126,7 @@ def engine_args(owner: Owner, spec: InferenceDeploymentSpec, port: int, role: st
         "--block-size", str(engine.block_size),
         "--max-num-seqs", str(engine.max_num_seqs),
         "--shutdown-timeout", str(spec.rollout.drain_seconds),
+        "--enable-prompt-tokens-details",  # the gateway counts the cached prompt tokens replicas report
     ]  # fmt: skip
     if engine.dtype != "auto":
         args += ["--dtype", engine.dtype]

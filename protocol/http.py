@@ -11,6 +11,9 @@ plain text and re-raises, after which the server drops the connection).
 Body size: `read_body` applies one rule (a declared length over the limit, or more bytes
 than the limit as they arrive) for the engine's middleware and the gateway's proxied routes.
 
+API paths: `is_api_path` says whether a request's route is under /v1, the routes that
+`--api-key` (engine) and `--api-keys` (gateway) guard.
+
 Disconnects: `until_disconnected` runs a request's work and cancels it if the client goes
 away first, so that nothing is computed for nobody.
 """
@@ -36,6 +39,16 @@ T = TypeVar("T")
 # (the gateway routed away from it), to pull the prefix from rather than compute it. Only
 # the gateway sets it: it never forwards a client's.
 KV_PEER_HEADER = "x-pagefleet-kv-peer"
+
+
+def is_api_path(scope: Scope) -> bool:
+    """Whether the request's route path, its root path (`--root-path`) removed, is under /v1.
+    Repeated slashes count as one: a guard must not be stricter about spelling than the
+    proxy in front of it is."""
+    path, root = scope["path"], scope.get("root_path", "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root) :]
+    return path.lstrip("/").startswith("v1")
 
 
 def error_json(

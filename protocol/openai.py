@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -48,13 +48,13 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # None (or absent): the served base model, as in vLLM
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # a 64-bit seed, as vLLM bounds it
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
@@ -104,13 +104,20 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None  # vLLM's (base64 tensors): refused, this server takes none
     max_tokens: int | None = 16
     best_of: int | None = None
     logprobs: int | None = None
     echo: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0
+
+    @model_validator(mode="after")
+    def _a_prompt(self) -> CompletionRequest:
+        if self.prompt is None and not self.prompt_embeds:
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")  # vLLM's words
+        return self
 
 
 class FunctionCall(BaseModel):

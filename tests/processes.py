@@ -147,10 +147,12 @@ def wait_ready(
     raise RuntimeError(f"{name} did not become ready:\n{log.read_text()[-3000:]}")
 
 
-def start_server(model: str, log: Path, *flags: str, timeout: float = 240) -> EngineServer:
-    """`pagefleet serve` in its own process, once /health answers 200."""
+def start_server(model: str, log: Path, *flags: str, timeout: float = 240, model_first: bool = False) -> EngineServer:
+    """`pagefleet serve` in its own process, once /health answers 200; with `model_first`
+    the model is the first argument (`pagefleet serve MODEL`, as `vllm serve MODEL`)."""
     port = free_port()
-    command = [sys.executable, "-m", "pagefleet.cli.main", "serve", "--model", model, "--port", str(port), *flags]
+    model_args = [model] if model_first else ["--model", model]
+    command = [sys.executable, "-m", "pagefleet.cli.main", "serve", *model_args, "--port", str(port), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)

@@ -91,6 +91,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.checks.vocab_size
+
+    @property
     def max_logprobs(self) -> int:
         """The most logprobs a request may ask for (`max_logprobs`, -1 resolved)."""
         return self.engine.max_logprobs
@@ -325,7 +329,7 @@ class AsyncEngine:
             self._deliver(outputs)
             writing = self.engine.tier is not None
             for callback in self._step_callbacks:
-                callback(self.engine.last_step_tokens)
+                callback(self.engine.last_iteration_tokens)
 
     def _apply_pending(self) -> None:
         """Apply what callers handed over: their calls in the order they came, then pin

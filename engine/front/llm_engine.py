@@ -146,7 +146,7 @@ class LLMEngine:
             checks.check_kv_role(params, remote_kv, token_ids)
         remote_kv = _longest_prefix(remote_kv, prepared.stored_kv, len(token_ids))
         self.add_lora(lora_request)
-        params = checks.with_bad_words_tokenized(params)
+        params = checks.with_logprobs_resolved(checks.with_bad_words_tokenized(params))
         checks.check_token_constraints(params)
         grammar = checks.compile_grammar(params)
         max_tokens = checks.resolve_max_tokens(len(token_ids), params)
@@ -354,9 +354,10 @@ class LLMEngine:
         return outputs
 
     @property
-    def last_step_tokens(self) -> int:
-        """Tokens the latest step computed (prompt chunks and decodes)."""
-        return self.update.counters.last_step_tokens
+    def last_iteration_tokens(self) -> int:
+        """vLLM's tokens of an iteration: the prompts whose first token the latest step
+        sampled, plus the tokens it sampled."""
+        return self.update.counters.last_iteration_tokens
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """With nothing running, every block is free: a waiting request that still cannot

@@ -110,6 +110,12 @@ class RequestChecks:
             raise InvalidParameterError("bad_words", "this engine has no tokenizer (skip_tokenizer_init=True)")
         return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
 
+    def with_logprobs_resolved(self, params: SamplingParams) -> SamplingParams:
+        """`params`, or a copy whose logprobs of -1 (the whole vocabulary) are the vocabulary's
+        size, so that `max_logprobs` bounds them like any number."""
+        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+        return dataclasses.replace(params, **whole) if whole else params
+
     def check_token_constraints(self, params: SamplingParams) -> None:
         """Check every token id against the vocabulary and the logprobs asked for against
         `max_logprobs`."""

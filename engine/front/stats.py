@@ -3,7 +3,7 @@ Redis publisher (see docs/redis-protocol.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagefleet.engine.kv_tiers.file_tier import TierStats
 from pagefleet.engine.spec_decode.speculator import SpecDecodeStats
@@ -37,6 +37,19 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0  # prompt tokens computed per second, a moving average
     kv_tier: TierStats | None = None  # the file tier's counters, if it is on
     spec_decode: SpecDecodeStats | None = None  # speculation's counters, if it is on
+
+    def since(self, earlier: EngineStats) -> EngineStats:
+        """These stats with the request counters counted from `earlier` (a server's warm-up
+        request is no request of its clients')."""
+        return replace(
+            self,
+            num_preemptions_recompute=self.num_preemptions_recompute - earlier.num_preemptions_recompute,
+            num_preemptions_swap=self.num_preemptions_swap - earlier.num_preemptions_swap,
+            prefix_cache_queries=self.prefix_cache_queries - earlier.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits - earlier.prefix_cache_hits,
+            num_prompt_tokens=self.num_prompt_tokens - earlier.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens - earlier.num_generation_tokens,
+        )
 
     @property
     def kv_usage(self) -> float:

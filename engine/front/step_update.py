@@ -36,6 +36,9 @@ class StepCounters:
 
     num_generation_tokens: int = 0
     last_step_tokens: int = 0  # tokens the latest step computed (prompt chunks and decodes)
+    # vLLM's tokens of an iteration: the prompts whose first token the latest step sampled,
+    # plus the tokens it sampled
+    last_iteration_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # a moving average; 0 until a prefill was measured
 
 
@@ -70,7 +73,11 @@ class StepUpdate:
         last."""
         chunks = plan.chunks
         self.counters.last_step_tokens = sum(c.num_new_tokens for c in chunks)
+        generated_before = self.counters.num_generation_tokens
         touched = self._commit(plan)
+        # vLLM counts a prompt whole, cached part included, in the step of its first token.
+        first_tokens = [r for r in touched if r.first_token_time is None and r.request_id in results]
+        prompt_tokens = sum(r.num_prompt_tokens for r in first_tokens if results[r.request_id].sampled is not None)
         now = time.monotonic()
         self._measure_prefill(sum(c.num_new_tokens for c in chunks if c.num_own_tokens > 1), now - started)
         if self.speculator is not None and all(c.num_own_tokens == 1 for c in chunks):
@@ -88,6 +95,7 @@ class StepUpdate:
                 output = self.fail(request, error)
             if output is not None:
                 outputs.append(output)
+        self.counters.last_iteration_tokens = prompt_tokens + self.counters.num_generation_tokens - generated_before
         return outputs
 
     def fail(self, request: Request, error: Exception) -> RequestOutput:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.errors import AdapterNotFoundError, InvalidParameterError
 from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.lora.request import LoRARequest
 
@@ -68,18 +68,24 @@ def load_adapter(
 
     directory = Path(request.lora_path)
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    if not directory.is_dir():
+        raise AdapterNotFoundError("lora_path", f"no adapter found at {request.lora_path}")
     if not config_path.is_file() or not weights_path.is_file():
         raise fail("needs adapter_config.json and adapter_model.safetensors (PEFT's format)")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise fail(f"adapter_config.json is not a LoRA config ({type(error).__name__}: {error})") from None
+    # vLLM's wording for each refusal, which clients and tests match.
     if config.get("peft_type", "LORA") != "LORA":
         raise fail(f"a {config.get('peft_type')} adapter; only LoRA is served")
     if config.get("use_dora"):
-        raise fail("a DoRA adapter (use_dora); its magnitude vectors are not served, so it is refused")
+        raise fail("pagefleet does not yet support DoRA (use_dora): its magnitude vectors are not served")
     if config.get("modules_to_save"):
-        raise fail(f"replaces whole modules (modules_to_save: {config['modules_to_save']}), which is not served")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        raise fail(f"pagefleet only supports modules_to_save being None, not {config['modules_to_save']}")
     if rank > max_rank:
-        raise fail(f"rank {rank} exceeds max_lora_rank={max_rank}")
+        raise fail(f"LoRA rank {rank} is greater than max_lora_rank {max_rank}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     tensors = load_file(str(weights_path))
     other = sorted(key for key in tensors if not key.endswith((".lora_A.weight", ".lora_B.weight")))

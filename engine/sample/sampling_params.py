@@ -176,8 +176,9 @@ class SamplingParams:
             fail("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                fail(name, f"must be an integer >= 0, got {value!r}")  # its ceiling: the engine's max_logprobs
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
+                # -1: the whole vocabulary (vLLM's); the ceiling is the engine's max_logprobs
+                fail(name, f"must be an integer >= 0, or -1 for the whole vocabulary, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

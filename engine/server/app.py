@@ -50,7 +50,11 @@ def _stored_responses(settings: ServerSettings) -> StoredResponses:
 
 
 def _stats(state: ServerState) -> EngineStats | None:
-    return state.engine.stats() if state.engine is not None else None
+    """The engine's stats, counted from the end of the warm-up (lifecycle.py)."""
+    if state.engine is None:
+        return None
+    stats = state.engine.stats()
+    return stats.since(state.warm_up_stats) if state.warm_up_stats is not None else stats
 
 
 def create_app(

@@ -1,7 +1,8 @@
 """vLLM's `--api-key`: the API routes (`/v1/...`) answer only callers that present one of
 the keys as `Authorization: Bearer <key>` (or, as Anthropic's clients send it, `x-api-key`);
 health, metrics and the fleet's own routes stay open, as in vLLM, so probes, Prometheus
-and the gateway's reads need no key."""
+and the gateway's reads need no key. Behind `--root-path` a request may come with the prefix
+or without it (a proxy that strips it): either way its route path decides."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import hmac
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagefleet.engine.server.errors import error_for
+from pagefleet.protocol.http import is_api_path
 
 
 class APIKeyGuard:
@@ -18,7 +20,7 @@ class APIKeyGuard:
         self.keys = [key.encode() for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or self._presented_a_key(scope):
+        if scope["type"] != "http" or not is_api_path(scope) or self._presented_a_key(scope):
             await self.app(scope, receive, send)
             return
         message = "Unauthorized: send one of the server's API keys as `Authorization: Bearer <key>` or `x-api-key`"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -27,6 +28,7 @@ from pagefleet.engine.server.generation import (
 from pagefleet.engine.server.params import sampling_params
 from pagefleet.engine.server.state import ServerState, tokenizer_of
 from pagefleet.engine.server.streaming import EventStreamResponse
+from pagefleet.engine.server.tool_stream import stream_tool_answers
 from pagefleet.engine.server.tools import ParsedCall, ToolPlan
 from pagefleet.protocol.chat_prompt import chat_messages, template_tools
 from pagefleet.protocol.openai import ChatCompletionRequest
@@ -43,7 +45,7 @@ def chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
 def _logprobs(body: ChatCompletionRequest, completion: CompletionOutput, start: int) -> dict[str, Any] | None:
     if not body.logprobs or completion.logprobs is None:
         return None
-    num_top = body.top_logprobs or 0
+    num_top = math.inf if body.top_logprobs == -1 else body.top_logprobs or 0  # -1: the whole vocabulary
 
     def entry(token_id: int, text: str, logprob: float) -> dict[str, Any]:
         name = token_name(token_id, text, body.return_tokens_as_token_ids)
@@ -79,11 +81,12 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, response_i
     engine = state.ready_engine(body.model)
     state.admit(engine)
     extra: dict[str, Any] = {}
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= engine.max_logprobs:
-        bounds = f"[0, {engine.max_logprobs}] (--max-logprobs)"
+    top = engine.vocab_size if body.top_logprobs == -1 else body.top_logprobs  # -1: the whole vocabulary
+    if top is not None and not 0 <= top <= engine.max_logprobs:
+        bounds = f"[0, {engine.max_logprobs}] (--max-logprobs), or -1 for the whole vocabulary if it allows that"
         raise OpenAIError(400, f"top_logprobs: must be in {bounds}, got {body.top_logprobs}", "top_logprobs")
     if body.logprobs:
-        extra["logprobs"] = body.top_logprobs or 0
+        extra["logprobs"] = top or 0
     elif body.top_logprobs is not None:
         raise OpenAIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
     tools = ToolPlan.of(body)
@@ -103,12 +106,15 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     run = await start_chat(state, body, response_id_for("chatcmpl", header_id, body.request_id))
     response_id, prompt, stream, calling = run.response_id, run.prompt, run.stream, run.calling
     if body.stream:
-        model, force_usage = state.served_name(body.model), state.settings.enable_force_include_usage
-        chunk = ChunkWriter.for_request(response_id, "chat.completion.chunk", model, body.stream_options, force_usage)
+        model = state.served_name(body.model)
+        chunk = ChunkWriter.for_request(
+            response_id, "chat.completion.chunk", model, body.stream_options, state.settings
+        )
         if calling is not None and calling.choice == "named":  # a call from the first token: streamed as one
             return EventStreamResponse(_stream(body, stream, chunk, prompt, calling.named))
         if calling is not None:
-            return EventStreamResponse(_stream_answers(stream, chunk, calling))
+            tool_answers = stream_tool_answers(stream, chunk, calling, body.n, prompt, body.return_token_ids)
+            return EventStreamResponse(tool_answers)
         return EventStreamResponse(_stream(body, stream, chunk, prompt))
     final = await last_output(stream)
     echoed = _echoed(body)
@@ -124,6 +130,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                 "logprobs": _logprobs(body, completion, 0),
                 "finish_reason": reason,
                 "stop_reason": completion.stop_reason,
+                "token_ids": completion.token_ids if body.return_token_ids else None,  # vLLM's, null unless asked
             }
         )
     answer = {
@@ -132,15 +139,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         "created": int(time.time()),
         "model": state.served_name(body.model),
         "choices": choices,
-        "usage": usage([final]),
+        "usage": usage([final], state.settings.enable_prompt_tokens_details),
+        "prompt_logprobs": prompt_logprobs(final) if body.prompt_logprobs is not None else None,
+        "prompt_token_ids": final.prompt_token_ids if body.return_token_ids else None,
         "kv_transfer_params": final.kv_transfer_params,
     }
-    if body.prompt_logprobs is not None:
-        answer["prompt_logprobs"] = prompt_logprobs(final)
-    if body.return_token_ids:
-        answer["prompt_token_ids"] = final.prompt_token_ids
-        for choice, completion in zip(choices, final.outputs, strict=True):
-            choice["token_ids"] = completion.token_ids
     return JSONResponse(answer)
 
 
@@ -156,32 +159,10 @@ def assistant_message(completion: CompletionOutput, tools: ToolPlan | None) -> t
     finish reason ("tool_calls" when it called any)."""
     reason = finish_reason(completion.finish_reason)
     if tools is None:
-        return {"role": "assistant", "content": completion.text}, reason
+        return {"role": "assistant", "content": completion.text, "tool_calls": []}, reason
     content, calls = tools.parse(completion.text)
-    if not calls:
-        return {"role": "assistant", "content": content}, reason
     message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai() for call in calls]}
-    return message, "tool_calls" if reason == "stop" else reason
-
-
-async def _stream_answers(stream: Outputs, chunk: ChunkWriter, tools: ToolPlan) -> AsyncIterator[str]:
-    """A tool-calling answer as a stream: whether the text is a call is known only at its
-    end, so each choice is sent whole then (role, content or calls, finish reason)."""
-    final = await last_output(stream)
-    for completion in final.outputs:
-        i = completion.index
-        message, reason = assistant_message(completion, tools)
-        so_far = chunk.so_far(final.usage.prompt_tokens, len(completion.token_ids))
-        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-        if message.get("content"):
-            deltas.append({"content": message["content"]})
-        deltas += [{"tool_calls": [{"index": n, **call}]} for n, call in enumerate(message.get("tool_calls", []))]
-        for delta in deltas:
-            yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], so_far)
-        yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}], so_far)
-    if chunk.include_usage:
-        yield chunk([], usage([final]))
-    yield sse("[DONE]")
+    return message, "tool_calls" if calls and reason == "stop" else reason
 
 
 async def _stream(
@@ -222,14 +203,16 @@ async def _stream(
                     if function is not None:
                         choice["delta"] = {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
                     choice["logprobs"] = logprobs
-                tracker.sent(i, completion)
                 if delta.is_last:
                     reason = finish_reason(completion.finish_reason)
                     choice["finish_reason"] = "tool_calls" if function is not None and reason == "stop" else reason
                 if choice["delta"] or delta.is_last:
+                    # Marked sent only once sent: tokens whose text is an incomplete UTF-8
+                    # sequence (no text yet) go out with the next chunk, ids and logprobs too.
+                    tracker.sent(i, completion)
                     if body.return_token_ids:
                         choice["token_ids"] = completion.token_ids[delta.first_token :]
                     yield chunk([choice], chunk.so_far(prompt_tokens, len(completion.token_ids)))
     if chunk.include_usage and final is not None:
-        yield chunk([], usage([final]))
+        yield chunk([], chunk.usage([final]))
     yield sse("[DONE]")

@@ -53,6 +53,6 @@ async def create_batch_chat_completion(
             "created": int(time.time()),
             "model": state.served_name(body.model),
             "choices": choices,
-            "usage": usage(list(finals)),
+            "usage": usage(list(finals), state.settings.enable_prompt_tokens_details),
         }
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +31,8 @@ from pagefleet.protocol.openai import CompletionRequest
 
 def _prompts(body: CompletionRequest) -> list[str | list[int]]:
     prompt = body.prompt
+    if prompt is None:  # prompt_embeds alone (the request's validator let nothing else through)
+        raise OpenAIError(400, "prompt_embeds: this server takes prompts as text or token ids", "prompt_embeds")
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -45,8 +48,9 @@ def _params(body: CompletionRequest) -> SamplingParams:
     extra: dict[str, Any] = {}
     if body.logprobs is not None:
         extra["logprobs"] = body.logprobs
-        if body.echo:
-            extra["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
+        if body.echo:  # -1, the whole vocabulary, is the most
+            asked = (body.logprobs, body.prompt_logprobs or 0)
+            extra["prompt_logprobs"] = -1 if -1 in asked else max(asked)
     if body.use_beam_search:
         # vLLM's convention: best_of is the beam width; the n best beams are returned.
         extra.update(use_beam_search=True, beam_width=body.best_of or body.n, length_penalty=body.length_penalty)
@@ -58,14 +62,15 @@ def _params(body: CompletionRequest) -> SamplingParams:
 class _LogprobsBuilder:
     """The completions API's logprobs object, built up position by position."""
 
-    def __init__(self, num_top: int, as_ids: bool) -> None:
-        self.num_top, self.as_ids = num_top, as_ids
+    def __init__(self, num_top: int, as_ids: bool, first_text: str = "") -> None:
+        self.num_top = math.inf if num_top == -1 else num_top  # -1: the whole vocabulary
+        self.as_ids, self.first_text = as_ids, first_text
         self.value: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.offset = 0
 
     def add(self, token_id: int, position: PositionLogprobs | None) -> None:
-        if position is None:  # the first prompt token has no distribution
-            text, logprob, top = "", None, None
+        if position is None:  # the first prompt token: its text, and no distribution (vLLM's)
+            text, logprob, top = token_name(token_id, self.first_text, self.as_ids), None, None
         else:
             chosen = position[token_id]
             text, logprob = token_name(token_id, chosen.decoded_token, self.as_ids), chosen.logprob
@@ -83,14 +88,17 @@ class _LogprobsBuilder:
 
 
 def _choice_logprobs(
-    body: CompletionRequest, output: RequestOutput, completion: CompletionOutput, start: int = 0
+    state: ServerState, body: CompletionRequest, output: RequestOutput, completion: CompletionOutput, start: int = 0
 ) -> dict[str, list[Any]] | None:
     """Logprobs of `completion`'s tokens from `start` (and of the prompt first, with echo)."""
     if completion.logprobs is None or body.logprobs is None:
         return None
-    echo = body.echo
-    builder = _LogprobsBuilder(body.logprobs, body.return_tokens_as_token_ids)
-    if echo and start == 0 and output.prompt_logprobs is not None:
+    echo = body.echo and start == 0 and output.prompt_logprobs is not None
+    first_text = ""
+    if echo and output.prompt_token_ids and state.engine is not None and state.engine.tokenizer is not None:
+        first_text = str(state.engine.tokenizer.decode([output.prompt_token_ids[0]]))
+    builder = _LogprobsBuilder(body.logprobs, body.return_tokens_as_token_ids, first_text)
+    if echo and output.prompt_logprobs is not None:
         for token_id, position in zip(output.prompt_token_ids, output.prompt_logprobs, strict=False):
             builder.add(token_id, position)
     for token_id, position in zip(completion.token_ids[start:], completion.logprobs[start:], strict=True):
@@ -118,8 +126,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, header_
         ]
     )
     if body.stream:
-        model, force_usage = state.served_name(body.model), state.settings.enable_force_include_usage
-        chunk = ChunkWriter.for_request(response_id, "text_completion", model, body.stream_options, force_usage)
+        model = state.served_name(body.model)
+        chunk = ChunkWriter.for_request(response_id, "text_completion", model, body.stream_options, state.settings)
         return EventStreamResponse(_stream(state, body, streams, chunk))
     finals = await asyncio.gather(*(last_output(stream) for stream in streams))
     choices = []
@@ -129,14 +137,14 @@ async def create_completion(state: ServerState, body: CompletionRequest, header_
             choice = {
                 "index": prompt_index * body.n + completion.index,
                 "text": echoed + completion.text,
-                "logprobs": _choice_logprobs(body, output, completion),
+                "logprobs": _choice_logprobs(state, body, output, completion),
                 "finish_reason": finish_reason(completion.finish_reason),
                 "stop_reason": completion.stop_reason,
+                # vLLM's keys, always sent, null unless asked for.
+                "prompt_logprobs": prompt_logprobs(output) if body.prompt_logprobs is not None else None,
+                "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None,
+                "token_ids": completion.token_ids if body.return_token_ids else None,
             }
-            if body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs(output)
-            if body.return_token_ids:
-                choice.update(prompt_token_ids=output.prompt_token_ids, token_ids=completion.token_ids)
             choices.append(choice)
     return JSONResponse(
         {
@@ -145,7 +153,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, header_
             "created": int(time.time()),
             "model": state.served_name(body.model),
             "choices": choices,
-            "usage": usage(list(finals)),
+            "usage": usage(list(finals), state.settings.enable_prompt_tokens_details),
             "kv_transfer_params": finals[0].kv_transfer_params,
         }
     )
@@ -172,7 +180,7 @@ async def _stream(
             text = _prompt_text(state, output) + delta.text if delta.is_first and body.echo else delta.text
             reason = finish_reason(completion.finish_reason)
             if text or reason is not None or delta.is_first:
-                logprobs = _choice_logprobs(body, output, completion, delta.first_token)
+                logprobs = _choice_logprobs(state, body, output, completion, delta.first_token)
                 tracker.sent(index, completion)
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
                 choice["stop_reason"] = None
@@ -187,5 +195,5 @@ async def _stream(
         if output.finished:
             finals[prompt_index] = output
     if chunk.include_usage:
-        yield chunk([], usage([finals[i] for i in sorted(finals)]))
+        yield chunk([], chunk.usage([finals[i] for i in sorted(finals)]))
     yield sse("[DONE]")

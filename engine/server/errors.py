@@ -50,7 +50,9 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
-    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+    kind = first.get("type")  # pydantic's name of the rule (greater_than_equal, ...), as vLLM's messages carry it
+    message = str(first.get("msg")) + (f" [type={kind}]" if kind and kind != "value_error" else "")
+    return (f"{param}: {message}" if param else message), param
 
 
 def status_of(error: BaseException) -> tuple[int, str]:

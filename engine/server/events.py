@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.protocol.openai import StreamOptions
+
+if TYPE_CHECKING:
+    from pagefleet.engine.server.settings import ServerSettings
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -27,16 +30,26 @@ class ChunkWriter:
     model: str
     include_usage: bool
     continuous_usage: bool = False
+    token_details: bool = False  # --enable-prompt-tokens-details: what `usage` says of the prompt
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
     def for_request(
-        cls, response_id: str, kind: str, model: str, options: StreamOptions | None, force_usage: bool
+        cls, response_id: str, kind: str, model: str, options: StreamOptions | None, settings: ServerSettings
     ) -> ChunkWriter:
         """As vLLM decides it: usage at the end if asked or forced (`--enable-force-include-
-        usage`), and in every chunk too if `continuous_usage_stats` asks as well."""
-        include = force_usage or bool(options and options.include_usage)
-        return cls(response_id, kind, model, include, include and bool(options and options.continuous_usage_stats))
+        usage`), and in every chunk too if `continuous_usage_stats` asks as well, or if forced
+        for a request that gave no stream_options."""
+        forced = settings.enable_force_include_usage
+        if options is None:
+            include = continuous = forced
+        else:
+            include = forced or options.include_usage
+            continuous = include and options.continuous_usage_stats
+        return cls(response_id, kind, model, include, continuous, settings.enable_prompt_tokens_details)
+
+    def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        return usage(outputs, self.token_details)
 
     def so_far(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any] | None:
         """A chunk's usage so far with continuous usage; None (no figure yet) otherwise."""
@@ -84,18 +97,18 @@ def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | N
     ]
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+def usage(outputs: list[RequestOutput], details: bool) -> dict[str, Any]:
+    """The usage object; with `details` (--enable-prompt-tokens-details) the prompt's cached
+    tokens as `prompt_tokens_details`, when there are any (vLLM's rule), else null."""
     prompt = sum(o.usage.prompt_tokens for o in outputs)
     completion = sum(o.usage.completion_tokens for o in outputs)
-    result: dict[str, Any] = {
+    cached = sum(o.usage.cached_prompt_tokens for o in outputs)
+    return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached} if details and cached else None,
     }
-    cached = sum(o.usage.cached_prompt_tokens for o in outputs)
-    if cached:
-        result["prompt_tokens_details"] = {"cached_tokens": cached}
-    return result
 
 
 def finish_reason(reason: str | None) -> str | None:

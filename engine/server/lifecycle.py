@@ -29,9 +29,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from pagefleet.engine.errors import ShuttingDownError
 from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.front.inputs import PromptType
+from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.server.lora import parse_lora_modules
 from pagefleet.engine.server.publisher import CapacityPublisher
+from pagefleet.engine.server.settings import ServerSettings
 from pagefleet.engine.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -119,7 +121,7 @@ class ReplicaLifecycle:
                 state.exit_code = EXIT_LOAD_FAILED
                 self.stop_server()
             return
-        state.metrics.engine_loaded(state.engine.max_model_len)
+        state.metrics.engine_loaded(state.engine.max_model_len, _cache_config(state.settings, state.engine.stats()))
         assert state.metrics.vllm is not None, "engine_loaded makes vLLM's metrics"
         state.engine.add_step_callback(state.metrics.vllm.iteration_tokens.observe)
         loop, died = asyncio.get_running_loop(), asyncio.Event()
@@ -169,6 +171,17 @@ class ReplicaLifecycle:
             await asyncio.to_thread(self.tracer_provider.shutdown)  # the last spans go out
 
 
+def _cache_config(settings: ServerSettings, stats: EngineStats) -> dict[str, str]:
+    """The KV cache's settings as vLLM's cache_config_info labels them."""
+    return {
+        "block_size": str(stats.block_size),
+        "cache_dtype": "auto",  # the KV cache holds the model's dtype
+        "enable_prefix_caching": str(settings.enable_prefix_caching),
+        "num_gpu_blocks": str(stats.num_total_blocks),  # the device's blocks, a CPU's included
+        "swap_space": str(settings.swap_space),
+    }
+
+
 async def _load(state: ServerState, engine: AsyncEngine | None) -> None:
     """Load the model (in a thread) and the adapters of --lora-modules, warm it up with one
     token, then mark ready."""
@@ -180,6 +193,7 @@ async def _load(state: ServerState, engine: AsyncEngine | None) -> None:
         warm_up: PromptType = "Hello" if loaded.tokenizer is not None else {"prompt_token_ids": [0]}
         async for _ in loaded.generate(warm_up, SamplingParams(max_tokens=1, temperature=0.0)):
             pass
+        state.warm_up_stats = loaded.stats()
         state.engine = loaded
         logger.info("serving %s (max_model_len %d)", state.settings.model_name, loaded.max_model_len)
     except Exception as error:

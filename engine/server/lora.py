@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.errors import AdapterNotFoundError, InvalidParameterError
 from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.server.errors import OpenAIError
@@ -69,13 +69,16 @@ class Adapters:
         """Read the adapter (off the event loop) and serve it under `name`.
 
         Raises:
-            OpenAIError: 400 for LoRA off, a name already served or an unreadable adapter.
+            OpenAIError: 404 for a path with no adapter; 400 for LoRA off, a name already
+                served or an adapter that cannot be served.
         """
         if name in self.by_name or name == self.base_model_name:
             raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         request = LoRARequest(name, next(self._ids), path)
         try:
             await engine.add_lora(request)
+        except AdapterNotFoundError as error:
+            raise OpenAIError(404, str(error), "lora_path") from None
         except InvalidParameterError as error:
             raise OpenAIError(400, str(error), "lora_path") from None
         self.by_name[name] = request

@@ -131,9 +131,10 @@ class ServerMetrics:
         self._model_name = model_name
         self.vllm: VLLMRequestMetrics | None = None  # once the engine is loaded
 
-    def engine_loaded(self, max_model_len: int) -> None:
-        """vLLM's request histograms, whose token buckets go up to the context window."""
-        self.vllm = VLLMRequestMetrics(self.registry, self._model_name, max_model_len)
+    def engine_loaded(self, max_model_len: int, cache_config: dict[str, str]) -> None:
+        """vLLM's request histograms, whose token buckets go up to the context window, and
+        its cache_config_info."""
+        self.vllm = VLLMRequestMetrics(self.registry, self._model_name, max_model_len, cache_config)
 
     def observe_token_gap(self, first: bool, seconds: float) -> None:
         """A request's first token after `seconds`, or a later one `seconds` after the last."""

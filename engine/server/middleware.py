@@ -37,9 +37,14 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+# The routes that generate, whose requests GET /load counts (vLLM's "load-aware" routes).
+GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+
+
 class InFlight:
     """Counts the API requests (`/v1/...`, Anthropic's included) from their first byte in to
-    their last byte out, in `state.num_in_flight`: what a drain waits for (lifecycle.py)."""
+    their last byte out, in `state.num_in_flight`: what a drain waits for (lifecycle.py); and,
+    with --enable-server-load-tracking, those that generate in `state.server_load` (GET /load)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -48,8 +53,12 @@ class InFlight:
         if scope["type"] != "http" or "/v1/" not in scope["path"]:
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
+        loads = self.state.settings.enable_server_load_tracking and any(p in path for p in GENERATING_PATHS)
         self.state.num_in_flight += 1
+        self.state.server_load += loads
         try:
             await self.app(scope, receive, send)
         finally:
             self.state.num_in_flight -= 1
+            self.state.server_load -= loads

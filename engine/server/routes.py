@@ -4,10 +4,12 @@ Messages, Responses, LoRA, KV transfer and tokenizer routes live beside their mo
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
@@ -20,6 +22,8 @@ from pagefleet.engine.server.state import ServerState, tokenizer_of
 from pagefleet.engine.server.streaming import cancel_on_disconnect
 from pagefleet.protocol.http import error_json
 from pagefleet.protocol.openai import BatchChatCompletionRequest, ChatCompletionRequest, ChatMessage, CompletionRequest
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
 
 
 def server_version() -> str:
@@ -66,9 +70,9 @@ def add_core_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/load")
     async def load() -> dict[str, int]:
-        """vLLM's: the requests this server is handling (running and queued)."""
-        stats = state.engine.stats() if state.engine is not None else None
-        return {"server_load": stats.num_running_requests + stats.num_waiting_requests if stats else 0}
+        """vLLM's: the generation requests in flight, from their first byte in to their last
+        out, with --enable-server-load-tracking (else always 0, as vLLM)."""
+        return {"server_load": state.server_load}
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:
@@ -93,12 +97,33 @@ def add_core_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         header_id = request.headers.get("x-request-id")
-        return await cancel_on_disconnect(request, create_completion(state, body, header_id))
+        return await cancel_on_disconnect(request, create_completion(state, server_wide(body), header_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         header_id = request.headers.get("x-request-id")
-        return await cancel_on_disconnect(request, create_chat_completion(state, body, header_id))
+        return await cancel_on_disconnect(request, create_chat_completion(state, server_wide(body), header_id))
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Any:
+        """SageMaker's route, as vLLM serves it: a body with `messages` is a chat completion,
+        one with `prompt` a completion, answered exactly as on that route."""
+        try:
+            payload = json.loads(await request.body())
+        except ValueError:
+            invalid = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error"}
+            raise RequestValidationError([invalid]) from None
+        if isinstance(payload, dict) and "messages" in payload:
+            return await chat_completions(ChatCompletionRequest.model_validate(payload), request)
+        if isinstance(payload, dict) and ("prompt" in payload or "prompt_embeds" in payload):
+            return await completions(CompletionRequest.model_validate(payload), request)
+        raise OpenAIError(400, "a body with `messages` (a chat completion) or `prompt` (a completion)")
+
+    def server_wide(body: RequestT) -> RequestT:
+        """The body with the server's --return-tokens-as-token-ids, which wins over the request's."""
+        if settings.return_tokens_as_token_ids and not body.return_tokens_as_token_ids:
+            return body.model_copy(update={"return_tokens_as_token_ids": True})
+        return body
 
     @app.post("/v1/chat/completions/batch")
     async def batch_chat_completions(body: BatchChatCompletionRequest, request: Request) -> Any:
@@ -128,10 +153,8 @@ def add_core_routes(app: FastAPI, state: ServerState) -> None:
             tokens = list(tokenizer_of(engine).encode(body.prompt))
         else:
             raise OpenAIError(400, "prompt: give a prompt or messages", "prompt")
-        answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
-        if body.return_token_strs:
-            answer["token_strs"] = tokenizer_of(engine).convert_ids_to_tokens(tokens)
-        return answer
+        strings = tokenizer_of(engine).convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens, "token_strs": strings}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:

@@ -85,6 +85,15 @@ class ServerSettings(BaseSettings):
     enable_force_include_usage: bool = Field(
         False, description="streams end with a usage chunk even when the request did not ask (vLLM's flag)"
     )
+    enable_prompt_tokens_details: bool = Field(
+        False, description="usage carries prompt_tokens_details (cached tokens), as vLLM's flag"
+    )
+    return_tokens_as_token_ids: bool = Field(
+        False, description='logprobs name every token "token_id:<id>", whatever the request says (vLLM\'s flag)'
+    )
+    enable_server_load_tracking: bool = Field(
+        False, description="GET /load counts the generation requests in flight (vLLM's flag; else 0)"
+    )
     exit_grace: float = Field(1.0, description="seconds in-flight requests get to be answered after the engine dies")
     shutdown_timeout: float = Field(
         30.0,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagefleet.engine.front.async_engine import AsyncEngine
+from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.kv_transfer import KVTransfers
 from pagefleet.engine.server.lora import Adapters
@@ -24,11 +25,13 @@ class ServerState:
     adapters: Adapters
     responses: StoredResponses  # the Responses API's stored responses
     engine: AsyncEngine | None = None  # None until the model is loaded and warm
+    warm_up_stats: EngineStats | None = None  # the engine's stats after the warm-up, which clients never see
     tracing: RequestTracing | None = None  # None unless traces are exported
     load_error: BaseException | None = None
     exit_code: int = 0  # what the process exits with once the server stops (non-zero: the engine died)
     draining: bool = False  # SIGTERM came: new requests get 503, those in flight finish (lifecycle.py)
     num_in_flight: int = 0  # API requests not answered to their last byte yet (middleware.InFlight)
+    server_load: int = 0  # of those, the generating ones, with --enable-server-load-tracking (middleware.InFlight)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ready_engine(self, model: str | None) -> AsyncEngine:

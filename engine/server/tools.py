@@ -102,19 +102,20 @@ class ToolPlan:
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, tool calls) of the model's answer; text that is no call stays content.
-        A forced call (named or required) has empty content, as vLLM answers it."""
-        if self.choice == "named":
-            return "", [ParsedCall(str(self.named), _compact(text))]
-        if self.choice == "required":
+        A forced call (named or required) has empty content, as vLLM answers it, and one cut
+        off by max_tokens is no call at all (never a half call with arguments `{`)."""
+        if self.choice in ("named", "required"):
             try:
-                return "", _calls(json.loads(text))
-            except (ValueError, TypeError, KeyError):  # cut off by max_tokens: say what came
-                return text, []
+                value = json.loads(text)
+                calls = [ParsedCall(str(self.named), json.dumps(value))] if self.choice == "named" else calls_of(value)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                calls = []
+            return "", calls
         calls: list[ParsedCall] = []
         for match in _TOOL_CALL.finditer(text):
             try:
-                calls += _calls(json.loads(match.group(1).strip()))
-            except (ValueError, TypeError, KeyError):
+                calls += calls_of(json.loads(match.group(1).strip()))
+            except (ValueError, TypeError, KeyError, AttributeError):
                 return text, []  # not a well-formed call: the text is the answer
         if not calls:
             return text, []
@@ -151,7 +152,7 @@ def _hoisted(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     return hoisted
 
 
-def _calls(value: Any) -> list[ParsedCall]:
+def calls_of(value: Any) -> list[ParsedCall]:
     """Calls from `{"name", "arguments"}` objects, alone or in a list ("parameters" too)."""
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -160,10 +161,3 @@ def _calls(value: Any) -> list[ParsedCall]:
         text = arguments if isinstance(arguments, str) else json.dumps(arguments)
         calls.append(ParsedCall(str(item["name"]), text))
     return calls
-
-
-def _compact(text: str) -> str:
-    try:
-        return json.dumps(json.loads(text))
-    except ValueError:
-        return text

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagefleet.engine.front.outputs import RequestOutput
@@ -55,6 +55,15 @@ def engine_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
         ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage),
     )
     yield from _families(GaugeMetricFamily, "vllm", LABELS, label, gauges)
+    # Every waiting request here waits for capacity (KV blocks, the token budget, sequence
+    # slots); none is deferred for something else (vLLM's: a KV load, a grammar compiling):
+    # those happen before a request joins the queue.
+    by_reason = GaugeMetricFamily(
+        "vllm:num_requests_waiting_by_reason", "Number of requests waiting, by reason.", labels=[*LABELS, "reason"]
+    )
+    by_reason.add_metric([*label, "capacity"], stats.num_waiting_requests)
+    by_reason.add_metric([*label, "deferred"], 0)
+    yield by_reason
     preemptions = stats.num_preemptions_recompute + stats.num_preemptions_swap
     counters = (
         ("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens),
@@ -117,7 +126,9 @@ def _families(
 class VLLMRequestMetrics:
     """vLLM's per-request and per-step histograms and its finished-request counter."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, max_model_len: int, cache_config: dict[str, str]
+    ) -> None:
         def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
             return Histogram(f"vllm:{name}", doc, LABELS, registry=registry, buckets=buckets).labels(model_name, ENGINE)
 
@@ -161,6 +172,12 @@ class VLLMRequestMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS
         )
+        # vLLM's: a gauge of 1 whose labels are the KV cache's settings (and the engine).
+        cache_info = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*cache_config, "engine"],
+            registry=registry,
+        )  # fmt: skip
+        cache_info.labels(*cache_config.values(), ENGINE).set(1)
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",

@@ -68,7 +68,9 @@ def test_int8_layers_generate_what_transformers_does_with_int8_weights_and_activ
 ) -> None:
     llm = LLM(str(int8_llama), quantization=quantization, kv_cache_memory=16 << 20)
     linears = _linears(llm)
-    assert sum(isinstance(linear.quantized, (Int8Weight, PackedInt8Weight)) for linear in linears) == 2 * 4  # lm_head stays float
+    assert (
+        sum(isinstance(linear.quantized, (Int8Weight, PackedInt8Weight)) for linear in linears) == 2 * 4
+    )  # lm_head stays float
     assert all(linear.weight.numel() == 0 for linear in linears if linear.quantized is not None)
     reference = _transformers(tiny_llama, int8_activations=True)
     prompts = random_prompts([5, 17, 33], TINY_VOCAB, seed=11)

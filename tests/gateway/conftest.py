@@ -24,7 +24,12 @@ from tests.processes import (
 
 # Dashboard samples often enough for a test to see its charts fill within seconds.
 DASHBOARD_FLAGS = ("--dashboard-interval-s", "0.5", "--dashboard-window-s", "2")
-ENGINE_FLAGS = ("--dtype", "float32", "--num-kv-blocks", "200", "--block-size", "8", "--record-ttl", "1.5")
+# --enable-prompt-tokens-details: the replicas report cached prompt tokens, as the fleet's own
+# launchers (`pagefleet up`, the operator) start them.
+ENGINE_FLAGS = (
+    "--dtype", "float32", "--num-kv-blocks", "200", "--block-size", "8", "--record-ttl", "1.5",
+    "--enable-prompt-tokens-details",
+)  # fmt: skip
 
 
 def start_replica(model_dir: Path, log_dir: Path, redis: RedisProcess, replica: str, *flags: str) -> EngineServer:

@@ -184,7 +184,7 @@ def test_the_same_system_prompt_lands_where_it_is_cached(affinity_fleet: Affinit
     gateway = affinity_fleet.gateway.url
     first = _chat(gateway, "Which planet is largest?")
     assert first.status_code == 200
-    cold = first.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    cold = (first.json()["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0)
     assert cold <= 8, "at most the template's first block was cached before"
     holder = first.headers["x-pagefleet-replica"]
     for question in ("Which planet is smallest?", "How many moons has Mars?", "Is Pluto a planet?"):

@@ -25,8 +25,9 @@ from tests.processes import (
 )
 
 
-def _models(url: str) -> dict[str, int]:
-    return {m["id"]: m["replicas"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+def _models(url: str, key: str | None = None) -> dict[str, int]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return {m["id"]: m["replicas"] for m in httpx.get(f"{url}/v1/models", headers=headers).json()["data"]}
 
 
 def _complete(url: str, **body: object) -> httpx.Response:
@@ -40,6 +41,8 @@ def test_models_and_the_openai_client_through_the_gateway(fleet: Fleet) -> None:
     client = openai.OpenAI(base_url=f"{fleet.gateway.url}/v1", api_key="unused", max_retries=0)
     answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
+    unnamed = httpx.post(f"{fleet.gateway.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == "tiny"  # `model` is optional, as on vLLM
     missing = httpx.post(f"{fleet.gateway.url}/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
     assert missing.status_code == 404 and "Served models: tiny" in missing.json()["error"]["message"]
     broken = httpx.post(
@@ -196,7 +199,12 @@ def test_api_keys_and_rate_limits_shared_by_two_gateways(fleet: Fleet, tmp_path:
     gateways = [start_gateway(fleet.redis.url, tmp_path / f"gw-{i}.log", *flags) for i in range(2)]
     try:
         urls = [g.url for g in gateways]
-        wait_for(lambda: all(_models(url).get("tiny") for url in urls))
+        wait_for(lambda: all(_models(url, "key-two").get("tiny") for url in urls))
+        # Every /v1 route needs a key, the gateway's own included, however the path is spelled.
+        for path in ("/v1/models", "//v1/models"):
+            assert httpx.get(f"{urls[0]}{path}").status_code == 401, path
+        assert httpx.post(f"{urls[0]}//v1/completions", json={"model": "tiny", "prompt": "hi"}).status_code == 401
+        assert httpx.get(f"{urls[0]}/health").status_code == 200
         assert httpx.post(f"{urls[0]}/v1/completions", json={"model": "tiny", "prompt": "hi"}).status_code == 401
         wrong = {"Authorization": "Bearer nope"}
         assert (

@@ -4,6 +4,8 @@ that no replica serves any more is loaded again where the policy says."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,14 +83,30 @@ def test_the_replica_lists_its_adapters_with_their_parent(fleet: LoRAFleet) -> N
     assert refused.status_code == 404 and "`tiny`" in refused.json()["error"]["message"]
 
 
-def test_runtime_load_and_unload_answer_as_vllm_does(fleet: LoRAFleet) -> None:
+def test_runtime_load_and_unload_answer_as_vllm_does(fleet: LoRAFleet, tmp_path: Path) -> None:
     load = {"lora_name": "second", "lora_path": str(fleet.adapters[1])}
     added = httpx.post(f"{fleet.b.url}/v1/load_lora_adapter", json=load)
     assert added.status_code == 200 and "added successfully" in added.text
+    before = _complete(fleet.b.url, "second").json()["choices"][0]["text"]
     again = httpx.post(f"{fleet.b.url}/v1/load_lora_adapter", json=load)
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-    broken = httpx.post(f"{fleet.b.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"})
-    assert broken.status_code == 400 and "adapter_config.json" in broken.json()["error"]["message"]
+    missing = httpx.post(f"{fleet.b.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"})
+    assert missing.status_code == 404 and "/nowhere" in missing.json()["error"]["message"]
+    # Each refusal in vLLM's words (clients match them); none breaks the adapter already served.
+    config = json.loads((fleet.adapters[0] / "adapter_config.json").read_text())
+    for change, phrase in (
+        ({"r": 16}, "is greater than max_lora_rank"),
+        ({"use_dora": True}, "does not yet support DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "only supports modules_to_save being None"),
+        ({"r": "sixteen"}, "adapter_config.json"),
+    ):
+        bad = tmp_path / phrase.replace(" ", "-")
+        shutil.copytree(fleet.adapters[0], bad)
+        (bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        refused = httpx.post(f"{fleet.b.url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)})
+        assert refused.status_code == 400 and phrase in refused.json()["error"]["message"], refused.text
+    assert _complete(fleet.b.url, "second").json()["choices"][0]["text"] == before
+    assert not _serves(fleet.b.url, "bad")
     removed = httpx.post(f"{fleet.b.url}/v1/unload_lora_adapter", json={"lora_name": "second"})
     assert removed.status_code == 200 and "removed successfully" in removed.text
     gone = httpx.post(f"{fleet.b.url}/v1/unload_lora_adapter", json={"lora_name": "second"})

@@ -95,7 +95,7 @@ def test_request_shaping_estimates_what_routing_and_limits_need() -> None:
     for body, param in (
         (b"{", None),
         (b"[]", None),
-        (b'{"prompt": "x"}', "model"),
+        (b'{"model": 5, "prompt": "x"}', "model"),
         (b'{"model": "m", "n": "2"}', "max_tokens"),
     ):
         with pytest.raises(Refusal) as refused:
@@ -291,6 +291,32 @@ def test_admission_refuses_with_the_right_status_and_counts_each_refusal(redis_s
         return statuses
 
     assert asyncio.run(scenario()) == [401, 503, 400, 404, 429]
+
+
+def test_a_request_without_model_means_the_fleets_one_model(redis_server: RedisProcess) -> None:
+    """`model` is optional, as on vLLM's server: absent or null is the fleet's base model when
+    it serves one; with several, a 400 naming the field."""
+
+    async def scenario() -> None:
+        client = aioredis.from_url(redis_server.url)
+        await client.flushdb()
+        await client.set(record_key("m", "a"), _replica("a", 10, reported=time.time()).model_dump_json())
+        registry = ReplicaRegistry(client, 0.1, 60, 30)
+        await registry.refresh()
+        admission = Admission(
+            set(), registry, RateLimiter(client, 0, 0), GatewayMetrics(), DemandSignal(client), 300, 256
+        )
+        for body in ({"prompt": "hi"}, {"model": None, "prompt": "hi"}):
+            assert (await admission.admit("", json.dumps(body).encode(), chat=False)).model == "m"
+        other = _replica("b", 10, reported=time.time()).model_copy(update={"model": "n"})
+        await client.set(record_key("n", "b"), other.model_dump_json())
+        await registry.refresh()
+        with pytest.raises(Refusal) as refused:
+            await admission.admit("", json.dumps({"prompt": "hi"}).encode(), chat=False)
+        assert refused.value.status == 400 and refused.value.param == "model"
+        await client.aclose()
+
+    asyncio.run(scenario())
 
 
 def _exchange(body: dict[str, object], subset: list[str] | None = None) -> list[ext_proc.ProcessingRequest]:

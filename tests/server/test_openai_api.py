@@ -45,7 +45,8 @@ def test_models_health_version_tokenize(tiny_server: EngineServer, client: opena
 def test_vllms_metrics_under_its_names_labels_and_buckets(tiny_server: EngineServer, client: openai.OpenAI) -> None:
     """vLLM's dashboards and alerts read pagefleet unchanged: one request of P prompt tokens
     (none cached) and G generated ones counts once in each request histogram and the success
-    counter, and its steps computed P + G - 1 tokens (the last token is sampled, not fed)."""
+    counter, and its steps count P + G tokens (vLLM's iteration tokens: the prompt in the step
+    of its first token, and every token sampled)."""
     before = metrics(tiny_server)
     prompt = [7, 3, 301, 44, 12, 200, 5, 77, 100, 23, 8]  # token ids no other test sends
     answer = client.completions.create(model=tiny_server.model, prompt=prompt, max_tokens=6, temperature=0.0)
@@ -66,7 +67,7 @@ def test_vllms_metrics_under_its_names_labels_and_buckets(tiny_server: EngineSer
         assert grew(f"{histogram}_count") == 1, histogram
     assert grew("inter_token_latency_seconds_count") == 5
     assert grew("request_prompt_tokens_sum") == len(prompt) and grew("request_generation_tokens_sum") == 6
-    assert grew("iteration_tokens_total_sum") == len(prompt) + 6 - 1
+    assert grew("iteration_tokens_total_sum") == len(prompt) + 6 and grew("iteration_tokens_total_count") == 6
     assert grew("prompt_tokens_total") == len(prompt) and grew("generation_tokens_total") == 6
     assert after["vllm:prompt_tokens_total{engine=0}"] == after["pagefleet:prompt_tokens_total"]
     assert after["vllm:prefix_cache_queries_total{engine=0}"] == after["pagefleet:prefix_cache_queries_total"]
@@ -150,16 +151,18 @@ def test_usage_while_streaming_as_vllm_reports_it(tiny_server: EngineServer, cli
 
 def test_usage_in_streams_follows_vllms_rule() -> None:
     """Usage at the end if asked or forced (`--enable-force-include-usage`); in every chunk
-    only if `continuous_usage_stats` asks too."""
+    if `continuous_usage_stats` asks too, or if forced for a request without stream_options."""
     from pagefleet.engine.server.events import ChunkWriter
+    from pagefleet.engine.server.settings import ServerSettings
     from pagefleet.protocol.openai import StreamOptions
 
     def plan(options: StreamOptions | None, force: bool) -> tuple[bool, bool]:
-        writer = ChunkWriter.for_request("id", "text_completion", "m", options, force)
+        settings = ServerSettings(enable_force_include_usage=force)
+        writer = ChunkWriter.for_request("id", "text_completion", "m", options, settings)
         return writer.include_usage, writer.continuous_usage
 
     continuous = StreamOptions(include_usage=False, continuous_usage_stats=True)
-    assert plan(None, False) == (False, False) and plan(None, True) == (True, False)
+    assert plan(None, False) == (False, False) and plan(None, True) == (True, True)
     assert plan(continuous, False) == (False, False) and plan(continuous, True) == (True, True)
     assert plan(StreamOptions(include_usage=True), False) == (True, False)
 
@@ -354,15 +357,20 @@ def test_malformed_and_oversized_bodies(tiny_server: EngineServer) -> None:
 
 
 def test_api_keys_then_a_full_queue_answers_503_with_retry_after(tiny_llama: Path, tmp_path: Path) -> None:
-    """vLLM's --api-key guards the /v1 routes only (probes and Prometheus need no key); a
-    request past it finds the queue full (--max-waiting-requests 0)."""
+    """vLLM's --api-key guards the /v1 routes only (probes and Prometheus need no key),
+    under --root-path with the prefix or without it (a proxy that strips it); a request past
+    it finds the queue full (--max-waiting-requests 0)."""
     flags = ("--max-waiting-requests", "0", "--num-kv-blocks", "64", "--api-key", "key-one", "key-two")
-    server = start_server(str(tiny_llama), tmp_path / "full.log", *flags)
+    server = start_server(str(tiny_llama), tmp_path / "full.log", *flags, "--root-path", "/serving")
     try:
         body = {"model": server.model, "prompt": "hi"}
         for headers in ({}, {"Authorization": "Bearer key-three"}, {"Authorization": "key-one"}):
-            refused = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
-            assert refused.status_code == 401 and refused.json()["error"]["code"] == 401
+            for path in ("/v1/completions", "/serving/v1/completions", "//v1/completions", "/serving//v1/completions"):
+                refused = httpx.post(f"{server.url}{path}", json=body, headers=headers)
+                assert refused.status_code == 401 and refused.json()["error"]["code"] == 401, (path, headers)
+        for path in ("/v1/models", "/serving/v1/models"):
+            assert httpx.get(f"{server.url}{path}").status_code == 401, path
+            assert httpx.get(f"{server.url}{path}", headers={"Authorization": "Bearer key-one"}).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="key-two", max_retries=0)

@@ -1,5 +1,6 @@
 """Tool calling's parts without a server: the plan from tools and tool_choice, the
-constraint it imposes, the parsers of both call formats, and the prompt's messages."""
+constraint it imposes, the parsers of both call formats (whole, and streamed as the text
+grows), and the prompt's messages."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jsonschema
 import pytest
 
 from pagefleet.engine.server.errors import OpenAIError
+from pagefleet.engine.server.tool_stream import CallStream
 from pagefleet.engine.server.tools import ToolPlan
 from pagefleet.protocol.chat_prompt import chat_messages
 from pagefleet.protocol.openai import ChatCompletionRequest
@@ -148,3 +150,58 @@ def test_the_prompt_carries_the_tools_and_earlier_calls() -> None:
     assert messages[2]["content"] == '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
     assert messages[3] == {"role": "tool", "content": '{"sky": "clear"}'}
     assert "<tools>" not in chat_messages(body, takes_tools=True)[0]["content"]
+
+
+def test_a_forced_call_cut_off_is_no_call_at_all() -> None:
+    """max_tokens cut the constrained JSON: no half call with arguments `{`, and no content."""
+    named = _plan(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.parse('{"city": "Ro') == ("", [])
+    required = _plan(tool_choice="required")
+    assert required.parse('[{"name": "get_weather", "arguments": {"ci') == ("", [])
+
+
+def _streamed(plan: ToolPlan, pieces: list[str]) -> list[dict]:  # type: ignore[type-arg]
+    stream = CallStream(plan)
+    deltas = [delta for piece in pieces for delta in stream.feed(piece)]
+    return deltas + stream.finish()
+
+
+def _calls_of(deltas: list[dict]) -> list[tuple[int, str, dict]]:  # type: ignore[type-arg]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    return [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_streamed_auto_sends_content_at_once_and_each_call_when_it_closes() -> None:
+    text = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # tags split across deltas
+    stream = CallStream(_plan())
+    first = stream.feed(pieces[0]) + stream.feed(pieces[1])
+    assert first == [{"content": "Let"}, {"content": " me"}]  # content goes out as it comes
+    deltas = _streamed(_plan(), pieces)
+    assert "".join(d.get("content", "") for d in deltas) == "Let me look.\n"
+    assert _calls_of(deltas) == [(0, "get_weather", {"city": "Oslo"}), (1, "get_time", {})]
+    # The first call goes out before the second one's text arrived.
+    cut = text.index("</tool_call>") + len("</tool_call>")
+    assert _calls_of(_streamed(_plan(), [text[:cut]])) == [(0, "get_weather", {"city": "Oslo"})]
+    # A tag without a well-formed call was text after all; an unclosed call at the end is a call.
+    assert _streamed(_plan(), ["a <tool_call>[{not json</tool_call> b"]) == [
+        {"content": "a "},
+        {"content": "<tool_call>[{not json</tool_call>"},
+        {"content": " b"},
+    ]
+    assert _calls_of(_streamed(_plan(), ['<tool_call>{"name": "get_time", "arguments": {}}'])) == [(0, "get_time", {})]
+    assert _streamed(_plan(), ["5 <", "tool"]) == [{"content": "5 "}, {"content": "<tool"}]
+
+
+def test_streamed_required_sends_each_call_when_its_object_closes() -> None:
+    text = '[{"name": "get_weather", "arguments": {"city": "a \\"}{ b"}}, {"name": "get_time", "arguments": {}}]'
+    plan = _plan(tool_choice="required")
+    stream = CallStream(plan)
+    cut = text.index("}}") + 2
+    assert _calls_of(stream.feed(text[:cut])) == [(0, "get_weather", {"city": 'a "}{ b'})]
+    assert _calls_of(stream.feed(text[cut:])) == [(1, "get_time", {})]
+    assert _calls_of(_streamed(plan, [text[i : i + 1] for i in range(len(text))])) == _calls_of(_streamed(plan, [text]))
+    assert _streamed(plan, ['[{"name": "get_weather", "argu']) == []  # cut off: nothing
