@@ -105,12 +105,7 @@ class ToolPlan:
         A forced call (named or required) has empty content, as vLLM answers it, and one cut
         off by max_tokens is no call at all (never a half call with arguments `{`)."""
         if self.choice in ("named", "required"):
-            try:
-                value = json.loads(text)
-                calls = [ParsedCall(str(self.named), json.dumps(value))] if self.choice == "named" else calls_of(value)
-            except (ValueError, TypeError, KeyError, AttributeError):
-                calls = []
-            return "", calls
+            return "", self._forced_calls(text)
         calls: list[ParsedCall] = []
         for match in _TOOL_CALL.finditer(text):
             try:
@@ -121,6 +116,13 @@ class ToolPlan:
             return text, []
         content = _TOOL_CALL.sub("", text).strip()
         return content or None, calls
+
+    def _forced_calls(self, text: str) -> list[ParsedCall]:
+        try:
+            value = json.loads(text)
+            return [ParsedCall(str(self.named), json.dumps(value))] if self.choice == "named" else calls_of(value)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return []
 
     def _function(self, name: str | None) -> Any:
         return next(tool.function for tool in self.tools if tool.function.name == name)
