@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class StreamOptions(BaseModel):
@@ -104,8 +104,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] | None = None
     prompt_embeds: str | list[str] | None = None  # vLLM's (base64 tensors): refused, this server takes none
+    prompt: str | list[str] | list[int] | list[list[int]] | None = Field(None, validate_default=True)
     max_tokens: int | None = 16
     best_of: int | None = None
     logprobs: int | None = None
@@ -113,11 +113,12 @@ class CompletionRequest(_SamplingFields):
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
-    @model_validator(mode="after")
-    def _a_prompt(self) -> CompletionRequest:
-        if self.prompt is None and not self.prompt_embeds:
+    @field_validator("prompt")
+    @classmethod
+    def _a_prompt(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and not info.data.get("prompt_embeds"):
             raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")  # vLLM's words
-        return self
+        return value
 
 
 class FunctionCall(BaseModel):

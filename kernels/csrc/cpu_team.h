@@ -42,6 +42,8 @@ class Team {
     static std::once_flag registered;
     std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, [] { instance() = nullptr; }); });
     const int wanted = std::max(1, at::get_num_threads());
+    static std::mutex making;  // Python threads may ask at once
+    std::lock_guard<std::mutex> lock(making);
     Team*& team = instance();
     if (team == nullptr || team->num_threads_ < wanted) {
       team = new Team(wanted);  // a replaced team is left running: a loop may still hold it
@@ -55,8 +57,12 @@ class Team {
     if (n <= 0) return;
     const int64_t threads = std::min<int64_t>({at::get_num_threads(), num_threads_, 0xFF});
     const int64_t num_chunks = std::min(threads, (n + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1));
+    if (num_chunks <= 1 || in_loop()) {  // in_loop first: a chunk's own thread may hold call_mutex_
+      fn(0, n);
+      return;
+    }
     std::unique_lock<std::mutex> caller(call_mutex_, std::try_to_lock);
-    if (num_chunks <= 1 || in_loop() || !caller.owns_lock()) {
+    if (!caller.owns_lock()) {  // another thread's loop has the team
       fn(0, n);
       return;
     }

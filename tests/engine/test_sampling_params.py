@@ -17,7 +17,7 @@ INVALID = [
     ({"frequency_penalty": -3.0}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"logprobs": -1}, "logprobs"),  # the ceiling is the engine's max_logprobs (tests/server)
+    ({"logprobs": -2}, "logprobs"),  # -1 is the whole vocabulary; the ceiling is the engine's max_logprobs
     ({"stop": [""]}, "stop"),
 ]
 
