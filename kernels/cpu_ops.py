@@ -53,7 +53,6 @@ SOURCES = [
         "cpu_attention_avx2.h",
         "cpu_quant_vnni.h",
         "cpu_paged.h",
-        "cpu_team.h",
         "cpu_vec.h",
     )
 ]

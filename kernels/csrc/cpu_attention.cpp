@@ -30,7 +30,6 @@
 #include <vector>
 
 #include "cpu_paged.h"
-#include "cpu_team.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -434,7 +433,7 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const T* v_data = value_cache.data_ptr<T>();
   const float scale_f = static_cast<float>(scale);
 
-  team_parallel_for(num_items * g.num_kv_heads, 1, [&](int64_t start, int64_t stop) {
+  at::parallel_for(0, num_items * g.num_kv_heads, 1, [&](int64_t start, int64_t stop) {
     Scratch<T> scratch(g);
     int64_t slots[kRowBlock], active_rows[kRowBlock];
     for (int64_t index = start; index < stop; ++index) {
@@ -477,7 +476,7 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
   T* out_data = out.data_ptr<T>();
   const int64_t out_stride_token = out.stride(0), out_stride_head = out.stride(1);
-  team_parallel_for(num_rows * g.num_kv_heads, 16, [&](int64_t start, int64_t stop) {
+  at::parallel_for(0, num_rows * g.num_kv_heads, 16, [&](int64_t start, int64_t stop) {
     std::vector<float> combined(g.head_dim);
     for (int64_t pair = start; pair < stop; ++pair) {
       const int64_t row = pair / g.num_kv_heads, kv_head = pair % g.num_kv_heads;

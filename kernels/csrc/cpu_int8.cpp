@@ -19,7 +19,6 @@
 #include <optional>
 #include <vector>
 
-#include "cpu_team.h"
 #include "cpu_vec.h"
 
 #if defined(__AVX2__)
@@ -29,8 +28,8 @@
 namespace pagefleet {
 namespace {
 
-// Work below this many elements stays on one thread: a decode step's quantize or rescale
-// takes less than sharing it would.
+// Work below this many elements stays on one thread: under OMP_WAIT_POLICY=PASSIVE
+// waking another costs ~45 us, more than a decode step's quantize or rescale takes.
 constexpr int64_t kElementsPerThread = 1 << 18;
 
 inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kElementsPerThread / row_elements); }
@@ -54,7 +53,7 @@ float row_amax(const T* row, int64_t in_features) {
 template <typename T>
 void quantize_tokens(const T* x, int64_t rows, int64_t in_features, const float* static_scale, int8_t* quants,
                      int64_t quant_stride, float* scales) {
-  team_parallel_for(rows, grain_rows(in_features), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(in_features), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const T* row = x + m * in_features;
       float scale = static_scale != nullptr ? *static_scale : row_amax(row, in_features) / 127.f;
@@ -82,7 +81,7 @@ void quantize_tokens(const T* x, int64_t rows, int64_t in_features, const float*
 template <typename T>
 void rescale(const int32_t* sums, const float* token_scales, const float* weight_scales, int64_t rows,
              int64_t out_features, T* out) {
-  team_parallel_for(rows, grain_rows(out_features), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(out_features), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const int32_t* row = sums + m * out_features;
       T* target = out + m * out_features;
@@ -237,7 +236,7 @@ at::Tensor int8_linear_packed(const at::Tensor& x, const at::Tensor& packed, con
     const int64_t all_rows = rows + static_cast<int64_t>(split.size());
     std::vector<int32_t> sums(all_rows * out_features);
     const int64_t min_groups = std::max<int64_t>(2, (1 << 15) / (stride * kChannels * std::max<int64_t>(1, all_rows)));
-    team_parallel_for(num_groups, min_groups, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, num_groups, min_groups, [&](int64_t first, int64_t last) {
       int8_groups(quants.data(), all_rows, stride, packed.data_ptr<int8_t>(), first, last, out_features, sums.data());
     });
     for (size_t i = 0; i < split.size(); ++i) {

@@ -18,7 +18,6 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_team.h"
 #include "cpu_vec.h"
 
 #if defined(__AVX2__)
@@ -29,7 +28,12 @@ namespace pagefleet {
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kBytesPerThread = 1 << 15;  // weights a thread must have to share a loop (cpu_team.h)
+// Weights a thread must have to share a loop. OpenMP's threads spin between the loops of a
+// step (the engine sets GOMP_SPINCOUNT, libgomp's own default does too), so a second thread
+// starts in about a microsecond: at 32 KiB every SmolLM2 projection is split, which took
+// batch 1 from 31-34 to 45-48 tok/s on 2 threads (0.5 MiB before, when only gate/up and the
+// head were).
+constexpr int64_t kBytesPerThread = 1 << 15;
 
 // Formats of the op's `format` argument (the Python side maps GGML's types to them). Every
 // weight is stored unsigned, w = scale * u + min: Q4_0's min is -8 * scale, Q8_0's bytes
@@ -169,7 +173,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
         pair_scales[m * num_pairs + p] =
             vnni::pair_lanes(activations.scales[m * num_blocks + 2 * p], activations.scales[m * num_blocks + 2 * p + 1]);
     // Columns split over threads, in pairs: each reads only its own weight rows.
-    team_parallel_for((out_features + 1) / 2, min_columns / 2, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, (out_features + 1) / 2, min_columns / 2, [&](int64_t first, int64_t last) {
       const int64_t begin = 2 * first, end = std::min(out_features, 2 * last);
       if (four_bit) {
         vnni::columns<true>(activations, pair_scales.data(), weight_data, scale_data, min_data, in_features, 1,
@@ -218,7 +222,7 @@ at::Tensor quantized_linear_packed(const at::Tensor& x, const at::Tensor& quants
   const at::Half* min_data = mins.data_ptr<at::Half>();
   const int64_t group_bytes = num_blocks * block_bytes;
   const int64_t min_groups = std::max<int64_t>(2, kBytesPerThread / (group_bytes * std::max<int64_t>(1, rows)));
-  team_parallel_for(num_column_groups, min_groups, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, num_column_groups, min_groups, [&](int64_t first, int64_t last) {
     auto run = [&](auto kind_tag) {
       column_groups<decltype(kind_tag)>(activations, weight_data, scale_data, min_data, has_min, in_features,
                                         out_features, first, last, out_data);

@@ -1,11 +1,9 @@
-"""The compiled operators' thread team (csrc/cpu_team.h): a loop's result has the same bits
-on 1 thread or several, loops from several Python threads at once each get their own
-answer, and a forked child (the engine's workers may be forked) gets a team of its own
-rather than waiting forever on its parent's threads."""
+"""The compiled operators' parallel loops (torch's OpenMP threads; a quantized layer is split
+from 32 KiB of weights a thread): a result has the same bits on 1 thread or several, and loops
+from several Python threads at once each get their own answer."""
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,11 +38,11 @@ def test_the_bits_do_not_depend_on_the_thread_count(weight: PackedWeight | Quant
     alone = weight.matmul(x)
     for count in (2, 3):
         torch.set_num_threads(count)
-        for _ in range(20):  # back to back: the team's threads are awake, then asleep below
+        for _ in range(20):  # back to back: the threads spin between loops, then sleep below
             assert torch.equal(weight.matmul(x), alone), f"{count} threads"
     torch.set_num_threads(2)
-    time.sleep(0.01)  # long enough for the team to fall asleep
-    assert torch.equal(weight.matmul(x), alone), "the first loop after the team slept"
+    time.sleep(0.01)  # long enough for the threads to fall asleep
+    assert torch.equal(weight.matmul(x), alone), "the first loop after the threads slept"
 
 
 def test_loops_from_several_python_threads_at_once(weight: PackedWeight | QuantizedWeight, threads: None) -> None:
@@ -57,21 +55,3 @@ def test_loops_from_several_python_threads_at_once(weight: PackedWeight | Quanti
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(run, range(8)))
-
-
-def _matmul_in_child(weight: PackedWeight | QuantizedWeight, x: torch.Tensor, queue: multiprocessing.Queue) -> None:
-    torch.set_num_threads(2)
-    queue.put(weight.matmul(x).tolist())
-
-
-def test_a_forked_child_has_a_team_of_its_own(weight: PackedWeight | QuantizedWeight, threads: None) -> None:
-    torch.set_num_threads(2)
-    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(1))
-    expected = weight.matmul(x)  # the parent's team exists before the fork
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_matmul_in_child, args=(weight, x, queue))
-    child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 0, "the child hung or failed on its first parallel loop"
-    assert torch.equal(torch.tensor(queue.get(timeout=5)), expected)
