@@ -20,6 +20,7 @@ from pagefleet.engine.server.events import ChunkWriter, finish_reason, prompt_lo
 from pagefleet.engine.server.generation import (
     DeltaTracker,
     Outputs,
+    choice_deltas,
     first_and_rest,
     generate,
     last_output,
@@ -188,31 +189,26 @@ async def _stream(
             yield chunk([echo], chunk.so_far(prompt_tokens, 0))
     tracker = DeltaTracker()
     final: RequestOutput | None = None
-    async with aclosing(stream):
-        async for output in stream:
-            final = output
-            for completion in output.outputs:
-                i = completion.index
-                delta = tracker.delta(i, completion)
-                if delta is None:
-                    continue
-                choice: dict[str, Any] = {"index": i, "delta": {}, "logprobs": None, "finish_reason": None}
-                logprobs = _logprobs(body, completion, delta.first_token)
-                if delta.text or (logprobs and logprobs["content"]):
-                    choice["delta"] = {"content": delta.text}
-                    if function is not None:
-                        choice["delta"] = {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
-                    choice["logprobs"] = logprobs
-                if delta.is_last:
-                    reason = finish_reason(completion.finish_reason)
-                    choice["finish_reason"] = "tool_calls" if function is not None and reason == "stop" else reason
-                if choice["delta"] or delta.is_last:
-                    # Marked sent only once sent: tokens whose text is an incomplete UTF-8
-                    # sequence (no text yet) go out with the next chunk, ids and logprobs too.
-                    tracker.sent(i, completion)
-                    if body.return_token_ids:
-                        choice["token_ids"] = completion.token_ids[delta.first_token :]
-                    yield chunk([choice], chunk.so_far(prompt_tokens, len(completion.token_ids)))
+    async with aclosing(choice_deltas(stream, tracker)) as deltas:
+        async for output, completion, delta in deltas:
+            final, i = output, completion.index
+            choice: dict[str, Any] = {"index": i, "delta": {}, "logprobs": None, "finish_reason": None}
+            logprobs = _logprobs(body, completion, delta.first_token)
+            if delta.text or (logprobs and logprobs["content"]):
+                choice["delta"] = {"content": delta.text}
+                if function is not None:
+                    choice["delta"] = {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
+                choice["logprobs"] = logprobs
+            if delta.is_last:
+                reason = finish_reason(completion.finish_reason)
+                choice["finish_reason"] = "tool_calls" if function is not None and reason == "stop" else reason
+            if choice["delta"] or delta.is_last:
+                # Marked sent only once sent: tokens whose text is an incomplete UTF-8
+                # sequence (no text yet) go out with the next chunk, ids and logprobs too.
+                tracker.sent(i, completion)
+                if body.return_token_ids:
+                    choice["token_ids"] = completion.token_ids[delta.first_token :]
+                yield chunk([choice], chunk.so_far(prompt_tokens, len(completion.token_ids)))
     if chunk.include_usage and final is not None:
         yield chunk([], chunk.usage([final]))
     yield sse("[DONE]")

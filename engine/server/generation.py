@@ -230,3 +230,16 @@ class DeltaTracker:
     def sent(self, choice: int, completion: CompletionOutput) -> None:
         """Record that the choice's text and tokens up to `completion` went out."""
         self._sent[choice] = (len(completion.text), len(completion.token_ids))
+
+
+async def choice_deltas(
+    stream: Outputs, tracker: DeltaTracker
+) -> AsyncGenerator[tuple[RequestOutput, CompletionOutput, Delta], None]:
+    """Each choice's news in each output of `stream` (closed when the caller stops), with the
+    output it came in; the caller says what it sent (`tracker.sent`)."""
+    async with aclosing(stream):
+        async for output in stream:
+            for completion in output.outputs:
+                delta = tracker.delta(completion.index, completion)
+                if delta is not None:
+                    yield output, completion, delta

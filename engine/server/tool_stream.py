@@ -18,7 +18,7 @@ from typing import Any
 
 from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.server.events import ChunkWriter, finish_reason, sse
-from pagefleet.engine.server.generation import DeltaTracker, Outputs
+from pagefleet.engine.server.generation import DeltaTracker, Outputs, choice_deltas
 from pagefleet.engine.server.tools import ParsedCall, ToolPlan, calls_of
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -133,30 +133,25 @@ async def stream_tool_answers(
         )
     tracker = DeltaTracker()
     final: RequestOutput | None = None
-    async with aclosing(stream):
-        async for output in stream:
-            final = output
-            for completion in output.outputs:
-                i = completion.index
-                delta = tracker.delta(i, completion)
-                if delta is None:
-                    continue
-                tracker.sent(i, completion)
-                call_stream = streams[i]
-                deltas = call_stream.feed(delta.text) + (call_stream.finish() if delta.is_last else [])
-                so_far = chunk.so_far(prompt_tokens, len(completion.token_ids))
-                choices = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
-                if delta.is_last:
-                    reason = finish_reason(completion.finish_reason)
-                    called = call_stream.num_calls > 0 and reason == "stop"
-                    choices.append(
-                        {"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if called else reason}
-                    )
-                for n, choice in enumerate(choices):
-                    if token_ids and n == len(choices) - 1:  # the ids so far ride on the last chunk
-                        choice["token_ids"] = completion.token_ids[ids_sent[i] :]
-                        ids_sent[i] = len(completion.token_ids)
-                    yield chunk([choice], so_far)
+    async with aclosing(choice_deltas(stream, tracker)) as news:
+        async for output, completion, delta in news:
+            final, i = output, completion.index
+            tracker.sent(i, completion)
+            call_stream = streams[i]
+            deltas = call_stream.feed(delta.text) + (call_stream.finish() if delta.is_last else [])
+            so_far = chunk.so_far(prompt_tokens, len(completion.token_ids))
+            choices = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            if delta.is_last:
+                reason = finish_reason(completion.finish_reason)
+                called = call_stream.num_calls > 0 and reason == "stop"
+                choices.append(
+                    {"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if called else reason}
+                )
+            for n, choice in enumerate(choices):
+                if token_ids and n == len(choices) - 1:  # the ids so far ride on the last chunk
+                    choice["token_ids"] = completion.token_ids[ids_sent[i] :]
+                    ids_sent[i] = len(completion.token_ids)
+                yield chunk([choice], so_far)
     if chunk.include_usage and final is not None:
         yield chunk([], chunk.usage([final]))
     yield sse("[DONE]")
