@@ -116,7 +116,7 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _a_prompt(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is None and not info.data.get("prompt_embeds"):
+        if value in (None, "", []) and not info.data.get("prompt_embeds"):
             raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")  # vLLM's words
         return value
 

@@ -123,8 +123,11 @@ class RequestChecks:
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             if asked is not None and asked > self.max_logprobs:
+                kind = "sample" if name == "logprobs" else "prompt"  # vLLM's words
                 raise InvalidParameterError(
-                    name, f"requested {asked} logprobs, more than max_logprobs={self.max_logprobs} (--max-logprobs)"
+                    name,
+                    f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
+                    f"{self.max_logprobs} (--max-logprobs)",
                 )
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),

@@ -37,14 +37,16 @@ class ChunkWriter:
     def for_request(
         cls, response_id: str, kind: str, model: str, options: StreamOptions | None, settings: ServerSettings
     ) -> ChunkWriter:
-        """As vLLM decides it: usage at the end if asked or forced (`--enable-force-include-
-        usage`), and in every chunk too if `continuous_usage_stats` asks as well, or if forced
-        for a request that gave no stream_options."""
-        forced = settings.enable_force_include_usage
-        if options is None:
-            include = continuous = forced
+        """As vLLM decides it: `--enable-force-include-usage` puts the running usage in every
+        chunk and the total at the end, whatever the request's stream_options say; otherwise
+        usage at the end if `include_usage` asks, in every chunk too if `continuous_usage_stats`
+        asks as well."""
+        if settings.enable_force_include_usage:
+            include = continuous = True
+        elif options is None:
+            include = continuous = False
         else:
-            include = forced or options.include_usage
+            include = options.include_usage
             continuous = include and options.continuous_usage_stats
         return cls(response_id, kind, model, include, continuous, settings.enable_prompt_tokens_details)
 
@@ -99,7 +101,7 @@ def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | N
 
 def usage(outputs: list[RequestOutput], details: bool) -> dict[str, Any]:
     """The usage object; with `details` (--enable-prompt-tokens-details) the prompt's cached
-    tokens as `prompt_tokens_details`, when there are any (vLLM's rule), else null."""
+    tokens, 0 included, as `prompt_tokens_details` (vLLM 0.32 sends it so), else null."""
     prompt = sum(o.usage.prompt_tokens for o in outputs)
     completion = sum(o.usage.completion_tokens for o in outputs)
     cached = sum(o.usage.cached_prompt_tokens for o in outputs)
@@ -107,7 +109,7 @@ def usage(outputs: list[RequestOutput], details: bool) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached} if details and cached else None,
+        "prompt_tokens_details": {"cached_tokens": cached} if details else None,
     }
 
 

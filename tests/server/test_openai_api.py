@@ -150,8 +150,9 @@ def test_usage_while_streaming_as_vllm_reports_it(tiny_server: EngineServer, cli
 
 
 def test_usage_in_streams_follows_vllms_rule() -> None:
-    """Usage at the end if asked or forced (`--enable-force-include-usage`); in every chunk
-    if `continuous_usage_stats` asks too, or if forced for a request without stream_options."""
+    """Forced (`--enable-force-include-usage`): usage in every chunk and at the end, whatever
+    the request says (vLLM 0.32's should_include_usage); else at the end if asked, and in
+    every chunk if `continuous_usage_stats` asks too."""
     from pagefleet.engine.server.events import ChunkWriter
     from pagefleet.engine.server.settings import ServerSettings
     from pagefleet.protocol.openai import StreamOptions
@@ -165,6 +166,7 @@ def test_usage_in_streams_follows_vllms_rule() -> None:
     assert plan(None, False) == (False, False) and plan(None, True) == (True, True)
     assert plan(continuous, False) == (False, False) and plan(continuous, True) == (True, True)
     assert plan(StreamOptions(include_usage=True), False) == (True, False)
+    assert plan(StreamOptions(include_usage=True, continuous_usage_stats=False), True) == (True, True)
 
 
 def test_chat_prefill_continues_the_last_message(tiny_server: EngineServer, client: openai.OpenAI) -> None:
@@ -451,7 +453,7 @@ def test_token_ids_only_and_a_higher_logprobs_ceiling(tiny_llama: Path, tmp_path
         assert all(len(top) == 25 for top in choice["logprobs"]["top_logprobs"])  # named by id: none collide
         assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
         too_many = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 31})
-        assert too_many.status_code == 400 and "max_logprobs=30" in too_many.json()["error"]["message"]
+        assert too_many.status_code == 400 and "greater than max allowed: 30" in too_many.json()["error"]["message"]
         text = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "Hello"})
         chat = httpx.post(
             f"{server.url}/v1/chat/completions",

@@ -127,6 +127,8 @@ def test_server_wide_token_ids_and_prompt_token_details(tiny_server: EngineServe
     body = {"prompt": "one two three four five six seven eight nine ten", "max_tokens": 2, "logprobs": 1}
     named = _post(flagged, "/v1/completions", body).json()["choices"][0]["logprobs"]["tokens"]
     assert all(name.startswith("token_id:") for name in named)
+    cold = _post(flagged, "/v1/completions", {**body, "prompt": "a prompt never sent before"}).json()["usage"]
+    assert cold["prompt_tokens_details"] == {"cached_tokens": 0}  # as vLLM 0.32: 0 is said too
     again = _post(flagged, "/v1/completions", body).json()["usage"]  # its prompt's blocks are cached now
     assert again["prompt_tokens_details"]["cached_tokens"] >= 8
     for _ in range(2):
@@ -222,9 +224,10 @@ def test_error_wording_as_vllms(tiny_server: EngineServer) -> None:
     for seed, rule in ((2**64, "less_than_equal"), (-(2**64), "greater_than_equal")):
         answer = _post(tiny_server, "/v1/completions", {"prompt": "Hi", "seed": seed})
         assert answer.status_code == 400 and rule in answer.json()["error"]["message"]
-    nothing = _post(tiny_server, "/v1/completions", {"max_tokens": 2})
-    assert nothing.status_code == 400
-    assert "Either prompt or prompt_embeds must be provided and non-empty." in nothing.json()["error"]["message"]
+    for missing in ({}, {"prompt": ""}, {"prompt": []}):
+        nothing = _post(tiny_server, "/v1/completions", {"max_tokens": 2, **missing})
+        assert nothing.status_code == 400, missing
+        assert "Either prompt or prompt_embeds must be provided and non-empty." in nothing.json()["error"]["message"]
 
 
 def test_vllms_sampling_params_import_path() -> None:
