@@ -17,6 +17,9 @@ building and loading them.
   int8 dot products, one kernel for every number of rows (AVX-512 VNNI on GGML's order
   where the CPU has it, else AVX2 on weights repacked with 8 columns interleaved); AVX2 and
   AVX-512 builds (`has_quantized_linear()`, `quantized_packed_layout()`).
+- `LlamaLayers` (csrc/cpu_decoder.cpp; built by pagefleet/engine/models/compiled_layers.py):
+  a Llama-family model's decoder layers as one call per step, through the operators above
+  (the same bits as the Python loop, without the interpreter between them).
 - `int8_linear` (csrc/cpu_int8.cpp; wrapper and reference in pagefleet/engine/layers/int8.py):
   an int8 W8A8 layer: activations quantized per token, oneDNN's int8 GEMM, one rescale.
 
@@ -49,6 +52,7 @@ SOURCES = [
         "cpu_lora.cpp",
         "cpu_quant.cpp",
         "cpu_int8.cpp",
+        "cpu_decoder.cpp",
         "cpu_quant_columns.h",
         "cpu_attention_avx2.h",
         "cpu_quant_vnni.h",
@@ -108,6 +112,19 @@ def quantized_packed_layout() -> bool:
     """Whether the quantized matmul this CPU runs reads weights repacked with 8 columns
     interleaved (AVX2) rather than in GGML's order (AVX-512 VNNI)."""
     return has_quantized_linear() and bool(torch.ops.pagefleet.quantized_packed_layout())
+
+
+@functools.cache
+def has_compiled_layers() -> bool:
+    """Whether the loaded operators include the Llama family's decoder layers as one call
+    (csrc/cpu_decoder.cpp: `torch.classes.pagefleet.LlamaLayers`) over the AVX2 kernel's
+    repacked weights."""
+    if not quantized_packed_layout():
+        return False
+    try:
+        return torch.classes.pagefleet.LlamaLayers is not None
+    except RuntimeError:  # torch.classes says so for a class it does not have
+        return False
 
 
 def is_loaded() -> bool:

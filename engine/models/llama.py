@@ -8,18 +8,21 @@ fused into one matmul each, which is where a CPU step spends most of its time.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.layers.cpu_attention import CpuAttentionBackend, CpuMetadata
 from pagefleet.engine.layers.fused import rotary, silu_and_mul
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
 from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
+from pagefleet.engine.models.compiled_layers import compile_layers, run_compiled
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.weights import WeightLoader
 
@@ -125,6 +128,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
         self.quantized_embedding: QuantizedWeight | PackedWeight | None = None  # a GGUF's, looked up as stored
+        self.compiled: Any | None = False  # the compiled layers (False: not tried yet; None: cannot)
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -145,10 +149,25 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = self.quantized_embedding.dequantize(input_ids).to(self.norm.weight.dtype)
         rope = self.rotary.lookup(positions, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, backend)
+        compiled = self._compiled_layers(backend) if isinstance(metadata, CpuMetadata) else None
+        if compiled is not None:
+            hidden, residual = run_compiled(compiled, hidden, rope, kv_caches, metadata)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, backend)
         return self.norm.add_and_norm(residual, hidden)[1]
+
+    def _compiled_layers(self, backend: AttentionBackend) -> Any | None:
+        """The layers as one compiled call (models/compiled_layers.py), made at the first step
+        on the CPU backend (after the weights are loaded and LoRA, if any, is attached), or
+        None where they cannot be; never while an adapter is attached."""
+        if self.layers[0].self_attn.qkv_proj.lora is not None:
+            return None
+        if self.compiled is False:
+            assert isinstance(backend, CpuAttentionBackend)
+            self.compiled = compile_layers(self, backend.spec.sliding_window or 0)
+        return self.compiled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [n, hidden] -> float32 logits [n, vocab] (on rank 0; None on the others)."""

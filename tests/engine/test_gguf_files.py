@@ -246,4 +246,5 @@ def test_fused_layers_of_mixed_types_run_each_part_as_stored(tiny_llama: Path, t
         assert a.outputs[0].token_ids[0] == token
         # int8 activations, as above
         assert np.isclose(a.outputs[0].logprobs[0][token].logprob, b.outputs[0].logprobs[0][token].logprob, atol=0.15)
+    assert quantized.engine.parts.model.compiled is None  # a float part (v): the Python loop runs
     assert_no_block_leaked(quantized)

@@ -1,0 +1,88 @@
+"""A Llama-family model's decoder layers as one compiled call per step
+(kernels/csrc/cpu_decoder.cpp), where every projection is a GGUF weight for the AVX2 kernel.
+
+At batch 1 a small quantized model spends about a third of a step in the interpreter
+between its operators. The compiled layers call the same operators on the same tensors in
+the same order, so a row's output is bit for bit the Python loop's: only the interpreter is
+gone. Anything the C++ loop does not carry (LoRA, tensor parallelism, float or W8A8 layers,
+another attention backend) keeps the Python loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagefleet.engine.layers.cpu_attention import CpuMetadata
+from pagefleet.engine.layers.linear import Linear
+from pagefleet.engine.layers.quantized import GGML_Q8_0, PackedWeight, StackedWeight
+from pagefleet.kernels import cpu_ops
+
+if TYPE_CHECKING:
+    from pagefleet.engine.layers.attention import KVCache
+    from pagefleet.engine.models.llama import LlamaForCausalLM
+
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # the C++ order
+
+
+def _packed_parts(linear: Linear) -> list[PackedWeight] | None:
+    weight = linear.quantized
+    parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
+    if linear.lora is not None or not all(isinstance(part, PackedWeight) for part in parts):
+        return None
+    return list(parts)  # type: ignore[arg-type]
+
+
+def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
+    """`torch.classes.pagefleet.LlamaLayers` holding `model`'s layers, or None where a layer
+    has anything the compiled loop does not run."""
+    if not cpu_ops.has_compiled_layers() or model.shard.size != 1:
+        return None
+    dtype = model.norm.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or model.norm.weight.device.type != "cpu":
+        return None
+    config = model.config
+    first = model.layers[0].self_attn
+    compiled = torch.classes.pagefleet.LlamaLayers(
+        first.num_heads, first.num_kv_heads, first.head_dim, config.norm_eps, first.scale, sliding_window
+    )
+    for layer in model.layers:
+        attention = layer.self_attn
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm]
+        if any(norm is not None and norm.weight.dtype != dtype for norm in norms):
+            return None
+        compiled.add_layer(
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            None if attention.q_norm is None else attention.q_norm.weight,
+            None if attention.k_norm is None else attention.k_norm.weight,
+        )
+        for index, name in enumerate(PROJECTIONS):
+            linear = layer.get_submodule(name)
+            parts = _packed_parts(linear)
+            if parts is None:
+                return None
+            for part in parts:
+                has_min = part.ggml_type != GGML_Q8_0  # packed Q8_0 is signed, its mins zero (PackedWeight.matmul)
+                compiled.add_part(index, part.quants, part.scales, part.mins, part.kind, part.out_features, has_min)
+            if linear.bias is not None:
+                compiled.set_bias(index, linear.bias)
+    return compiled
+
+
+def run_compiled(
+    compiled: Any, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_caches: KVCache, metadata: CpuMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the last layer's output, the residual), as the Python loop returns them."""
+    rows = metadata.rows
+    return compiled.forward(  # type: ignore[no-any-return]
+        hidden,
+        *rope,
+        [pair[0] for pair in kv_caches],
+        [pair[1] for pair in kv_caches],
+        metadata.slot_mapping,
+        rows.tables,
+        rows.lengths,
+        rows.row_groups,
+    )

@@ -1,0 +1,185 @@
+// The Llama family's decoder layers as one call per step on CPUs (torch.classes.pagefleet.
+// LlamaLayers; built and used by pagefleet/engine/models/compiled_layers.py).
+//
+// A batch-1 decode step of a small quantized model spends about a third of its time in
+// Python: 30 layers of module calls, wrapper checks and ~11 torch.ops dispatches each. This
+// class runs the same layers from C++ through the same operators (the dispatcher's handles of
+// pagefleet::quantized_linear_packed, add_rms_norm, rotary, reshape_and_cache,
+// paged_attention_rows, silu_and_mul), on the same tensors in the same order, so its output
+// is bit for bit the Python loop's (tests/kernels/test_compiled_layers.py); it only removes
+// the interpreter between them.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// The operators, looked up once (they are registered by the other files of this library).
+struct Operators {
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, bool)>
+      linear = handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, bool)>(
+          "quantized_linear_packed");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
+      handle<Tensor(const Tensor&, const Tensor&, double)>("rms_norm");
+  c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
+      add_rms_norm =
+          handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>("add_rms_norm");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&)> rotary =
+      handle<Tensor(const Tensor&, const Tensor&, const Tensor&)>("rotary");
+  c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul = handle<Tensor(const Tensor&)>("silu_and_mul");
+  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)> cache_write =
+      handle<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)>("reshape_and_cache");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, double, int64_t)>
+      attention = handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, double, int64_t)>("paged_attention_rows");
+
+  template <typename Signature>
+  static c10::TypedOperatorHandle<Signature> handle(const char* name) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow((std::string("pagefleet::") + name).c_str(), "").typed<Signature>();
+  }
+};
+
+const Operators& operators() {
+  static const Operators instance;
+  return instance;
+}
+
+// One GGUF weight as the AVX2 kernel reads it (a PackedWeight's tensors).
+struct Part {
+  Tensor quants, scales, mins;
+  int64_t kind, out_features;
+  bool has_min;
+};
+
+// A projection: its parts' outputs side by side (a StackedWeight when they differ in
+// format), then its bias, as engine/layers/linear.py computes it.
+struct Projection {
+  std::vector<Part> parts;
+  std::optional<Tensor> bias;
+
+  Tensor operator()(const Tensor& x) const {
+    const Tensor input = x.contiguous();
+    auto one = [&](const Part& p) {
+      return operators().linear.call(input, p.quants, p.scales, p.mins, p.kind, p.out_features, p.has_min);
+    };
+    Tensor y;
+    if (parts.size() == 1) {
+      y = one(parts[0]);
+    } else {
+      std::vector<Tensor> outputs;
+      for (const Part& part : parts) outputs.push_back(one(part));
+      y = at::cat(outputs, -1);
+    }
+    return bias ? y + *bias : y;
+  }
+};
+
+enum ProjectionIndex : int64_t { kQkv = 0, kOut = 1, kGateUp = 2, kDown = 3 };
+
+struct Layer {
+  Tensor input_norm, post_norm;
+  std::optional<Tensor> q_norm, k_norm;
+  std::array<Projection, 4> projections;
+};
+
+class LlamaLayers : public torch::CustomClassHolder {
+ public:
+  LlamaLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              int64_t sliding_window)
+      : num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        eps_(eps),
+        scale_(scale),
+        sliding_window_(sliding_window) {}
+
+  void add_layer(Tensor input_norm, Tensor post_norm, std::optional<Tensor> q_norm, std::optional<Tensor> k_norm) {
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm), {}});
+  }
+
+  // The last layer's `projection` gains a part (in row order).
+  void add_part(int64_t projection, Tensor quants, Tensor scales, Tensor mins, int64_t kind, int64_t out_features,
+                bool has_min) {
+    TORCH_CHECK(!layers_.empty() && projection >= kQkv && projection <= kDown, "add_layer first; projection 0-3");
+    layers_.back().projections[projection].parts.push_back(
+        Part{std::move(quants), std::move(scales), std::move(mins), kind, out_features, has_min});
+  }
+
+  void set_bias(int64_t projection, Tensor bias) {
+    TORCH_CHECK(!layers_.empty() && projection >= kQkv && projection <= kDown, "add_layer first; projection 0-3");
+    layers_.back().projections[projection].bias = std::move(bias);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden: the embeddings [T, H]; cos, sin: [T, 1, D]; the caches of every layer; the
+  // step's slots and the attention rows' tables. Returns (the last layer's output, the
+  // residual), for the final add-and-norm.
+  std::tuple<Tensor, Tensor> forward(const Tensor& embeddings, const Tensor& cos, const Tensor& sin,
+                                     std::vector<Tensor> key_caches, std::vector<Tensor> value_caches,
+                                     const Tensor& slot_mapping, const Tensor& tables, const Tensor& lengths,
+                                     const Tensor& row_groups) {
+    TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(), "a cache per layer");
+    const Operators& op = operators();
+    const int64_t tokens = embeddings.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    Tensor hidden = embeddings, residual, normed;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      if (i == 0) {
+        residual = hidden;
+        normed = op.rms_norm.call(hidden, layer.input_norm, eps_);
+      } else {
+        std::tie(residual, normed) = op.add_rms_norm.call(residual, hidden, layer.input_norm, eps_);
+      }
+      const Tensor qkv = layer.projections[kQkv](normed);
+      std::vector<Tensor> split = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
+      Tensor q = split[0].view({tokens, num_heads_, head_dim_});
+      Tensor k = split[1].view({tokens, num_kv_heads_, head_dim_});
+      const Tensor v = split[2].view({tokens, num_kv_heads_, head_dim_});
+      if (layer.q_norm && layer.k_norm) {
+        q = op.rms_norm.call(q, *layer.q_norm, eps_);
+        k = op.rms_norm.call(k, *layer.k_norm, eps_);
+      }
+      q = op.rotary.call(q, cos, sin);
+      k = op.rotary.call(k, cos, sin);
+      Tensor& key_cache = key_caches[i];
+      Tensor& value_cache = value_caches[i];
+      const auto cache_type = key_cache.scalar_type();
+      op.cache_write.call(k.to(cache_type), v.to(cache_type), key_cache, value_cache, slot_mapping);
+      const Tensor attended =
+          op.attention.call(q, key_cache, value_cache, tables, lengths, row_groups, scale_, sliding_window_);
+      const Tensor projected = layer.projections[kOut](attended.view({tokens, q_size}));
+      std::tie(residual, normed) = op.add_rms_norm.call(residual, projected, layer.post_norm, eps_);
+      hidden = layer.projections[kDown](op.silu_and_mul.call(layer.projections[kGateUp](normed)));
+    }
+    return {hidden, residual};
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  int64_t sliding_window_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
+  m.class_<LlamaLayers>("LlamaLayers")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def("add_layer", &LlamaLayers::add_layer)
+      .def("add_part", &LlamaLayers::add_part)
+      .def("set_bias", &LlamaLayers::set_bias)
+      .def("num_layers", &LlamaLayers::num_layers)
+      .def("forward", &LlamaLayers::forward);
+}
