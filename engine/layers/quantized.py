@@ -284,6 +284,11 @@ _PACKED_KINDS = {
     GGML_Q6_K: 2,
     GGML_Q8_0: 3,
 }
+SIGNED_KIND = 3  # Q8_0, stored signed: a byte a weight
+# Each unsigned kind's codes are stored as their low nibbles, two a byte, then a plane of 32
+# bytes per bit above the fourth: bit k of a plane's byte is the bit of step k's weight.
+_HIGH_BITS = {0: 0, 1: 1, 2: 2}
+_STEP_BITS = torch.arange(8, dtype=torch.uint8).view(8, 1)
 LANES = 8  # output columns interleaved in the packed layout
 
 
@@ -292,10 +297,11 @@ class PackedWeight:
     """A `QuantizedWeight` repacked for the AVX2 kernel (kernels/csrc/cpu_quant_columns.h):
     output columns in groups of 8 (the last padded with zero columns), each block of 32
     weights stored as 8 steps of 4 weights of each of the 8 columns, so that a 256-bit lane
-    holds one column. Q8_0's codes are stored signed (u - 128, min 0).
+    holds one column. Q8_0's codes are stored signed (u - 128, min 0), a byte each; the
+    others' as low nibbles and 1 (5-bit) or 2 (6-bit) planes of their high bits.
 
-    quants: uint8 [groups, blocks * (128 if 4-bit else 256)]; scales, mins: float16 [groups,
-    in_features / group, 8]."""
+    quants: uint8 [groups, blocks * (128, 160, 192 or 256 for 4-, 5-, 6- and 8-bit)];
+    scales, mins: float16 [groups, in_features / group, 8]."""
 
     ggml_type: int
     quants: torch.Tensor
@@ -331,9 +337,15 @@ class PackedWeight:
         if pad:
             codes = F.pad(codes, (0, 0, 0, pad))
             scales, mins = F.pad(scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
-        steps = codes.reshape(groups, LANES, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [j, b, k, c, i]
-        if weight.format == FOUR_BIT:
-            steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
+        steps = codes.reshape(groups, LANES, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 8, -1)
+        kind = _PACKED_KINDS[weight.ggml_type]
+        if kind != SIGNED_KIND:  # [j, b, k, 4c + i]: the low nibbles two a byte, then the high bits' planes
+            low = steps & 0x0F
+            planes = [
+                (((steps >> (4 + h)) & 1) << _STEP_BITS).sum(dim=2, keepdim=True).to(torch.uint8)
+                for h in range(_HIGH_BITS[kind])
+            ]
+            steps = torch.cat([low[:, :, :4] | (low[:, :, 4:] << 4), *planes], dim=2)
         return cls(
             weight.ggml_type,
             steps.reshape(groups, -1).contiguous(),
@@ -347,10 +359,16 @@ class PackedWeight:
         group_index = slice(None) if rows is None else rows // LANES
         quants, scales, mins = self.quants[group_index], self.scales[group_index], self.mins[group_index]
         groups = quants.shape[0]
-        steps = quants.reshape(groups, -1, 4 if self.kind == 0 else 8, LANES, 4)
-        if self.kind == 0:
-            steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)
-        codes = steps.view(torch.int8) if self.kind == 3 else steps
+        kind = self.kind
+        steps = quants.reshape(groups, -1, 8 if kind == SIGNED_KIND else 4 + _HIGH_BITS[kind], LANES, 4)
+        if kind != SIGNED_KIND:
+            nibbles = steps[:, :, :4]
+            codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)
+            for h in range(_HIGH_BITS[kind]):
+                plane = steps[:, :, 4 + h : 5 + h]
+                codes = codes | (((plane >> _STEP_BITS.view(8, 1, 1)) & 1) << (4 + h))
+        else:
+            codes = steps.view(torch.int8)
         codes = codes.permute(0, 3, 1, 2, 4).reshape(groups, LANES, -1, self.group)  # [j, c, groups, group]
         values = codes.float() * scales.transpose(1, 2).float().unsqueeze(-1) + mins.transpose(1, 2).float().unsqueeze(
             -1

@@ -202,10 +202,10 @@ at::Tensor quantized_linear_packed(const at::Tensor& x, const at::Tensor& quants
               "in_features must be a multiple of 32 (64 for Q6_K), got ", in_features);
   const int64_t num_blocks = in_features / kBlock, num_column_groups = (out_features + kLanes - 1) / kLanes;
   const int64_t groups_per_block = kind == 2 ? 2 : 1;
-  const int64_t block_bytes = kind == 0 ? 128 : 256;
+  const int64_t block_bytes = kind == 3 ? 256 : 128 + 32 * kind;  // the nibbles and 0-2 planes of high bits
   TORCH_CHECK(quants.scalar_type() == at::kByte && quants.is_contiguous() && quants.dim() == 2 &&
                   quants.size(0) == num_column_groups && quants.size(1) == num_blocks * block_bytes,
-              "quants: uint8 [out_features / 8, in_features / 32 * (128 if 4-bit else 256)]");
+              "quants: uint8 [out_features / 8, in_features / 32 * (128, 160, 192 or 256 by kind)]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == num_column_groups && scales.size(1) == num_blocks * groups_per_block &&
                   scales.size(2) == kLanes,

@@ -16,6 +16,9 @@
 // weights (elements 4k..4k+3 of the block):
 //   4-bit:  uint8 [j, b, 4, 32]: byte (t, 4c + i): low nibble = column c's element 4t + i,
 //           high nibble = its element 16 + 4t + i (step t low, step t + 4 high)
+//   5-bit, 6-bit: the 4-bit layout of the codes' low nibbles, then 1 (5-bit) or 2 (6-bit)
+//           planes of 32 bytes: plane h's byte 4c + i holds, in its bit k, bit 4 + h of
+//           column c's element 4k + i (0.75 and 0.94 bytes a weight where a byte each took 1)
 //   8-bit:  uint8 [j, b, 8, 32]: byte (k, 4c + i) = column c's element 4k + i; Q8_0 signed
 //   scales, mins: float16 [j, groups, 8]
 #pragma once
@@ -26,20 +29,26 @@
 // 63 * 127), and Q8_0's signed bytes take vpsignb's trick (|w| unsigned, x carrying w's sign).
 struct KindFourBit {
   static constexpr bool kNibbles = true, kSigned = false;
-  static constexpr int kStepsPerSum = 8, kStepsPerGroup = 8;
+  static constexpr int kHighBits = 0, kStepsPerSum = 8, kStepsPerGroup = 8;
 };
 struct KindFiveBit {
-  static constexpr bool kNibbles = false, kSigned = false;
-  static constexpr int kStepsPerSum = 4, kStepsPerGroup = 8;
+  static constexpr bool kNibbles = true, kSigned = false;
+  static constexpr int kHighBits = 1, kStepsPerSum = 4, kStepsPerGroup = 8;
 };
 struct KindSixBit16 {
-  static constexpr bool kNibbles = false, kSigned = false;
-  static constexpr int kStepsPerSum = 2, kStepsPerGroup = 4;
+  static constexpr bool kNibbles = true, kSigned = false;
+  static constexpr int kHighBits = 2, kStepsPerSum = 2, kStepsPerGroup = 4;
 };
 struct KindSigned {
   static constexpr bool kNibbles = false, kSigned = true;
-  static constexpr int kStepsPerSum = 1, kStepsPerGroup = 8;
+  static constexpr int kHighBits = 0, kStepsPerSum = 1, kStepsPerGroup = 8;
 };
+
+// Packed bytes of one block of 32 weights of 8 columns.
+template <typename Kind>
+constexpr int64_t block_bytes() {
+  return Kind::kNibbles ? 128 + 32 * Kind::kHighBits : 256;
+}
 
 constexpr int kLanes = 8;  // columns per group
 
@@ -49,7 +58,18 @@ inline __m256i weight_step(const uint8_t* block, int k) {
   if constexpr (Kind::kNibbles) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (k & 3)));
     const __m256i shifted = k < 4 ? bytes : _mm256_srli_epi16(bytes, 4);
-    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+    __m256i codes = _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+    for (int h = 0; h < Kind::kHighBits; ++h) {
+      // Bit k of each plane byte to bit 4 + h of the code: a 16-bit shift moves each byte's
+      // bit within its own byte at the positions the mask keeps.
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+      const int target = 4 + h;
+      const __m256i moved = k < target   ? _mm256_slli_epi16(plane, target - k)
+                            : k > target ? _mm256_srli_epi16(plane, k - target)
+                                         : plane;
+      codes = _mm256_or_si256(codes, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << target))));
+    }
+    return codes;
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * k));
   }
@@ -68,7 +88,7 @@ void column_tile(const QuantizedActivations& x, const uint8_t* group_quants, con
                  const at::Half* group_mins, bool has_min, int64_t in_features, int64_t m0, int64_t first_column,
                  int64_t columns, float* out, int64_t out_stride) {
   constexpr int kGroupsPerBlock = 8 / Kind::kStepsPerGroup;
-  constexpr int64_t kBlockBytes = Kind::kNibbles ? 128 : 256;
+  constexpr int64_t kBlockBytes = block_bytes<Kind>();
   const int64_t num_blocks = in_features / kBlock;
   const float* group_sums = kGroupsPerBlock == 2 ? x.half_sums : x.scaled_sums;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -132,7 +152,7 @@ void column_groups(const QuantizedActivations& x, const uint8_t* quants, const a
                    const at::Half* mins, bool has_min, int64_t in_features, int64_t out_features, int64_t first,
                    int64_t last, float* out) {
   const int64_t num_blocks = in_features / kBlock;
-  const int64_t group_bytes = num_blocks * (Kind::kNibbles ? 128 : 256);
+  const int64_t group_bytes = num_blocks * block_bytes<Kind>();
   const int64_t group_halves = num_blocks * (8 / Kind::kStepsPerGroup) * kLanes;
   for (int64_t row_block = 0; row_block < x.rows; row_block += kColumnRowBlock) {
     const int64_t row_end = std::min(x.rows, row_block + kColumnRowBlock);
