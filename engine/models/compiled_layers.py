@@ -72,7 +72,11 @@ def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
 
 
 def run_compiled(
-    compiled: Any, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_caches: KVCache, metadata: CpuMetadata
+    compiled: Any,
+    hidden: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_caches: KVCache,
+    metadata: CpuMetadata,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the last layer's output, the residual), as the Python loop returns them."""
     rows = metadata.rows

@@ -162,7 +162,9 @@ class LlamaForCausalLM(nn.Module):
         """The layers as one compiled call (models/compiled_layers.py), made at the first step
         on the CPU backend (after the weights are loaded and LoRA, if any, is attached), or
         None where they cannot be; never while an adapter is attached."""
-        if self.layers[0].self_attn.qkv_proj.lora is not None:
+        first = self.layers[0]
+        assert isinstance(first, LlamaDecoderLayer)
+        if first.self_attn.qkv_proj.lora is not None:
             return None
         if self.compiled is False:
             assert isinstance(backend, CpuAttentionBackend)
