@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagefleet.protocol import kv_transfer
+
 PREFILL_REPLICA_HEADER = "x-pagefleet-prefill-replica"  # on answers: which replica ran the prompt
 
 
@@ -39,7 +41,7 @@ def prefill_body(payload: dict[str, Any]) -> bytes:
     """The prefill replica's request: the same prompt (chat template and tools included, so
     the tokens agree), one token, one sample, no stream, its blocks kept for the pull."""
     body = {key: value for key, value in payload.items() if key not in _NOT_FOR_PREFILL}
-    body.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+    body.update(max_tokens=1, n=1, kv_transfer_params=kv_transfer.for_prefill())
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     return json.dumps(body).encode()
@@ -53,7 +55,6 @@ def decode_body(payload: dict[str, Any], transfer: dict[str, Any]) -> bytes:
 def transfer_params(answer: bytes) -> dict[str, Any] | None:
     """The `kv_transfer_params` of a prefill replica's JSON answer (None if it has none)."""
     try:
-        params = json.loads(answer).get("kv_transfer_params")
+        return kv_transfer.of_prefill_answer(json.loads(answer))
     except (ValueError, AttributeError):
         return None
-    return params if isinstance(params, dict) and params.get("do_remote_prefill") else None

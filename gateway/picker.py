@@ -42,8 +42,10 @@ from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.forwarding import CHAT_COMPLETIONS, CHAT_PATHS
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import Proxy, forwarded_headers
+from pagefleet.gateway.route import kv_peer_of
 from pagefleet.gateway.routing import Route, by_load
 from pagefleet.gateway.shape import SESSION_HEADER, RequestShape, routed_payload
+from pagefleet.protocol.http import KV_PEER_HEADER
 from pagefleet.protocol.replica import ReplicaRecord
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,23 @@ def _set_headers(values: dict[str, str]) -> ext_proc.HeaderMutation:
             for name, value in values.items()
         ]
     )
+
+
+def routed_headers(destination: str, route: Route | None, content_length: int | None) -> ext_proc.HeaderMutation:
+    """What Envoy changes in the request it sends: the endpoints to try, the body's new
+    length, and the peer to pull the prompt's prefix from when the route names one (as the
+    gateway sends it: proxy.upstream_headers). A client's own peer header never reaches a
+    replica: the peer is the router's to name."""
+    headers = {DESTINATION: destination}
+    if content_length is not None:
+        headers["content-length"] = str(content_length)
+    peer = kv_peer_of(route) if route is not None else None
+    if peer is not None:
+        headers[KV_PEER_HEADER] = peer
+    mutation = _set_headers(headers)
+    if peer is None:
+        mutation.remove_headers.append(KV_PEER_HEADER)
+    return mutation
 
 
 def refusal_response(refusal: Refusal) -> ext_proc.ProcessingResponse:
@@ -206,10 +225,8 @@ class EndpointPicker(ExternalProcessorServicer):
             return [refusal_response(refusal)]
         exchange.picked_at = time.monotonic()
         destination = ",".join(endpoint(record.url) for record in exchange.endpoints)
-        headers = {DESTINATION: destination}
-        if sent_body is not body:  # the decode request: the body grew by the KV's whereabouts
-            headers["content-length"] = str(len(sent_body))
-        mutation = _set_headers(headers)
+        length = len(sent_body) if sent_body is not body else None  # the decode request's body grew
+        mutation = routed_headers(destination, exchange.route, length)
         common = ext_proc.CommonResponse(header_mutation=mutation, clear_route_cache=True)  # routes may match on it
         lb = Struct()
         lb.update({LB_NAMESPACE: {DESTINATION: destination}})

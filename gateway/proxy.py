@@ -36,6 +36,7 @@ from pagefleet.gateway.disaggregation import (
 )
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
+from pagefleet.gateway.route import kv_peer_of
 from pagefleet.gateway.routing import Route, Router
 from pagefleet.gateway.shape import RequestShape
 from pagefleet.gateway.tracing import ProxyTracing
@@ -100,6 +101,15 @@ class OutlierDetector:
             self._failures.pop(url, None)
 
 
+def upstream_headers(headers: bytes, route: Route, trace_lines: bytes = b"") -> bytes:
+    """The header lines a replica gets: the client's (forwarded_headers), the peer to pull
+    the prompt's prefix from when the route names one, and the trace's context."""
+    peer = kv_peer_of(route)
+    if peer is not None:
+        headers += b"%s: %s\r\n" % (KV_PEER_HEADER.encode(), peer.encode("latin-1"))
+    return headers + trace_lines
+
+
 class Proxy:
     def __init__(
         self,
@@ -156,12 +166,8 @@ class Proxy:
             replica = route.replica
             tried.add(replica.url)
             started = time.monotonic()
-            span, sent_headers = None, headers
-            if route.kv_peer is not None and route.kv_peer != replica.url:  # pull the prefix rather than compute it
-                sent_headers += b"%s: %s\r\n" % (KV_PEER_HEADER.encode(), route.kv_peer.encode("latin-1"))
-            if self.tracing is not None:
-                span, trace_lines = self.tracing.call(path, replica, phase)
-                sent_headers = headers + trace_lines
+            span, trace_lines = self.tracing.call(path, replica, phase) if self.tracing is not None else (None, b"")
+            sent_headers = upstream_headers(headers, route, trace_lines)
             try:
                 upstream = await self.pool.post(replica.url, path, body, sent_headers)
             except (UpstreamError, TimeoutError) as exc:

@@ -41,6 +41,15 @@ class Route:
     kv_peer: str | None = None  # the URL of a replica caching the prompt's prefix, for the chosen one to pull from
 
 
+def kv_peer_of(route: Route) -> str | None:
+    """The replica the chosen one should pull the prompt's prefix from (the gateway's
+    `x-pagefleet-kv-peer` header, whichever front door sends the request), or None: the
+    route names none, or names the chosen replica itself."""
+    if route.kv_peer is None or route.kv_peer == route.replica.url:
+        return None
+    return route.kv_peer
+
+
 class RoutingPolicy(Protocol):
     name: str
 

@@ -40,6 +40,7 @@ from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.beam_search import BeamSearchState
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.protocol.block_hash import chain_root
+from pagefleet.protocol.kv_transfer import KVTransferParams
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -212,8 +213,8 @@ class Request:
     @property
     def wants_remote_decode(self) -> bool:
         """A prefill replica's request: its prompt's blocks are kept for a decode replica."""
-        extra = self.params.extra_args or {}
-        return bool((extra.get("kv_transfer_params") or {}).get("do_remote_decode"))
+        transfer = KVTransferParams.of_extra_args(self.params.extra_args)  # checked when the request came
+        return transfer is not None and transfer.remote_decode
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -24,6 +24,7 @@ from pagefleet.engine.kv_transfer.pins import PinnedPrompts
 from pagefleet.engine.sample.sampler import SampleResult
 from pagefleet.engine.spec_decode.speculator import Speculator
 from pagefleet.engine.worker.model_runner import RequestResults, Verified
+from pagefleet.protocol.kv_transfer import prefill_answer
 
 logger = logging.getLogger(__name__)
 
@@ -223,9 +224,4 @@ class StepUpdate:
         if self.kv_connector is not None:
             request.kv_transfer_params = self.kv_connector.transfer_params(request.request_id, blocks)
         else:
-            request.kv_transfer_params = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": blocks,
-                "remote_request_id": request.request_id,
-            }
+            request.kv_transfer_params = prefill_answer(request.request_id, blocks)

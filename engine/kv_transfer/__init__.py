@@ -13,7 +13,6 @@ from pagefleet.engine.kv_transfer.params import (
     KVLayout,
     KVTransferError,
     RemoteKV,
-    RemotePrefill,
 )
 
-__all__ = ["ROLES", "KVLayout", "KVTransferError", "RemoteKV", "RemotePrefill"]
+__all__ = ["ROLES", "KVLayout", "KVTransferError", "RemoteKV"]

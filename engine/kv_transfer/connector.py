@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from pagefleet.engine.kv_transfer import wire
-from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV, RemotePrefill
+from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
+from pagefleet.protocol.kv_transfer import RemotePrefill, prefill_answer
 
 PULL_PATH = "/kv/pull"
 
@@ -58,16 +59,7 @@ class HTTPConnector:
         self._session: aiohttp.ClientSession | None = None
 
     def transfer_params(self, request_id: str, block_ids: list[int]) -> dict[str, Any]:
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": block_ids,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "tp_size": 1,
-        }
+        return prefill_answer(request_id, block_ids, self.engine_id, self.host, self.port)
 
     async def pull(self, remote: RemotePrefill, layout: KVLayout, token_ids: list[int]) -> RemoteKV:
         num_tokens = tokens_to_pull(len(token_ids))

@@ -1,11 +1,6 @@
-"""vLLM's `kv_transfer_params` and the KV layout two replicas must share to move blocks.
-
-A request to a prefill replica carries `{"do_remote_decode": true}`; its response carries
-what a decode replica needs to pull the prompt's KV: `do_remote_prefill`, the prefill
-replica's `remote_engine_id`, `remote_host` and `remote_port`, the `remote_block_ids` and
-the `remote_request_id` (the same fields as vLLM's NixlConnector). The decode replica's
-request carries those back.
-"""
+"""The KV layout two replicas must share to move blocks, and a prompt's KV from outside the
+engine. The requests' `kv_transfer_params` are read and written in pagefleet/protocol/
+kv_transfer.py."""
 
 from __future__ import annotations
 
@@ -14,53 +9,11 @@ from typing import Any
 
 import torch
 
-from pagefleet.engine.errors import InvalidParameterError
-
 ROLES = ("prefill", "decode", "both")
 
 
 class KVTransferError(RuntimeError):
     """A transfer that cannot happen (unreachable replica, blocks gone, layouts that differ)."""
-
-
-@dataclass(slots=True, frozen=True)
-class RemotePrefill:
-    """Where a decode replica pulls a prompt's KV from (a prefill replica's answer)."""
-
-    engine_id: str
-    host: str
-    port: int
-    block_ids: list[int]
-    request_id: str
-
-    @classmethod
-    def parse(cls, params: dict[str, Any]) -> RemotePrefill:
-        """From a request's `kv_transfer_params` with `do_remote_prefill`.
-
-        Raises:
-            InvalidParameterError: a field is missing or of the wrong type.
-        """
-        missing = [
-            name
-            for name in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id")
-            if params.get(name) is None
-        ]
-        if missing:
-            raise InvalidParameterError(
-                "kv_transfer_params", f"do_remote_prefill needs {', '.join(missing)} (a prefill replica's answer)"
-            )
-        block_ids, port = params["remote_block_ids"], params["remote_port"]
-        if not isinstance(block_ids, list) or not all(isinstance(b, int) and b >= 0 for b in block_ids):
-            raise InvalidParameterError("kv_transfer_params", "remote_block_ids must be a list of block ids")
-        if not isinstance(port, int) or not 0 < port < 65536:
-            raise InvalidParameterError("kv_transfer_params", "remote_port must be a TCP port")
-        return cls(
-            str(params["remote_engine_id"]),
-            str(params["remote_host"]),
-            port,
-            block_ids,
-            str(params["remote_request_id"]),
-        )
 
 
 @dataclass(slots=True, frozen=True)

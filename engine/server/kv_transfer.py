@@ -27,13 +27,14 @@ from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.front.inputs import PromptType
 from pagefleet.engine.kv_transfer import wire
 from pagefleet.engine.kv_transfer.connector import PULL_PATH, HTTPConnector
-from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV, RemotePrefill
+from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.kv_peers import PeerPrefixes
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
 from pagefleet.protocol.http import error_json
+from pagefleet.protocol.kv_transfer import KVTransferParams, KVTransferParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +63,18 @@ class KVTransfers:
             InvalidParameterError: bad `kv_transfer_params`, or a prefill replica asked to decode.
             OpenAIError: 502 when the pull fails.
         """
-        transfer = (params.extra_args or {}).get("kv_transfer_params")
-        if not isinstance(transfer, dict) or not transfer.get("do_remote_prefill"):
+        try:
+            transfer = KVTransferParams.of_extra_args(params.extra_args)
+        except KVTransferParamsError as error:
+            raise InvalidParameterError("kv_transfer_params", str(error)) from None
+        if transfer is None or transfer.remote_prefill is None:
             return prompt, None
         if self.role == "prefill":
             raise InvalidParameterError(
                 "kv_transfer_params",
                 "this replica prefills (--role prefill): send do_remote_prefill to a decode replica",
             )
-        remote = RemotePrefill.parse(transfer)
+        remote = transfer.remote_prefill
         token_ids = await asyncio.to_thread(engine.prompt_token_ids, prompt, params)  # once, off the loop
         started = time.monotonic()
         try:

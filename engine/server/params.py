@@ -7,6 +7,7 @@ from typing import Any
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.sample.structured_outputs import StructuredOutputsParams
+from pagefleet.protocol import kv_transfer
 from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 _PASSED_WHEN_SET = (
@@ -39,7 +40,7 @@ def sampling_params(
     if body.prompt_logprobs is not None:
         fields["prompt_logprobs"] = body.prompt_logprobs
     if body.kv_transfer_params is not None:
-        fields["extra_args"] = {"kv_transfer_params": body.kv_transfer_params}
+        fields["extra_args"] = {kv_transfer.FIELD: body.kv_transfer_params}
     return SamplingParams(
         n=body.n,
         stop=stop,

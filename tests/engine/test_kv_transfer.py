@@ -103,6 +103,29 @@ def test_pins_expire_and_roles_refuse_the_other_half(engines: tuple[LLM, LLM, LL
     remote = RemoteKV(0, [], [])
     with pytest.raises(InvalidParameterError, match="--role prefill"):
         prefill.engine.add_request("p", {"prompt_token_ids": prompt}, SamplingParams(), remote)
+    for bad, words in (("yes", "must be an object"), ({"do_remote_prefill": True}, "needs remote_engine_id")):
+        with pytest.raises(InvalidParameterError, match=words) as refused:
+            prefill.generate([{"prompt_token_ids": prompt}], SamplingParams(extra_args={"kv_transfer_params": bad}))
+        assert refused.value.param == "kv_transfer_params"
+    assert_no_block_leaked(prefill)
+
+
+def test_kv_transfer_params_read_what_they_write() -> None:
+    """protocol/kv_transfer.py, the one module that reads and writes them: a prefill
+    replica's answer parses into where to pull from, and the prefill request into its flag."""
+    from pagefleet.protocol.kv_transfer import KVTransferParams, for_prefill, of_prefill_answer, prefill_answer
+
+    answer = prefill_answer("req-1", [4, 9], "engine-a", "10.0.0.7", 8001)
+    read = KVTransferParams.parse(of_prefill_answer({"kv_transfer_params": answer}))
+    assert read is not None and not read.remote_decode and read.remote_prefill is not None
+    assert (read.remote_prefill.host, read.remote_prefill.port, read.remote_prefill.block_ids) == (
+        "10.0.0.7",
+        8001,
+        [4, 9],
+    )
+    assert KVTransferParams.parse(for_prefill()) == KVTransferParams(remote_decode=True)
+    assert KVTransferParams.parse({}) is None and KVTransferParams.parse(None) is None
+    assert of_prefill_answer({"kv_transfer_params": for_prefill()}) is None  # not an answer to pull from
 
 
 def test_frames_carry_tensors_byte_for_byte_in_any_pieces() -> None:

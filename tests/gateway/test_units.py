@@ -494,3 +494,32 @@ def test_a_model_scaled_to_zero_holds_its_requests_until_a_replica_publishes(red
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_both_front_doors_name_the_routes_kv_peer_and_only_the_routes() -> None:
+    """The gateway and the picker send the replica the peer the route names (a bug before:
+    the picker never did, and the gateway's tracing overwrote the header), never one the
+    client sent, and never the replica itself."""
+    from pagefleet.gateway.picker import routed_headers
+    from pagefleet.gateway.proxy import upstream_headers
+    from pagefleet.gateway.route import Route
+    from pagefleet.protocol.http import KV_PEER_HEADER
+
+    chosen, holder = _replica("chosen"), _replica("holder", port=8001)
+    pulling = Route(chosen, kv_peer=holder.url)
+    trace = b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n"
+    sent = upstream_headers(b"authorization: Bearer k\r\n", pulling, trace)
+    assert sent == b"authorization: Bearer k\r\n" + f"{KV_PEER_HEADER}: {holder.url}\r\n".encode() + trace
+    for no_peer in (Route(chosen), Route(chosen, kv_peer=chosen.url)):
+        assert upstream_headers(b"", no_peer, trace) == trace
+
+    mutation = routed_headers("10.0.0.1:8000", pulling, None)
+    assert {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers} == {
+        DESTINATION: "10.0.0.1:8000",
+        KV_PEER_HEADER: holder.url,
+    }
+    assert list(mutation.remove_headers) == []
+    for no_peer in (Route(chosen), Route(chosen, kv_peer=chosen.url), None):
+        mutation = routed_headers("10.0.0.1:8000", no_peer, 12)
+        assert {h.header.key for h in mutation.set_headers} == {DESTINATION, "content-length"}
+        assert list(mutation.remove_headers) == [KV_PEER_HEADER]  # a client's own never reaches the replica
