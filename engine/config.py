@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -17,6 +17,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def _fail(param: str, message: str) -> NoReturn:
+    raise InvalidParameterError(param, message)
 
 
 @dataclass(slots=True)
@@ -119,68 +123,74 @@ class EngineConfig:
     quantization: str | None = None
 
     def __post_init__(self) -> None:
-        def fail(param: str, message: str) -> None:
-            raise InvalidParameterError(param, message)
+        self._check_sizes()
+        self._check_choices()
+        self._check_combinations()
 
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            fail("dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+    def _check_sizes(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            fail("block_size", f"must be a power of two, got {self.block_size}")
+            _fail("block_size", f"must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            fail("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+            _fail("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            fail("kv_cache_memory", f"must be > 0, got {self.kv_cache_memory}")
+            _fail("kv_cache_memory", f"must be > 0, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:
-            fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
+            _fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
         if self.kv_cache_dir_size_gib <= 0:
-            fail("kv_cache_dir_size_gib", f"must be > 0, got {self.kv_cache_dir_size_gib}")
-        if self.kv_cache_dir is not None and self.tensor_parallel_size > 1:
-            fail("kv_cache_dir", "the file tier serves one process's cache: not with tensor_parallel_size > 1")
+            _fail("kv_cache_dir_size_gib", f"must be > 0, got {self.kv_cache_dir_size_gib}")
         if self.max_logprobs < -1:
-            fail("max_logprobs", f"must be >= 0, or -1 for the whole vocabulary; got {self.max_logprobs}")
+            _fail("max_logprobs", f"must be >= 0, or -1 for the whole vocabulary; got {self.max_logprobs}")
         if self.max_num_seqs < 1:
-            fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+            _fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            fail("preemption_mode", f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+            _fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         if self.swap_space < 0:
-            fail("swap_space", f"must be >= 0 bytes, got {self.swap_space}")
+            _fail("swap_space", f"must be >= 0 bytes, got {self.swap_space}")
+        if self.max_loras < 1:
+            _fail("max_loras", f"must be >= 1, got {self.max_loras}")
+        if self.kv_pin_timeout <= 0:
+            _fail("kv_pin_timeout", f"must be > 0 seconds, got {self.kv_pin_timeout}")
+        if self.tensor_parallel_size < 1:
+            _fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+
+    def _check_choices(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            _fail("dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            _fail("preemption_mode", f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.device not in ("auto", "cpu", "cuda"):
-            fail("device", f"must be auto, cpu or cuda; got {self.device!r}")
-        if self.gpu_memory_utilization is not None:
-            if not 0 < self.gpu_memory_utilization <= 1:
-                fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
-            if self.kv_cache_memory is not None:
-                fail("gpu_memory_utilization", "give it or kv_cache_memory, not both")
+            _fail("device", f"must be auto, cpu or cuda; got {self.device!r}")
         if self.trust_remote_code:
-            fail(
+            _fail(
                 "trust_remote_code",
                 "remote code is never run: only the built-in architectures are supported (leave it False)",
             )
         if self.kv_role not in ROLES:
-            fail("kv_role", f"must be prefill, decode or both; got {self.kv_role!r}")
-        if self.max_loras < 1:
-            fail("max_loras", f"must be >= 1, got {self.max_loras}")
+            _fail("kv_role", f"must be prefill, decode or both; got {self.kv_role!r}")
         if self.max_lora_rank not in (8, 16, 32, 64, 128, 256, 320, 512):
-            fail(
+            _fail(
                 "max_lora_rank",
                 f"must be one of 8, 16, 32, 64, 128, 256, 320, 512 (as vLLM's); got {self.max_lora_rank}",
             )
-        if self.kv_pin_timeout <= 0:
-            fail("kv_pin_timeout", f"must be > 0 seconds, got {self.kv_pin_timeout}")
-        if self.tensor_parallel_size < 1:
-            fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.quantization not in (None, "gguf", "compressed-tensors", "none"):
+            _fail("quantization", f"must be gguf, compressed-tensors or none; got {self.quantization!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            _fail("attention_backend", f"must be auto, cpu, torch or triton; got {self.attention_backend!r}")
+
+    def _check_combinations(self) -> None:
+        if self.kv_cache_dir is not None and self.tensor_parallel_size > 1:
+            _fail("kv_cache_dir", "the file tier serves one process's cache: not with tensor_parallel_size > 1")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                _fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+            if self.kv_cache_memory is not None:
+                _fail("gpu_memory_utilization", "give it or kv_cache_memory, not both")
         if self.tensor_parallel_size > 1 and self.enable_lora:
-            fail("tensor_parallel_size", "LoRA adapters are not yet served with tensor parallelism (enable_lora)")
+            _fail("tensor_parallel_size", "LoRA adapters are not yet served with tensor parallelism (enable_lora)")
         if self.tensor_parallel_size > 1 and self.kv_role != "both":
-            fail("tensor_parallel_size", "prefill/decode disaggregation (kv_role) needs tensor_parallel_size=1")
+            _fail("tensor_parallel_size", "prefill/decode disaggregation (kv_role) needs tensor_parallel_size=1")
         if self.speculative_config is not None:
             self.speculative  # noqa: B018 (parsing checks it)
-        if self.quantization not in (None, "gguf", "compressed-tensors", "none"):
-            fail("quantization", f"must be gguf, compressed-tensors or none; got {self.quantization!r}")
-        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
-            fail("attention_backend", f"must be auto, cpu, torch or triton; got {self.attention_backend!r}")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

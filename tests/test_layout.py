@@ -128,3 +128,16 @@ def test_the_http_layer_reaches_the_engine_only_through_async_engine() -> None:
         if re.search(r"\bengine\.engine\b", line)
     ]
     assert not reaching, reaching
+
+
+def test_no_function_in_the_engine_the_gateway_or_the_operator_runs_past_60_lines() -> None:
+    """Small functions with one job (STYLE.md): a function of 60 lines or more is split."""
+    long = []
+    for folder in ("engine", "gateway", "operator"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    length = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if length >= 60:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, long

@@ -51,6 +51,17 @@ def prefix_hash_root(lora_request: LoRARequest | None, cache_salt: str | None) -
     return chain_root(lora_request.lora_name if lora_request is not None else None, cache_salt)
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class _CheckedRequest:
+    """A request as `LLMEngine._checked` accepted it."""
+
+    prepared: PreparedPrompt
+    params: SamplingParams
+    remote_kv: RemoteKV | None
+    grammar: Any
+    max_tokens: int
+
+
 class LLMEngine:
     """The engine core, driven one `step()` at a time by one thread.
 
@@ -132,6 +143,24 @@ class LLMEngine:
             InvalidParameterError: (ValueError) naming the field, e.g. an empty prompt or a
                 prompt longer than max_model_len.
         """
+        checked = self._checked(request_id, prompt, params, remote_kv, lora_request)
+        request = self._new_request(request_id, checked, lora_request)
+        self.outputs.start(request)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self._num_prompt_tokens += len(request.prompt_token_ids)
+        return request
+
+    def _checked(
+        self,
+        request_id: str,
+        prompt: PromptType | PreparedPrompt,
+        params: SamplingParams,
+        remote_kv: RemoteKV | None,
+        lora_request: LoRARequest | None,
+    ) -> _CheckedRequest:
+        """Everything `add_request` refuses, checked before anything is allocated (the
+        adapter, if any, is loaded)."""
         if request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         if self.tokenizer is None and params.stop:
@@ -140,7 +169,7 @@ class LLMEngine:
             )
         checks = self.checks
         prepared = prompt if isinstance(prompt, PreparedPrompt) else self.prepare_prompt(prompt, params, lora_request)
-        text, token_ids, cache_salt = prepared.text, prepared.token_ids, prepared.cache_salt
+        token_ids = prepared.token_ids
         checks.validate_prompt(token_ids)
         if remote_kv is None or remote_kv.origin == "prefill":
             checks.check_kv_role(params, remote_kv, token_ids)
@@ -150,9 +179,19 @@ class LLMEngine:
         checks.check_token_constraints(params)
         grammar = checks.compile_grammar(params)
         max_tokens = checks.resolve_max_tokens(len(token_ids), params)
+        return _CheckedRequest(prepared, params, remote_kv, grammar, max_tokens)
+
+    def _new_request(self, request_id: str, checked: _CheckedRequest, lora_request: LoRARequest | None) -> Request:
+        prepared, params, remote_kv, max_tokens = (
+            checked.prepared,
+            checked.params,
+            checked.remote_kv,
+            checked.max_tokens,
+        )
+        token_ids, cache_salt = prepared.token_ids, prepared.cache_salt
         request = Request(
             request_id,
-            text,
+            prepared.text,
             token_ids,
             params,
             next(self._arrivals),
@@ -168,18 +207,14 @@ class LLMEngine:
             request.remote_kv = remote_kv  # prompt logprobs need the prompt computed here
         if params.use_beam_search:
             request.beam = BeamSearchState(params, max_tokens, self._stop_token_ids(params))
-        if grammar is not None:
+        if checked.grammar is not None:
             for seq in request.sequences:
-                seq.grammar = checks.matcher(grammar)
+                seq.grammar = self.checks.matcher(checked.grammar)
         if request.remote_kv is None:
             hits, _ = self.kv_cache.find_prefix_hits(request.sequences[0], len(token_ids))
             request.num_expected_prefill_tokens = len(token_ids) - len(hits) * self.kv_cache.block_size
         elif request.remote_kv.origin != "prefill":
             request.num_expected_prefill_tokens = len(token_ids) - request.remote_kv.num_tokens
-        self.outputs.start(request)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
-        self._num_prompt_tokens += len(token_ids)
         return request
 
     def add_lora(self, lora_request: LoRARequest | None) -> bool:

@@ -168,6 +168,38 @@ class GGUFTensors:
         return QuantizedWeight.from_blocks(blocks, tensor.ggml_type)
 
 
+def _fused_weight(
+    linear: Linear,
+    parts: list[QuantizedWeight | None],
+    sources: list[_Source],
+    tensors: GGUFTensors,
+    kept: Counter[str],
+    dequantized: Counter[str],
+) -> QuantizedWeight | StackedWeight:
+    """One layer's weight from its sources' tensors: consecutive parts of one type fused; a
+    part of another type runs on its own, and a part the kernels do not read keeps its rows
+    of the loaded float weight."""
+    blocks: list[QuantizedWeight | torch.Tensor] = []
+    first_row = 0
+    for part, source in zip(parts, sources, strict=True):
+        rows = tensors.rows(source.name)
+        if part is None:
+            blocks.append(linear.weight.data[first_row : first_row + rows].clone())
+            dequantized[tensors.type_name(source.name)] += 1
+        else:
+            part = _unpermute_rows(part, source.permuted_heads) if source.permuted_heads else part
+            part = part.to(linear.weight.device)
+            last = blocks[-1] if blocks else None
+            if isinstance(last, QuantizedWeight) and last.ggml_type == part.ggml_type:
+                blocks[-1] = QuantizedWeight.cat([last, part])
+            else:
+                blocks.append(part)
+            kept[GGML_NAMES[part.ggml_type]] += 1
+        first_row += rows
+    first = blocks[0]
+    return first if len(blocks) == 1 and isinstance(first, QuantizedWeight) else StackedWeight(tuple(blocks))
+
+
 def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> None:
     """Put the GGUF file's quantized tensors in `model` (a single-rank Llama-family or GPT-2
     model, weights loaded, on the CPU or CUDA); logs what was kept quantized and what not."""
@@ -184,26 +216,7 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
         if all(part is None for part in parts):
             dequantized.update(tensors.type_name(source.name) for source in sources)
             continue
-        # Consecutive parts of one type fused; a part of another type runs on its own, and a
-        # part the kernels do not read keeps its rows of the loaded float weight.
-        blocks: list[QuantizedWeight | torch.Tensor] = []
-        first_row = 0
-        for part, source in zip(parts, sources, strict=True):
-            rows = tensors.rows(source.name)
-            if part is None:
-                blocks.append(linear.weight.data[first_row : first_row + rows].clone())
-                dequantized[tensors.type_name(source.name)] += 1
-            else:
-                part = _unpermute_rows(part, source.permuted_heads) if source.permuted_heads else part
-                part = part.to(linear.weight.device)
-                last = blocks[-1] if blocks else None
-                if isinstance(last, QuantizedWeight) and last.ggml_type == part.ggml_type:
-                    blocks[-1] = QuantizedWeight.cat([last, part])
-                else:
-                    blocks.append(part)
-                kept[GGML_NAMES[part.ggml_type]] += 1
-            first_row += rows
-        fused = blocks[0] if len(blocks) == 1 else StackedWeight(tuple(blocks))
+        fused = _fused_weight(linear, parts, sources, tensors, kept, dequantized)
         float_bytes += linear.weight.numel() * linear.weight.element_size()
         linear.quantize(fused)
         quantized_bytes += fused.nbytes

@@ -18,6 +18,7 @@ from pagefleet.engine.server.chat import chat_prompt, create_chat_completion
 from pagefleet.engine.server.chat_batch import create_batch_chat_completion
 from pagefleet.engine.server.completions import create_completion
 from pagefleet.engine.server.errors import OpenAIError
+from pagefleet.engine.server.settings import ServerSettings
 from pagefleet.engine.server.state import ServerState, tokenizer_of
 from pagefleet.engine.server.streaming import cancel_on_disconnect
 from pagefleet.protocol.http import error_json
@@ -48,7 +49,14 @@ class DetokenizeRequest(BaseModel):
 
 
 def add_core_routes(app: FastAPI, state: ServerState) -> None:
-    settings = state.settings
+    """The routes every replica serves: probes and metrics, generation, tokens."""
+    add_probe_routes(app, state)
+    add_generation_routes(app, state)
+    add_token_routes(app, state)
+
+
+def add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    """Liveness, readiness, load, version and Prometheus metrics."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -78,6 +86,22 @@ def add_core_routes(app: FastAPI, state: ServerState) -> None:
     async def get_version() -> dict[str, str]:
         return {"version": server_version()}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def server_wide(body: RequestT, settings: ServerSettings) -> RequestT:
+    """The body with the server's --return-tokens-as-token-ids, which wins over the request's."""
+    if settings.return_tokens_as_token_ids and not body.return_tokens_as_token_ids:
+        return body.model_copy(update={"return_tokens_as_token_ids": True})
+    return body
+
+
+def add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """The model list and the OpenAI routes that generate (and SageMaker's /invocations)."""
+    settings = state.settings
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         data = [
@@ -97,12 +121,14 @@ def add_core_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         header_id = request.headers.get("x-request-id")
-        return await cancel_on_disconnect(request, create_completion(state, server_wide(body), header_id))
+        return await cancel_on_disconnect(request, create_completion(state, server_wide(body, settings), header_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         header_id = request.headers.get("x-request-id")
-        return await cancel_on_disconnect(request, create_chat_completion(state, server_wide(body), header_id))
+        return await cancel_on_disconnect(
+            request, create_chat_completion(state, server_wide(body, settings), header_id)
+        )
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Any:
@@ -119,16 +145,15 @@ def add_core_routes(app: FastAPI, state: ServerState) -> None:
             return await completions(CompletionRequest.model_validate(payload), request)
         raise OpenAIError(400, "a body with `messages` (a chat completion) or `prompt` (a completion)")
 
-    def server_wide(body: RequestT) -> RequestT:
-        """The body with the server's --return-tokens-as-token-ids, which wins over the request's."""
-        if settings.return_tokens_as_token_ids and not body.return_tokens_as_token_ids:
-            return body.model_copy(update={"return_tokens_as_token_ids": True})
-        return body
-
     @app.post("/v1/chat/completions/batch")
     async def batch_chat_completions(body: BatchChatCompletionRequest, request: Request) -> Any:
         header_id = request.headers.get("x-request-id")
         return await cancel_on_disconnect(request, create_batch_chat_completion(state, body, header_id))
+
+
+def add_token_routes(app: FastAPI, state: ServerState) -> None:
+    """Tokenize, detokenize, and the prefix cache's reset."""
+    settings = state.settings
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
@@ -163,7 +188,3 @@ def add_core_routes(app: FastAPI, state: ServerState) -> None:
         if any(not 0 <= token < vocab for token in body.tokens):
             raise OpenAIError(400, f"tokens: token ids must be in [0, {vocab})", "tokens")
         return {"prompt": tokenizer_of(engine).decode(body.tokens)}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -68,22 +68,7 @@ class RequestTracing:
             span.set_attribute("gen_ai.latency.time_in_queue", scheduled - arrival)
         span.set_attribute("gen_ai.latency.e2e", now_mono - arrival)
         span.set_attribute("pagefleet.preemptions", sum(event.name == "preempted" for event in events))
-        if output is not None:
-            reasons = [completion.finish_reason or "abort" for completion in output.outputs]
-            span.set_attributes(
-                {
-                    "gen_ai.usage.input_tokens": output.usage.prompt_tokens,
-                    "gen_ai.usage.output_tokens": output.usage.completion_tokens,
-                    "pagefleet.cached_prompt_tokens": output.usage.cached_prompt_tokens,
-                    "gen_ai.response.finish_reasons": reasons if output.finished else ["abort"],
-                }
-            )
-        if error is not None:
-            span.set_attribute("error.type", type(error).__qualname__)
-            span.set_status(trace.StatusCode.ERROR, str(error))
-        elif output is not None and output.error:
-            span.set_attribute("error.type", "engine_error")
-            span.set_status(trace.StatusCode.ERROR, output.error)
+        _record_outcome(span, output, error)
         span.add_event("finished", timestamp=now_ns)
         span.end(end_time=now_ns)
 
@@ -104,3 +89,23 @@ def _request_attributes(operation: str, model: str, params: SamplingParams) -> d
     if params.seed is not None:
         attributes["gen_ai.request.seed"] = params.seed
     return {key: value for key, value in attributes.items() if value is not None}
+
+
+def _record_outcome(span: trace.Span, output: RequestOutput | None, error: BaseException | None) -> None:
+    """The request's usage and finish reasons, and its error if it failed."""
+    if output is not None:
+        reasons = [completion.finish_reason or "abort" for completion in output.outputs]
+        span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": output.usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": output.usage.completion_tokens,
+                "pagefleet.cached_prompt_tokens": output.usage.cached_prompt_tokens,
+                "gen_ai.response.finish_reasons": reasons if output.finished else ["abort"],
+            }
+        )
+    if error is not None:
+        span.set_attribute("error.type", type(error).__qualname__)
+        span.set_status(trace.StatusCode.ERROR, str(error))
+    elif output is not None and output.error:
+        span.set_attribute("error.type", "engine_error")
+        span.set_status(trace.StatusCode.ERROR, output.error)
