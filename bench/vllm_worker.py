@@ -2,8 +2,9 @@
 
     python vllm_worker.py WORKLOAD.json MODEL_DIR DTYPE RESULT.json
 
-Reads prompts as token ids, generates greedily with ignore_eos, and writes tokens/s (start-up
-not timed) and every request's output token ids. vLLM spawns workers, hence the main guard.
+Reads prompts as token ids, generates greedily with ignore_eos twice, each from an empty
+prefix cache, and writes the better tokens/s of the two (start-up not timed) and every
+request's output token ids. vLLM spawns workers, hence the main guard.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+TIMED_CALLS = 2
 
 
 def main() -> None:
@@ -25,12 +28,17 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=workload["output_tokens"], ignore_eos=True)
     prompts = [{"prompt_token_ids": prompt} for prompt in workload["prompts"]]
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up; pagefleet gets the same
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    tokens = [list(output.outputs[0].token_ids) for output in outputs]
+    rates = []
+    for _ in range(TIMED_CALLS):  # its best: the first whole batch can still meet new shapes
+        llm.reset_prefix_cache()  # the same prompts again: computed, not read from the cache
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        tokens = [list(output.outputs[0].token_ids) for output in outputs]
+        rates.append(sum(map(len, tokens)) / seconds)
+        print(f"[vllm] {rates[-1]:.1f} tok/s", file=sys.stderr, flush=True)
     with open(result_path, "w") as handle:
-        json.dump({"seconds": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds, "outputs": tokens}, handle)
+        json.dump({"tokens_per_s": max(rates), "rates": rates, "outputs": tokens}, handle)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 # The gateway and the picker: `pagefleet gateway` and `pagefleet picker`, no torch and no
-# CUDA (they share only the small protocol package with the engine).
+# CUDA (they share only the small protocol and runtime packages with the engine).
 #   make image-gateway   (or: docker build -f docker/gateway.Dockerfile -t ghcr.io/pagefleet/gateway:0.1.0 .)
 FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
@@ -7,6 +7,7 @@ COPY pyproject.toml README.md /src/
 COPY engine /src/engine
 COPY kernels /src/kernels
 COPY protocol /src/protocol
+COPY runtime /src/runtime
 COPY gateway /src/gateway
 COPY operator /src/operator
 COPY cli /src/cli

@@ -6,6 +6,7 @@ COPY pyproject.toml README.md /src/
 COPY engine /src/engine
 COPY kernels /src/kernels
 COPY protocol /src/protocol
+COPY runtime /src/runtime
 COPY gateway /src/gateway
 COPY operator /src/operator
 COPY cli /src/cli

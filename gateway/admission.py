@@ -15,7 +15,7 @@ from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.shape import RequestShape, describe
 from pagefleet.protocol.demand import DemandSignal
-from pagefleet.protocol.http import is_api_path
+from pagefleet.runtime.http import is_api_path
 
 
 class APIKeyGuard:

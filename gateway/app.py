@@ -28,11 +28,11 @@ from pagefleet.gateway.responses import stored_response_routes
 from pagefleet.gateway.settings import GatewaySettings
 from pagefleet.gateway.tracing import ProxyTracing
 from pagefleet.gateway.upstream import UpstreamPool
-from pagefleet.protocol import tracing
-from pagefleet.protocol.http import ErrorGuard, error_json
 from pagefleet.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pagefleet.protocol.responses import RESPONSES_PATH, ResponsesRequest
-from pagefleet.protocol.tracing import ServerSpans
+from pagefleet.runtime import tracing
+from pagefleet.runtime.http import ErrorGuard, error_json
+from pagefleet.runtime.tracing import ServerSpans
 
 
 def create_app(settings: GatewaySettings, tracer_provider: TracerProvider | None = None) -> ASGIApp:

@@ -19,7 +19,7 @@ from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import PrefixRouting, Router
 from pagefleet.gateway.settings import RoutingSettings
 from pagefleet.protocol.demand import DemandSignal
-from pagefleet.protocol.response_store import RedisResponseStore
+from pagefleet.runtime.response_store import RedisResponseStore
 
 logger = logging.getLogger(__name__)
 

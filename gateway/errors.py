@@ -9,8 +9,8 @@ import json
 
 from starlette.responses import JSONResponse
 
-from pagefleet.protocol.http import error_json
 from pagefleet.protocol.openai import error_response
+from pagefleet.runtime.http import error_json
 
 
 class Refusal(Exception):

@@ -16,9 +16,9 @@ from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.proxy import Proxy, forwarded_headers
 from pagefleet.gateway.shape import SESSION_HEADER, routed_payload
-from pagefleet.protocol.http import BodyTooLarge, read_body, until_disconnected
-from pagefleet.protocol.response_store import ResponseStore
 from pagefleet.protocol.responses import RESPONSES_PATH
+from pagefleet.runtime.http import BodyTooLarge, read_body, until_disconnected
+from pagefleet.runtime.response_store import ResponseStore
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 CHAT_BATCH = "/v1/chat/completions/batch"  # vLLM's: several conversations, answered whole

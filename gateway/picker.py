@@ -45,7 +45,7 @@ from pagefleet.gateway.proxy import Proxy, forwarded_headers
 from pagefleet.gateway.route import kv_peer_of
 from pagefleet.gateway.routing import Route, by_load
 from pagefleet.gateway.shape import SESSION_HEADER, RequestShape, routed_payload
-from pagefleet.protocol.http import KV_PEER_HEADER
+from pagefleet.protocol.headers import KV_PEER_HEADER
 from pagefleet.protocol.replica import ReplicaRecord
 
 logger = logging.getLogger(__name__)

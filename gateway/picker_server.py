@@ -23,7 +23,7 @@ from pagefleet.gateway.picker import EndpointPicker
 from pagefleet.gateway.proxy import OutlierDetector, Proxy
 from pagefleet.gateway.settings import PickerSettings
 from pagefleet.gateway.upstream import UpstreamPool
-from pagefleet.protocol.metrics_http import serve_metrics
+from pagefleet.runtime.metrics_http import serve_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ compute them, so routing can look them up in the fleet's index (prefix_index.py)
 
 Per model, the tokenizer and chat template come from a replica's `GET /tokenizer_info`
 (protocol/tokenizer_info.py), fetched once in the background; until it has arrived a request
-has no hashes and is routed by load. Chat prompts are rendered by protocol/chat_prompt.py,
+has no hashes and is routed by load. Chat prompts are rendered by runtime/chat_prompt.py,
 the engine's own renderer, and hashed by protocol/block_hash.py, the engine's own hash.
 
 Speed: the tokenizer splits text at its added tokens (`<|im_start|>` and the like) before
@@ -39,15 +39,15 @@ from tokenizers import Tokenizer
 
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.protocol.block_hash import VERSION, block_hashes, chain_root
-from pagefleet.protocol.chat_prompt import (
+from pagefleet.protocol.openai import ChatCompletionRequest
+from pagefleet.protocol.tokenizer_info import TokenizerInfo
+from pagefleet.runtime.chat_prompt import (
     ChatTemplateError,
     chat_messages,
     render_chat,
     template_takes_tools,
     template_tools,
 )
-from pagefleet.protocol.openai import ChatCompletionRequest
-from pagefleet.protocol.tokenizer_info import TokenizerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ from pagefleet.gateway.routing import Route, Router
 from pagefleet.gateway.shape import RequestShape
 from pagefleet.gateway.tracing import ProxyTracing
 from pagefleet.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from pagefleet.protocol.http import KV_PEER_HEADER
+from pagefleet.protocol.headers import KV_PEER_HEADER
 from pagefleet.protocol.openai import error_response
-from pagefleet.protocol.tracing import TRACE_HEADERS
+from pagefleet.runtime.tracing import TRACE_HEADERS
 
 logger = logging.getLogger(__name__)
 

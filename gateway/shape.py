@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from pagefleet.gateway.errors import bad_request
 from pagefleet.protocol import anthropic, responses
-from pagefleet.protocol.response_store import ResponseStore, StoreUnavailable
+from pagefleet.runtime.response_store import ResponseStore, StoreUnavailable
 
 _CHARS_PER_TOKEN = 4  # a rough estimate of a prompt's tokens from its text
 _DEFAULT_CHAT_TOKENS = 256  # what a chat request without max_tokens is assumed to take

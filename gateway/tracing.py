@@ -1,4 +1,4 @@
-"""The gateway's spans inside one traced request (protocol/tracing.py makes the request's
+"""The gateway's spans inside one traced request (runtime/tracing.py makes the request's
 SERVER span): `route` for each routing decision (policy, candidates, chosen replica, KV
 blocks reserved) and a CLIENT span for each call to a replica, whose `traceparent` the
 replica continues. A failover shows as a failed call and a second `route`."""
@@ -12,7 +12,7 @@ from opentelemetry import trace
 
 from pagefleet.gateway.routing import Route
 from pagefleet.protocol.replica import ReplicaRecord
-from pagefleet.protocol.tracing import trace_headers
+from pagefleet.runtime.tracing import trace_headers
 
 
 class ProxyTracing:

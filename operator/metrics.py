@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pagefleet.protocol.metrics_http import MetricsServer, serve_metrics
+from pagefleet.runtime.metrics_http import MetricsServer, serve_metrics
 
 
 class OperatorMetrics:

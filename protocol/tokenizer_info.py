@@ -11,7 +11,7 @@ class TokenizerInfo(BaseModel):
     model: str = Field(description="the served model name")
     tokenizer_class: str = Field(description="the engine's tokenizer class, as vLLM reports it")
     tokenizer_json: str = Field(description="the fast tokenizer as Hugging Face `tokenizers` serializes it")
-    chat_template: str | None = Field(None, description="the Jinja chat template (protocol/chat_prompt.py renders it)")
+    chat_template: str | None = Field(None, description="the Jinja chat template (runtime/chat_prompt.py renders it)")
     special_tokens: dict[str, str] = Field(default_factory=dict, description="bos_token, eos_token, ... by role")
     block_size: int = Field(gt=0, description="token slots per KV block: the unit of prefix-cache hashes")
     hash_version: str = Field(

@@ -31,7 +31,7 @@ def test_the_operator_folder_never_shadows_the_stdlib_even_without_site() -> Non
 
 def test_subpackages_map_to_their_folders() -> None:
     pairs = [("pagefleet.engine", "engine"), ("pagefleet.kernels", "kernels"), ("pagefleet.cli", "cli")]
-    for name, folder in pairs + [("pagefleet.protocol", "protocol")]:
+    for name, folder in pairs + [("pagefleet.protocol", "protocol"), ("pagefleet.runtime", "runtime")]:
         module = importlib.import_module(name)
         assert Path(module.__file__).parent == ROOT / folder
     assert str(ROOT / "operator") in list(importlib.import_module("pagefleet.operator").__path__)
@@ -44,7 +44,10 @@ def test_no_top_level_python_module_is_named_after_a_part() -> None:
 
 def test_shared_contracts_import_without_torch() -> None:
     """The gateway and the operator import pagefleet.protocol; it must stay light."""
-    code = "import sys, pagefleet.protocol.openai, pagefleet.protocol.replica; print('torch' in sys.modules)"
+    code = (
+        "import sys, pagefleet.protocol.openai, pagefleet.protocol.replica, pagefleet.runtime.http, "
+        "pagefleet.runtime.chat_prompt; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

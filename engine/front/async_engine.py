@@ -7,10 +7,15 @@ runs even when the caller's task is being cancelled and can await nothing more. 
 work runs outside the event loop (torch releases the GIL), so an HTTP server on the loop
 stays responsive while a step runs.
 
-Only the engine thread touches the engine. Callers hand it their adds, aborts and resets,
-which it runs before its next step: a lock shared with the step loop was not fair (the loop
-released and re-took it at once), so a new request could wait a dozen steps behind one
-running decode (TTFT 0.3-1.5 s instead of 0.06 s on SmolLM2 here).
+Only the engine thread changes the engine, which this class keeps to itself (`_engine`).
+Callers hand it their adds, aborts, resets, adapter removals and pin releases, which it runs
+before its next step: a lock shared with the step loop was not fair (the loop released and
+re-took it at once), so a new request could wait a dozen steps behind one running decode
+(TTFT 0.3-1.5 s instead of 0.06 s on SmolLM2 here). What other threads do, each documented
+where it happens: read what never changes after start-up (the tokenizer, the limits, the KV
+layout); prepare a request (tokenizing, bad words, compiling its grammar, reading its
+adapter under the LoRA manager's lock); copy the KV of blocks that are pinned, or that are
+checked against their hashes after the copy; pop the prefix-cache event queue.
 
 A request whose own per-request work fails (see `LLMEngine.step`) raises
 `RequestFailedError` to its caller only; a failure of the shared forward pass stops the
@@ -63,7 +68,7 @@ class AsyncEngine:
     ) -> None:
         """Drive `engine`, or a new one of `config` (or of `engine_args`); `kv_connector`:
         how a prefill replica's answers say where decode replicas pull its KV from."""
-        self.engine = engine or LLMEngine(config or EngineConfig(**engine_args), kv_connector)
+        self._engine = engine or LLMEngine(config or EngineConfig(**engine_args), kv_connector)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
@@ -78,26 +83,26 @@ class AsyncEngine:
         self._calls: collections.deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         # add_request runs here: off the event loop, and as a Future an abort can wait on.
         self._adder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagefleet-add")
-        self._stats = self.engine.stats()  # written by the engine thread only; read anywhere
+        self._stats = self._engine.stats()  # written by the engine thread only; read anywhere
         self._thread = threading.Thread(target=self._run_loop, name="pagefleet-engine", daemon=True)
         self._thread.start()
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self._engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._engine.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.checks.vocab_size
+        return self._engine.checks.vocab_size
 
     @property
     def max_logprobs(self) -> int:
         """The most logprobs a request may ask for (`max_logprobs`, -1 resolved)."""
-        return self.engine.max_logprobs
+        return self._engine.max_logprobs
 
     @property
     def is_running(self) -> bool:
@@ -172,7 +177,7 @@ class AsyncEngine:
         self._death_callbacks.append(callback)
 
     async def abort(self, request_id: str) -> None:
-        output = await asyncio.wrap_future(self._on_engine_thread(self.engine.abort_request, request_id))
+        output = await asyncio.wrap_future(self._on_engine_thread(self._engine.abort_request, request_id))
         if output is not None:
             self._deliver([output])
 
@@ -182,12 +187,12 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while any block is in use."""
-        return bool(await asyncio.wrap_future(self._on_engine_thread(self.engine.reset_prefix_cache)))
+        return bool(await asyncio.wrap_future(self._on_engine_thread(self._engine.reset_prefix_cache)))
 
     @property
     def serves_lora(self) -> bool:
         """Whether the engine was started with LoRA on (`enable_lora`)."""
-        return self.engine.lora is not None
+        return self._engine.lora is not None
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Read an adapter from disk, off the engine thread (requests then name it; a slot is
@@ -196,30 +201,30 @@ class AsyncEngine:
         Raises:
             InvalidParameterError: LoRA is off, or the adapter cannot be served.
         """
-        await asyncio.to_thread(self.engine.add_lora, lora_request)
+        await asyncio.to_thread(self._engine.add_lora, lora_request)
 
     async def remove_lora(self, name: str) -> bool:
         """Forget an adapter, between two steps (its slot may be in the step running now;
         requests running with it finish). False if it was not loaded."""
-        return bool(await asyncio.wrap_future(self._on_engine_thread(self.engine.remove_lora, name)))
+        return bool(await asyncio.wrap_future(self._on_engine_thread(self._engine.remove_lora, name)))
 
     def prompt_token_ids(self, prompt: PromptType, params: SamplingParams) -> list[int]:
         """The token ids the engine will compute for `prompt` (tokenized and truncated as
         `add_request` does; it reads no engine state, so any thread may ask)."""
-        return self.engine.prompt_token_ids(prompt, params)
+        return self._engine.prompt_token_ids(prompt, params)
 
     def kv_layout(self) -> KVLayout:
         """What a KV transfer with this engine must agree on."""
-        return self.engine.kv_layout()
+        return self._engine.kv_layout()
 
     def enable_kv_events(self) -> None:
         """Start queueing prefix-cache events (`take_kv_events`), for the fleet's index."""
-        self._on_engine_thread(self.engine.kv_cache.pool.enable_events).result()
+        self._on_engine_thread(self._engine.kv_cache.pool.enable_events).result()
 
     def take_kv_events(self) -> list[KVEvent]:
         """The prefix-cache events queued since the last call, oldest first (never waits for a
         step: the step thread appends, this only pops)."""
-        events = self.engine.kv_cache.pool.events
+        events = self._engine.kv_cache.pool.events
         return take_events(events) if events is not None else []
 
     def shutdown(self) -> None:
@@ -228,7 +233,7 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self._fail_calls(EngineDeadError("the engine is shut down"))
         self._adder.shutdown(wait=False, cancel_futures=True)
-        self.engine.shutdown()
+        self._engine.shutdown()
 
     def _add(
         self,
@@ -241,11 +246,11 @@ class AsyncEngine:
         """Tokenize the prompt and its bad words, compile its structured-output constraint
         and read its adapter here, in an adder thread (a long prompt, a large schema or a
         new adapter must not stall the steps), then add it on the engine thread."""
-        prepared = self.engine.prepare_prompt(prompt, params, lora_request)
-        params = self.engine.with_bad_words_tokenized(params)
-        self.engine.compile_grammar(params)
-        self.engine.add_lora(lora_request)
-        add = self._on_engine_thread(self.engine.add_request, request_id, prepared, params, remote_kv, lora_request)
+        prepared = self._engine.prepare_prompt(prompt, params, lora_request)
+        params = self._engine.with_bad_words_tokenized(params)
+        self._engine.compile_grammar(params)
+        self._engine.add_lora(lora_request)
+        add = self._on_engine_thread(self._engine.add_request, request_id, prepared, params, remote_kv, lora_request)
         return add.result()
 
     async def read_pinned(
@@ -258,9 +263,9 @@ class AsyncEngine:
         Raises:
             KVTransferError: nothing pinned under that id, or other blocks.
         """
-        pinned = await asyncio.wrap_future(self._on_engine_thread(self.engine.checkout_pinned, request_id, block_ids))
+        pinned = await asyncio.wrap_future(self._on_engine_thread(self._engine.checkout_pinned, request_id, block_ids))
         try:
-            blocks = await asyncio.to_thread(self.engine.read_blocks, block_ids)
+            blocks = await asyncio.to_thread(self._engine.read_blocks, block_ids)
         except BaseException:
             self.checkin_pinned(request_id)
             raise
@@ -268,7 +273,7 @@ class AsyncEngine:
 
     def count_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> int:
         """How many of the prompt's full blocks this replica has (a peek, any thread)."""
-        return self.engine.count_cached_prefix(hashes, token_ids)
+        return self._engine.count_cached_prefix(hashes, token_ids)
 
     async def read_cached_prefix(
         self, hashes: list[int], token_ids: list[int]
@@ -279,21 +284,21 @@ class AsyncEngine:
         definition): the blocks are copied without a reference, then only those still
         holding their contents are kept (a full cached block is never written in place; one
         evicted meanwhile has lost its hash)."""
-        blocks = self.engine.peek_cached_prefix(hashes, token_ids)
+        blocks = self._engine.peek_cached_prefix(hashes, token_ids)
         if not blocks:
             return 0, []
-        copied = await asyncio.to_thread(self.engine.read_blocks, blocks)
-        kept = self.engine.count_still_cached(blocks, hashes, token_ids)
+        copied = await asyncio.to_thread(self._engine.read_blocks, blocks)
+        kept = self._engine.count_still_cached(blocks, hashes, token_ids)
         return kept, [(keys[:kept], values[:kept]) for keys, values in copied]
 
     def release_pinned(self, request_id: str) -> None:
         """Free a pulled prompt's blocks before the next step (from any thread, no wait)."""
-        self._releases.append(functools.partial(self.engine.pins.release, request_id))
+        self._releases.append(functools.partial(self._engine.pins.release, request_id))
         self._wake.set()
 
     def checkin_pinned(self, request_id: str) -> None:
         """A pull that failed: keep the blocks pinned for another (from any thread, no wait)."""
-        self._releases.append(functools.partial(self.engine.pins.checkin, request_id))
+        self._releases.append(functools.partial(self._engine.pins.checkin, request_id))
         self._wake.set()
 
     def _on_engine_thread(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -311,25 +316,25 @@ class AsyncEngine:
         while not self._stopping.is_set():
             self._wake.clear()  # before looking for work, so a wake-up is never lost
             self._apply_pending()
-            if not self.engine.has_unfinished_requests() and self.engine.expire_pins():
-                self._stats = self.engine.stats()
-            if not self.engine.has_unfinished_requests():
+            if not self._engine.has_unfinished_requests() and self._engine.expire_pins():
+                self._stats = self._engine.stats()
+            if not self._engine.has_unfinished_requests():
                 if writing:  # the file tier's writer still holds blocks: free them as it finishes
-                    writing = self.engine.settle_kv_tier()
-                    self._stats = self.engine.stats()
+                    writing = self._engine.settle_kv_tier()
+                    self._stats = self._engine.stats()
                 self._wake.wait(timeout=0.01 if writing else 0.5)
                 continue
             try:
-                outputs = self.engine.step()
-                self._stats = self.engine.stats()
+                outputs = self._engine.step()
+                self._stats = self._engine.stats()
             except Exception as error:  # a task boundary: fail every request, stop
                 logger.exception("engine step failed; failing all requests")
                 self._fail_all(error)
                 return
             self._deliver(outputs)
-            writing = self.engine.tier is not None
+            writing = self._engine.tier is not None
             for callback in self._step_callbacks:
-                callback(self.engine.last_iteration_tokens)
+                callback(self._engine.last_iteration_tokens)
 
     def _apply_pending(self) -> None:
         """Apply what callers handed over: their calls in the order they came, then pin
@@ -347,9 +352,9 @@ class AsyncEngine:
             self._releases.popleft()()
         while self._pending_aborts:
             request_id = self._pending_aborts.popleft()
-            if self.engine.abort_request(request_id) is not None:
+            if self._engine.abort_request(request_id) is not None:
                 logger.info("request %s aborted: its caller left", request_id)
-        self._stats = self.engine.stats()
+        self._stats = self._engine.stats()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its caller's queue: one wake-up of each event loop per step,
@@ -372,9 +377,9 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         self._dead = error
         self._fail_calls(EngineDeadError(f"the engine stopped: {error}"))
-        for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
-        self._stats = self.engine.stats()
+        for request_id in list(self._engine.requests):
+            self._engine.abort_request(request_id)
+        self._stats = self._engine.stats()
         for loop, queue in list(self._queues.values()):
             loop.call_soon_threadsafe(queue.put_nowait, error)
         for callback in self._death_callbacks:

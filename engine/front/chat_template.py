@@ -1,14 +1,14 @@
 """Conversations to prompt token ids through the tokenizer's chat template: one helper for
 `LLM.chat`, the server's chat route and its /tokenize. The text is rendered by
-protocol/chat_prompt.py, which the gateway also uses to predict the same tokens."""
+runtime/chat_prompt.py, which the gateway also uses to predict the same tokens."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.protocol.chat_prompt import ChatTemplateError, Message, render_chat
-from pagefleet.protocol.chat_prompt import template_takes_tools as _takes_tools
+from pagefleet.runtime.chat_prompt import ChatTemplateError, Message, render_chat
+from pagefleet.runtime.chat_prompt import template_takes_tools as _takes_tools
 
 __all__ = ["Message", "apply_chat_template", "template_takes_tools"]
 

@@ -29,12 +29,12 @@ from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.stored_responses import StoredResponses
 from pagefleet.engine.server.tokenizer_info import add_tokenizer_route
 from pagefleet.engine.server.tracing import RequestTracing
-from pagefleet.protocol import tracing
 from pagefleet.protocol.anthropic import MESSAGES_PATH
-from pagefleet.protocol.http import ErrorGuard
-from pagefleet.protocol.response_store import MemoryResponseStore, RedisResponseStore
 from pagefleet.protocol.responses import RESPONSES_PATH
-from pagefleet.protocol.tracing import ServerSpans
+from pagefleet.runtime import tracing
+from pagefleet.runtime.http import ErrorGuard
+from pagefleet.runtime.response_store import MemoryResponseStore, RedisResponseStore
+from pagefleet.runtime.tracing import ServerSpans
 
 __all__ = ["EXIT_ENGINE_DEAD", "EXIT_LOAD_FAILED", "create_app"]
 

@@ -11,7 +11,7 @@ import hmac
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagefleet.engine.server.errors import error_for
-from pagefleet.protocol.http import is_api_path
+from pagefleet.runtime.http import is_api_path
 
 
 class APIKeyGuard:

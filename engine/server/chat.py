@@ -31,8 +31,8 @@ from pagefleet.engine.server.state import ServerState, tokenizer_of
 from pagefleet.engine.server.streaming import EventStreamResponse
 from pagefleet.engine.server.tool_stream import stream_tool_answers
 from pagefleet.engine.server.tools import ParsedCall, ToolPlan
-from pagefleet.protocol.chat_prompt import chat_messages, template_tools
 from pagefleet.protocol.openai import ChatCompletionRequest
+from pagefleet.runtime.chat_prompt import chat_messages, template_tools
 
 
 def chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:

@@ -4,7 +4,7 @@ Messages routes (`error_for`).
 
 Known errors map to their status: invalid input (pydantic, `InvalidParameterError`) is 400
 naming the field, a request that failed inside the engine is 500, a stopped engine is 503.
-Anything else is caught by `protocol.http.ErrorGuard` at the edge of the app.
+Anything else is caught by `runtime.http.ErrorGuard` at the edge of the app.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagefleet.engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError, ShuttingDownError
 from pagefleet.protocol.anthropic import MESSAGES_PATH
 from pagefleet.protocol.anthropic import error_body as anthropic_error
-from pagefleet.protocol.http import error_json
+from pagefleet.runtime.http import error_json
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from pagefleet.engine.kv_transfer.connector import PullRefusedError, assemble, p
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.protocol.block_hash import reusable_prefix
-from pagefleet.protocol.http import KV_PEER_HEADER, error_json
+from pagefleet.protocol.headers import KV_PEER_HEADER
+from pagefleet.runtime.http import error_json
 
 if TYPE_CHECKING:
     from pagefleet.engine.server.kv_transfer import KVTransfers

@@ -33,8 +33,8 @@ from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.kv_peers import PeerPrefixes
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
-from pagefleet.protocol.http import error_json
 from pagefleet.protocol.kv_transfer import KVTransferParams, KVTransferParamsError
+from pagefleet.runtime.http import error_json
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The replica's own middleware: a limit on request bodies, answered in each API's shape,
 and the count of API requests in flight that a drain waits for. (API keys: auth.py; the
-last-resort error guard and the body rule: protocol/http.py.)"""
+last-resort error guard and the body rule: runtime/http.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagefleet.engine.server.errors import error_for
 from pagefleet.engine.server.state import ServerState
-from pagefleet.protocol.http import BodyTooLarge, read_body, replaying
+from pagefleet.runtime.http import BodyTooLarge, read_body, replaying
 
 
 class BodySizeLimit:

@@ -6,7 +6,7 @@ A request, with the conversation of its `previous_response_id` read from the sto
 the chat request the chat route serves (protocol/responses.py) and runs through the same
 start (chat.start_chat: template, tools, constraints, engine). Stored responses live in
 Redis when the server has a `--redis-url` (so a follow-up works on any replica and through
-any gateway), else in this process (protocol/response_store.py). A `background` response
+any gateway), else in this process (runtime/response_store.py). A `background` response
 is started (bad input still fails at once), answered as `in_progress`, and finished by a
 task of this replica; a cancel sent to another replica is passed on to this one.
 """
@@ -42,8 +42,8 @@ from pagefleet.engine.server.state import ServerState
 from pagefleet.engine.server.stored_responses import StoredResponses
 from pagefleet.engine.server.streaming import EventStreamResponse, cancel_on_disconnect
 from pagefleet.protocol.openai import ChatCompletionRequest
-from pagefleet.protocol.response_store import StoredResponse, StoreUnavailable
 from pagefleet.protocol.responses import ResponsesRequest, as_chat_request
+from pagefleet.runtime.response_store import StoredResponse, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.settings import ServerSettings
 from pagefleet.engine.server.state import ServerState, tokenizer_of
 from pagefleet.engine.server.streaming import cancel_on_disconnect
-from pagefleet.protocol.http import error_json
 from pagefleet.protocol.openai import BatchChatCompletionRequest, ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagefleet.runtime.http import error_json
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
 

@@ -13,7 +13,7 @@ from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.server.lora import parse_lora_modules
 from pagefleet.protocol.replica import PUBLISH_INTERVAL_S, RECORD_TTL_S
-from pagefleet.protocol.response_store import DEFAULT_TTL_S as DEFAULT_RESPONSE_TTL_S
+from pagefleet.runtime.response_store import DEFAULT_TTL_S as DEFAULT_RESPONSE_TTL_S
 
 
 def _default(name: str) -> Any:

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from pagefleet.engine.server.errors import OpenAIError
-from pagefleet.protocol.response_store import ResponseStore, StoredResponse, StoreUnavailable
+from pagefleet.runtime.response_store import ResponseStore, StoredResponse, StoreUnavailable
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Answering a client that may leave: a client gone means its engine requests stop now.
 
-Two cases, one rule (`protocol.http.until_disconnected`). A plain JSON answer is computed
+Two cases, one rule (`runtime.http.until_disconnected`). A plain JSON answer is computed
 by a handler that awaits the engine; `cancel_on_disconnect` cancels it when the client
 leaves. An event stream is written by `EventStreamResponse`, which also watches for the
 disconnect (whatever ASGI version the server speaks) and closes its event iterator when the
@@ -21,8 +21,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagefleet.engine.server.errors import status_of
-from pagefleet.protocol.http import until_disconnected
 from pagefleet.protocol.openai import error_response
+from pagefleet.runtime.http import until_disconnected
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Tool calling on `/v1/chat/completions`: the tools into the prompt, `tool_choice` into a
 constraint, and the model's answer back into OpenAI's `tool_calls`.
 
-- Prompt (protocol/chat_prompt.py, shared with the gateway): a chat template that knows
+- Prompt (runtime/chat_prompt.py, shared with the gateway): a chat template that knows
   tools gets them as `tools=`; one that does not (such as SmolLM2's) gets them in the
   system message, in the format SmolLM2 was tuned on, calls answered as
   `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`.

@@ -20,6 +20,14 @@ def engine(tiny_llama: Path):  # type: ignore[no-untyped-def]
     engine.shutdown()
 
 
+def test_the_engine_thread_alone_holds_the_engine(engine: AsyncEngine) -> None:
+    """AsyncEngine is the engine's one door: it exposes no LLMEngine for another thread to
+    call into beside the steps."""
+    from pagefleet.engine import LLMEngine
+
+    assert not any(isinstance(getattr(engine, name), LLMEngine) for name in dir(engine) if not name.startswith("_"))
+
+
 def _free_equals_total(engine: AsyncEngine) -> bool:
     stats = engine.stats()
     return stats.num_free_blocks == stats.num_total_blocks and stats.num_running_requests == 0

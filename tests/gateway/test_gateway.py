@@ -261,7 +261,7 @@ def test_redis_outage_grace_then_503_then_recovery(
 
 
 def test_a_body_over_the_limit_is_a_413_declared_or_streamed(fleet: Fleet) -> None:
-    """One rule (protocol/http.py) on the gateway and on a replica: a declared length over
+    """One rule (runtime/http.py) on the gateway and on a replica: a declared length over
     the limit, or more bytes than the limit as a chunked body arrives."""
 
     def chunks() -> Iterator[bytes]:

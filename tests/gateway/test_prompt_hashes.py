@@ -154,7 +154,7 @@ def test_bodies_the_engine_would_refuse_have_no_hashes(smollm2_tokenizer: Any) -
 
 
 def test_the_shared_renderer_gives_transformers_tokens(smollm2_tokenizer: Any) -> None:
-    """The engine renders chat prompts with protocol/chat_prompt.py, not transformers: on
+    """The engine renders chat prompts with runtime/chat_prompt.py, not transformers: on
     SmolLM2's template both give the same tokens, with and without a system prompt."""
     from pagefleet.engine.front.chat_template import apply_chat_template
 

@@ -215,7 +215,7 @@ def test_the_otlp_flag_sends_the_gateway_and_replica_spans_to_a_collector(
 def test_the_service_name_is_ours_unless_the_environment_names_one(
     environment: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pagefleet.protocol.tracing import tracer_provider
+    from pagefleet.runtime.tracing import tracer_provider
 
     for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
         monkeypatch.delenv(name, raising=False)

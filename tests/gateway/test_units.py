@@ -432,7 +432,7 @@ def test_metrics_on_their_own_port_keep_their_names_whatever_format_the_scraper_
     text format, as the gateway's and the engine's /metrics do."""
     import httpx
 
-    from pagefleet.protocol.metrics_http import serve_metrics
+    from pagefleet.runtime.metrics_http import serve_metrics
     from tests.processes import free_port
 
     metrics, port = GatewayMetrics("pagefleet_picker"), free_port()
@@ -503,7 +503,7 @@ def test_both_front_doors_name_the_routes_kv_peer_and_only_the_routes() -> None:
     from pagefleet.gateway.picker import routed_headers
     from pagefleet.gateway.proxy import upstream_headers
     from pagefleet.gateway.route import Route
-    from pagefleet.protocol.http import KV_PEER_HEADER
+    from pagefleet.protocol.headers import KV_PEER_HEADER
 
     chosen, holder = _replica("chosen"), _replica("holder", port=8001)
     pulling = Route(chosen, kv_peer=holder.url)

@@ -21,8 +21,8 @@ import redis
 from pagefleet.engine import AsyncEngine
 from pagefleet.engine.server.app import EXIT_ENGINE_DEAD, create_app
 from pagefleet.engine.server.settings import ServerSettings
-from pagefleet.protocol.http import ErrorGuard
 from pagefleet.protocol.replica import record_key
+from pagefleet.runtime.http import ErrorGuard
 from tests.processes import (
     EngineServer,
     RedisProcess,
@@ -173,7 +173,7 @@ def test_a_dead_engine_leaves_redis_fails_health_and_stops_the_server(
         def forward_pass_fails(*_: object) -> None:
             raise RuntimeError("injected: the device fell off the bus")
 
-        engine.engine.runner.execute = forward_pass_fails  # type: ignore[method-assign]
+        engine._engine.runner.execute = forward_pass_fails  # type: ignore[method-assign]  # a fault, injected past the door
         answer = httpx.post(
             f"{running.url}/v1/completions",
             json={"model": settings.model_name, "prompt": "hi", "max_tokens": 3},

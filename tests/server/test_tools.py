@@ -12,8 +12,8 @@ import pytest
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.tool_stream import CallStream
 from pagefleet.engine.server.tools import ToolPlan
-from pagefleet.protocol.chat_prompt import chat_messages
 from pagefleet.protocol.openai import ChatCompletionRequest
+from pagefleet.runtime.chat_prompt import chat_messages
 
 WEATHER = {
     "type": "function",

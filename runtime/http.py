@@ -35,11 +35,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# From the gateway to a replica: the URL of another replica that caches the prompt's prefix
-# (the gateway routed away from it), to pull the prefix from rather than compute it. Only
-# the gateway sets it: it never forwards a client's.
-KV_PEER_HEADER = "x-pagefleet-kv-peer"
-
 
 def is_api_path(scope: Scope) -> bool:
     """Whether the request's route path, its root path (`--root-path`) removed, is under /v1.
