@@ -226,6 +226,9 @@ async def _autoscale(
     decision = decide(current, kv, spec.autoscaling, history, now, prefill, last_request, wall_now=time.time())
     if decision.changes(current):
         metrics.scaling_events.labels(owner.namespace, owner.name, role or "", decision.reason).inc()
+        # The decision is the desired count from now on: the next reconcile may still read a
+        # body from before the patch (kopf's watch lags under load) and would say the old one.
+        metrics.replicas.labels(owner.namespace, owner.name, role or "").set(decision.replicas)
         if role is None:
             scale = {"spec": {"replicas": decision.replicas}}
             await runtime.kube.patch(INFERENCE_DEPLOYMENTS, owner.namespace, owner.name, scale, sub="scale")

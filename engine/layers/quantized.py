@@ -318,6 +318,11 @@ class PackedWeight:
         return 16 if self.ggml_type == GGML_Q6_K else BLOCK
 
     @property
+    def has_min(self) -> bool:
+        """Whether the kernel adds the mins: packed Q8_0 is signed, its mins zero."""
+        return self.ggml_type != GGML_Q8_0
+
+    @property
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.scales.shape[1] * self.group
 
@@ -381,9 +386,8 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return F.linear(x.float(), self.dequantize()).to(x.dtype)
-        has_min = self.ggml_type != GGML_Q8_0  # packed Q8_0 is signed, its mins zero
         return torch.ops.pagefleet.quantized_linear_packed(
-            x.contiguous(), self.quants, self.scales, self.mins, self.kind, self.out_features, has_min
+            x.contiguous(), self.quants, self.scales, self.mins, self.kind, self.out_features, self.has_min
         )
 
 

@@ -16,7 +16,7 @@ import torch
 
 from pagefleet.engine.layers.cpu_attention import CpuMetadata
 from pagefleet.engine.layers.linear import Linear
-from pagefleet.engine.layers.quantized import GGML_Q8_0, PackedWeight, StackedWeight
+from pagefleet.engine.layers.quantized import PackedWeight, StackedWeight
 from pagefleet.kernels import cpu_ops
 
 if TYPE_CHECKING:
@@ -64,8 +64,9 @@ def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
             if parts is None:
                 return None
             for part in parts:
-                has_min = part.ggml_type != GGML_Q8_0  # packed Q8_0 is signed, its mins zero (PackedWeight.matmul)
-                compiled.add_part(index, part.quants, part.scales, part.mins, part.kind, part.out_features, has_min)
+                compiled.add_part(
+                    index, part.quants, part.scales, part.mins, part.kind, part.out_features, part.has_min
+                )
             if linear.bias is not None:
                 compiled.set_bias(index, linear.bias)
     return compiled

@@ -278,9 +278,9 @@ def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
         wait_for_reconciles(cluster, "busy", 2, operator)
         assert client.get("busy")["spec"]["replicas"] == 3
         # What the autoscaler saw and did, on the operator's /metrics (the chart's ServiceMonitor scrapes it).
-        figures = operator_metrics(operator)
-    busy = {"namespace": NAMESPACE, "name": "busy"}
-    assert figures["pagefleet_operator:desired_replicas", frozenset({**busy, "pool": ""}.items())] == 3
+        busy = {"namespace": NAMESPACE, "name": "busy"}
+        desired = ("pagefleet_operator:desired_replicas", frozenset({**busy, "pool": ""}.items()))
+        figures = eventually(lambda: (found := operator_metrics(operator))[desired] == 3 and found)
     utilization = figures["pagefleet_operator:kv_utilization", frozenset({**busy, "pool": ""}.items())]
     assert utilization == pytest.approx((0.95 + 1 + 1) / 3)
     scaled_up = frozenset({**busy, "pool": "", "reason": "ScaledUp"}.items())
@@ -367,8 +367,8 @@ def test_an_idle_model_with_min_replicas_0_scales_to_zero_and_a_request_brings_i
     assert client.get("lazy")["spec"]["replicas"] == 0, "nothing asked for it: it stays at zero"
     redis_client.set(demand_key("lazy"), repr(time.time()))  # what a router holding a request writes
     eventually(lambda: client.get("lazy")["spec"]["replicas"] == 1, timeout=3 * operator.reconcile_interval_s + 2)
-    reasons = [e.get("reason") for e in cluster.objects.values()]
-    assert "ScaledToZero" in reasons and "ScaledUpFromZero" in reasons
+    # The event follows the patch (kopf posts it afterwards): wait for it, do not race it.
+    eventually(lambda: {"ScaledToZero", "ScaledUpFromZero"} <= {e.get("reason") for e in cluster.objects.values()})
     client.delete("lazy")
     eventually(lambda: not redis_client.exists(scalable_key("lazy")))
 
