@@ -16,10 +16,9 @@ from typing import Any
 
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
 from pagefleet.engine.front.inputs import PreparedPrompt, PromptType, parse_prompt, prompt_cache_salt
-from pagefleet.engine.kv_transfer.params import RemoteKV
+from pagefleet.engine.kv_transfer.params import RemoteKV, transfer_params
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.sample.structured_outputs import GrammarCompiler
-from pagefleet.protocol.kv_transfer import KVTransferParams, KVTransferParamsError
 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
@@ -165,10 +164,7 @@ class RequestChecks:
 
     def check_kv_role(self, params: SamplingParams, remote_kv: RemoteKV | None, token_ids: list[int]) -> None:
         role = self.kv_role
-        try:
-            transfer = KVTransferParams.of_extra_args(params.extra_args)
-        except KVTransferParamsError as error:
-            raise InvalidParameterError("kv_transfer_params", str(error)) from None
+        transfer = transfer_params(params)
         if transfer is not None and transfer.remote_decode and role == "decode":
             raise InvalidParameterError(
                 "kv_transfer_params", "this replica decodes (--role decode): send do_remote_decode to a prefill replica"

@@ -9,6 +9,10 @@ from typing import Any
 
 import torch
 
+from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.protocol.kv_transfer import FIELD, KVTransferParams, KVTransferParamsError
+
 ROLES = ("prefill", "decode", "both")
 
 
@@ -69,3 +73,16 @@ class RemoteKV:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def transfer_params(params: SamplingParams) -> KVTransferParams | None:
+    """A request's `kv_transfer_params` (the servers put them in `extra_args`), read once in
+    protocol/kv_transfer.py's terms.
+
+    Raises:
+        InvalidParameterError: they are not what either side of a transfer sends.
+    """
+    try:
+        return KVTransferParams.of_extra_args(params.extra_args)
+    except KVTransferParamsError as error:
+        raise InvalidParameterError(FIELD, str(error)) from None

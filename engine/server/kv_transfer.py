@@ -27,13 +27,12 @@ from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.front.inputs import PromptType
 from pagefleet.engine.kv_transfer import wire
 from pagefleet.engine.kv_transfer.connector import PULL_PATH, HTTPConnector
-from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
+from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV, transfer_params
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.kv_peers import PeerPrefixes
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
-from pagefleet.protocol.kv_transfer import KVTransferParams, KVTransferParamsError
 from pagefleet.runtime.http import error_json
 
 logger = logging.getLogger(__name__)
@@ -63,10 +62,7 @@ class KVTransfers:
             InvalidParameterError: bad `kv_transfer_params`, or a prefill replica asked to decode.
             OpenAIError: 502 when the pull fails.
         """
-        try:
-            transfer = KVTransferParams.of_extra_args(params.extra_args)
-        except KVTransferParamsError as error:
-            raise InvalidParameterError("kv_transfer_params", str(error)) from None
+        transfer = transfer_params(params)
         if transfer is None or transfer.remote_prefill is None:
             return prompt, None
         if self.role == "prefill":
