@@ -34,6 +34,7 @@ from pathlib import Path
 from common import progress
 
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.kv_connector.file_tier import FileTierConnector
 
 MODEL = "smollm2-135m-instruct"
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
@@ -113,8 +114,9 @@ def main() -> None:
         print(f"  tokens equal to the computed answer: {same}; bad files: {tier.bad_files}")
 
         progress("crossover: short prompts computed vs read from the files")
-        tier_obj = reader.engine.tier
-        assert tier_obj is not None
+        connector = reader.engine.kv_connector.member(FileTierConnector)
+        assert connector is not None
+        tier_obj = connector.tier
         block = reader.engine.kv_cache.block_size
         plain = LLM(MODEL, dtype="float32")  # no file tier: always computes
         ttft(plain, prompts[1][:64])

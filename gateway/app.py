@@ -19,10 +19,11 @@ from starlette.types import ASGIApp
 from pagefleet.gateway.admission import APIKeyGuard
 from pagefleet.gateway.core import RoutingCore
 from pagefleet.gateway.dashboard import PAGE, dashboard_data
-from pagefleet.gateway.forwarding import PROXIED_PATHS, ProxiedRoutes
+from pagefleet.gateway.forwarding import ProxiedRoutes
 from pagefleet.gateway.history import FleetHistory
 from pagefleet.gateway.metrics import GatewayMetrics
-from pagefleet.gateway.proxy import OutlierDetector, Proxy
+from pagefleet.gateway.paths import PROXIED_PATHS
+from pagefleet.gateway.proxy import OutlierDetector
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.responses import stored_response_routes
 from pagefleet.gateway.settings import GatewaySettings
@@ -45,7 +46,7 @@ def create_app(settings: GatewaySettings, tracer_provider: TracerProvider | None
     tracer_provider = tracer_provider or tracing.tracer_provider("pagefleet-gateway", settings.otlp_traces_endpoint)
     tracer = tracer_provider.get_tracer("pagefleet.gateway") if tracer_provider is not None else None
     proxy_tracing = ProxyTracing(tracer) if tracer is not None else None
-    proxy = Proxy(core.router, pool, outliers, metrics, settings.failover_attempts, proxy_tracing)
+    director = core.director(pool, outliers, settings.failover_attempts, proxy_tracing)
     history = FleetHistory(
         core.registry,
         metrics.registry,
@@ -71,7 +72,7 @@ def create_app(settings: GatewaySettings, tracer_provider: TracerProvider | None
     app.include_router(fleet_routes(core.registry, metrics, history))
     app.include_router(stored_response_routes(core.registry, core.admission, pool))
     _document_proxied_routes(app)
-    proxied = ProxiedRoutes(app, core.admission, proxy, metrics, settings.max_request_bytes, core.responses)
+    proxied = ProxiedRoutes(app, director, metrics, settings.max_request_bytes)
     guarded = ErrorGuard(APIKeyGuard(proxied, core.admission))
     return ServerSpans(guarded, tracer, PROXIED_PATHS) if tracer is not None else guarded
 

@@ -1,6 +1,6 @@
 """The parts every router of the fleet runs, the gateway and the picker alike: one Redis
 client, the registry of replicas and the fleet's prefix index followed in the background,
-admission and routing."""
+admission and routing, and the director that runs each request through them."""
 
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from pagefleet.gateway.admission import Admission
+from pagefleet.gateway.director import Director
 from pagefleet.gateway.limits import RateLimiter
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.prefix_index import PrefixIndex
 from pagefleet.gateway.prompt_hashes import PromptHashers
+from pagefleet.gateway.proxy import OutlierDetector
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.routing import PrefixRouting, Router
 from pagefleet.gateway.settings import RoutingSettings
+from pagefleet.gateway.tracing import ProxyTracing
+from pagefleet.gateway.upstream import UpstreamPool
 from pagefleet.protocol.demand import DemandSignal
 from pagefleet.runtime.response_store import RedisResponseStore
 
@@ -52,7 +56,14 @@ class RoutingCore:
         self.router = Router.from_names(
             self.registry, self.client, settings.policy, settings.model_policies, metrics, prefixes
         )
+        self.metrics = metrics
         self._tasks: list[asyncio.Task[None]] = []
+
+    def director(
+        self, pool: UpstreamPool, outliers: OutlierDetector, attempts: int, tracing: ProxyTracing | None = None
+    ) -> Director:
+        """The request sequence over these parts; `pool` carries the calls it makes itself."""
+        return Director(self.admission, self.router, self.responses, pool, outliers, self.metrics, attempts, tracing)
 
     async def start(self) -> None:
         """A first view of the replicas if Redis is up (else the registry keeps trying), then

@@ -85,7 +85,8 @@ class Candidate:
         return self.queue_s() > min(saturation_s, saved_tokens / rate)
 
     def load_rank(self) -> tuple[int, int]:
-        """Higher is better: KV room for this request, then a shorter prompt queue."""
+        """The fleet's one ranking by load, higher is better: KV room for this request, then
+        a shorter prompt queue. (reservations.py's script ranks the same way in Redis.)"""
         room = self.replica.free_blocks - self.promised_blocks + self.cached_blocks
         return room, -self.queued_prompt_tokens
 

@@ -1,7 +1,9 @@
-"""The proxied routes, POST /v1/completions, /v1/chat/completions (and vLLM's /batch of
-it), /v1/responses and Anthropic's /v1/messages (and its count_tokens), as plain ASGI in
-front of FastAPI: they are the hot path, and FastAPI's request and response machinery
-cost more than the rest of the hop. Everything else goes to the FastAPI app behind."""
+"""The gateway's front door: the proxied routes, POST /v1/completions, /v1/chat/completions
+(and vLLM's /batch of it), /v1/responses and Anthropic's /v1/messages (and its
+count_tokens), as plain ASGI in front of FastAPI: they are the hot path, and FastAPI's
+request and response machinery cost more than the rest of the hop. Each request goes
+through the director (director.py), which the Envoy picker shares. Everything else goes to
+the FastAPI app behind."""
 
 from __future__ import annotations
 
@@ -11,34 +13,19 @@ from opentelemetry import trace
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagefleet.gateway import errors
-from pagefleet.gateway.admission import Admission
+from pagefleet.gateway.director import Director
 from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.metrics import GatewayMetrics
-from pagefleet.gateway.proxy import Proxy, forwarded_headers
-from pagefleet.gateway.shape import SESSION_HEADER, routed_payload
-from pagefleet.protocol.responses import RESPONSES_PATH
+from pagefleet.gateway.paths import CHAT_PATHS, PROXIED_PATHS
+from pagefleet.gateway.proxy import forwarded_headers
+from pagefleet.gateway.shape import SESSION_HEADER
 from pagefleet.runtime.http import BodyTooLarge, read_body, until_disconnected
-from pagefleet.runtime.response_store import ResponseStore
-
-COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
-CHAT_BATCH = "/v1/chat/completions/batch"  # vLLM's: several conversations, answered whole
-MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"  # Anthropic's
-PROXIED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, CHAT_BATCH, MESSAGES, COUNT_TOKENS, RESPONSES_PATH})
-CHAT_PATHS = frozenset({CHAT_COMPLETIONS, CHAT_BATCH, MESSAGES, COUNT_TOKENS, RESPONSES_PATH})
 
 
 class ProxiedRoutes:
-    def __init__(
-        self,
-        app: ASGIApp,
-        admission: Admission,
-        proxy: Proxy,
-        metrics: GatewayMetrics,
-        max_request_bytes: int,
-        responses: ResponseStore,
-    ) -> None:
-        self.app, self.admission, self.proxy, self.metrics = app, admission, proxy, metrics
-        self.max_request_bytes, self.responses = max_request_bytes, responses
+    def __init__(self, app: ASGIApp, director: Director, metrics: GatewayMetrics, max_request_bytes: int) -> None:
+        self.app, self.director, self.metrics = app, director, metrics
+        self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
@@ -55,18 +42,15 @@ class ProxiedRoutes:
             authorization = values.get(b"authorization", b"").decode("latin-1")
             if not authorization and b"x-api-key" in values:  # Anthropic's clients send their key so
                 authorization = "Bearer " + values[b"x-api-key"].decode("latin-1")
-            shape = await self.admission.admit(authorization, body, chat=path in CHAT_PATHS)
-            if path != CHAT_COMPLETIONS and path in CHAT_PATHS:
-                shape.payload = await routed_payload(path, shape.payload, self.responses)
-            session = values.get(SESSION_HEADER.encode())
-            if session:
-                shape.session = session.decode("latin-1")
+            session = values.get(SESSION_HEADER.encode(), b"").decode("latin-1")
+            shape = await self.director.admit(path, authorization, body, session)
         except Refusal as refusal:
             await refusal.response()(scope, receive, send)
             return
         request_id = values.get(b"x-request-id") or b"req-" + os.urandom(16).hex().encode()
-        upstream_headers = forwarded_headers(headers, request_id, traced=self.proxy.tracing is not None)
-        if self.proxy.tracing is not None:
+        traced = self.director.tracing is not None
+        upstream_headers = forwarded_headers(headers, request_id, traced)
+        if traced:
             trace.get_current_span().set_attributes(
                 {
                     "gen_ai.request.model": shape.model,
@@ -77,7 +61,7 @@ class ProxiedRoutes:
 
         async def forward_and_relay() -> None:
             try:
-                relay = await self.proxy.forward(path, body, upstream_headers, shape, request_id)
+                relay = await self.director.forward(path, body, upstream_headers, shape, request_id)
             except Refusal as refusal:
                 await refusal.response()(scope, receive, send)
                 return

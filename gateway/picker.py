@@ -1,9 +1,9 @@
 """`pagefleet picker`: an Endpoint Picker for Envoy-based gateways (the Gateway API
 Inference Extension's protocol, over Envoy's external processing gRPC API).
 
-Envoy streams each HTTP request's headers and body to the picker; the picker admits it
-(API key, model, rate limits), picks a replica with the gateway's own policies and Redis
-reservations (gateway/core.py), and answers with the header
+Envoy streams each HTTP request's headers and body to the picker; the picker runs it
+through the gateway's own director (gateway/director.py: admission, adapter, prefill, the
+routing policies and Redis reservations), and answers with the header
 `x-gateway-destination-endpoint: ip:port` and the same value under `envoy.lb` in the
 dynamic metadata, so Envoy sends the request there itself: the picker never touches the
 response's bytes. Refusals are Envoy immediate responses with the gateway's OpenAI error
@@ -19,7 +19,6 @@ in the first message's `protocol_config`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -37,14 +36,13 @@ from grpc import aio
 
 from pagefleet.gateway import errors
 from pagefleet.gateway.core import RoutingCore
-from pagefleet.gateway.disaggregation import PREFILL_REPLICA_HEADER, decode_body
+from pagefleet.gateway.director import Director, Leg
+from pagefleet.gateway.disaggregation import PREFILL_REPLICA_HEADER
 from pagefleet.gateway.errors import Refusal
-from pagefleet.gateway.forwarding import CHAT_COMPLETIONS, CHAT_PATHS
-from pagefleet.gateway.metrics import GatewayMetrics
-from pagefleet.gateway.proxy import Proxy, forwarded_headers
+from pagefleet.gateway.proxy import forwarded_headers
 from pagefleet.gateway.route import kv_peer_of
 from pagefleet.gateway.routing import Route, by_load
-from pagefleet.gateway.shape import SESSION_HEADER, RequestShape, routed_payload
+from pagefleet.gateway.shape import SESSION_HEADER, RequestShape
 from pagefleet.protocol.headers import KV_PEER_HEADER
 from pagefleet.protocol.replica import ReplicaRecord
 
@@ -127,15 +125,14 @@ class Exchange:
 
 
 class EndpointPicker(ExternalProcessorServicer):
-    """`prefiller` runs a disaggregated model's prompts on its prefill replicas (the
-    gateway's own `Proxy.prefill`); Envoy then sends the request, with what the prefill
-    replica answered, to the decode replica the picker names."""
+    """The picker's front door: `director` (the gateway's, over `core`) runs each request
+    up to its route, a disaggregated model's prompt on a prefill replica included; Envoy
+    then sends the request (with what the prefill replica answered) where the route says,
+    going down `fallbacks` more replicas if it must."""
 
-    def __init__(
-        self, core: RoutingCore, metrics: GatewayMetrics, fallbacks: int, prefiller: Proxy | None = None
-    ) -> None:
-        self.core, self.metrics, self.fallbacks = core, metrics, fallbacks
-        self.prefiller = prefiller
+    def __init__(self, core: RoutingCore, director: Director, fallbacks: int) -> None:
+        self.core, self.director, self.fallbacks = core, director, fallbacks
+        self.metrics = director.metrics
         self._releasing: set[asyncio.Task[None]] = set()
 
     async def Process(  # noqa: N802 (the gRPC method's name)
@@ -202,24 +199,19 @@ class EndpointPicker(ExternalProcessorServicer):
         body = b"".join(exchange.body)
         sent_body = body
         try:
+            authorization = exchange.headers.get("authorization", "")
             if not body:
-                self.core.admission.authorize(exchange.headers.get("authorization", ""))
+                self.director.authorize(authorization)
                 exchange.endpoints = self._any_replica(self._subset(message))
             else:
                 path = exchange.headers.get(":path", "").split("?", 1)[0]
-                shape = await self.core.admission.admit(
-                    exchange.headers.get("authorization", ""), body, chat=path in CHAT_PATHS
-                )
-                if path != CHAT_COMPLETIONS:
-                    shape.payload = await routed_payload(path, shape.payload, self.core.responses)
+                shape = await self.director.admit(path, authorization, body, exchange.headers.get(SESSION_HEADER))
                 exchange.shape = shape
-                shape.session = exchange.headers.get(SESSION_HEADER) or shape.session
-                phase = "whole"
-                if self.prefiller is not None:
-                    await self.prefiller.ensure_adapter(shape, self._forwarded(exchange))
-                if self.prefiller is not None and self.core.router.is_disaggregated(shape.model):
-                    sent_body, phase = await self._prefill(exchange, path, body, shape)
-                exchange.route = await self._route(shape, self._subset(message), phase)
+                request_id = exchange.headers.get("x-request-id") or uuid.uuid4().hex
+                headers = self._forwarded(exchange, request_id)
+                leg = await self.director.prepare(path, body, headers, shape, request_id.encode())
+                exchange.route, leg = await self._route(shape, self._subset(message), leg, body)
+                exchange.prefill_replica, sent_body = leg.prefill_replica, leg.body
                 exchange.endpoints = [exchange.route.replica, *exchange.route.fallbacks[: self.fallbacks]]
         except Refusal as refusal:  # admission and routing have counted it already
             return [refusal_response(refusal)]
@@ -249,21 +241,6 @@ class EndpointPicker(ExternalProcessorServicer):
             ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=whole_body)),
         ]
 
-    async def _prefill(self, exchange: Exchange, path: str, body: bytes, shape: RequestShape) -> tuple[bytes, str]:
-        """Run the prompt on a prefill replica: the decode request's body and "decode", or
-        the body as it came and "whole" when no prefill replica could (one replica then
-        runs it all)."""
-        assert self.prefiller is not None
-        request_id = exchange.headers.get("x-request-id") or uuid.uuid4().hex
-        payload = json.loads(body)
-        headers = self._forwarded(exchange, request_id)
-        prefilled = await self.prefiller.prefill(path, payload, headers, shape, request_id.encode())
-        self.metrics.disaggregated.labels(shape.model, "paired" if prefilled else "fallback").inc()
-        if prefilled is None:
-            return body, "whole"
-        exchange.prefill_replica = prefilled.replica_id
-        return decode_body(payload, prefilled.transfer), "decode"
-
     @staticmethod
     def _forwarded(exchange: Exchange, request_id: str = "") -> bytes:
         """The client's headers as header lines for a call the picker makes itself."""
@@ -271,16 +248,23 @@ class EndpointPicker(ExternalProcessorServicer):
         pairs = [(k.encode(), v.encode("latin-1")) for k, v in exchange.headers.items() if not k.startswith(":")]
         return forwarded_headers(pairs, request_id.encode())
 
-    async def _route(self, shape: RequestShape, subset: set[str] | None, phase: str = "whole") -> Route:
+    async def _route(self, shape: RequestShape, subset: set[str] | None, leg: Leg, body: bytes) -> tuple[Route, Leg]:
+        """The route for `leg` among the endpoints Envoy allows, and the leg it carries: a
+        decode request that finds no decode replica runs whole, as the client sent it (its
+        prompt's KV waits in vain: its pin times out)."""
         outside = set()
         if subset is not None:
             outside = {r.url for r in self.core.registry.candidates(shape.model) if endpoint(r.url) not in subset}
-        route = await self.core.router.pick(shape, outside, phase)
-        if route is None and phase == "decode":  # the prompt's KV waits in vain: its pin times out
-            route = await self.core.router.pick(shape, outside)
+        route = await self.director.route(shape, outside, leg.phase)
+        if leg.phase == "decode":
+            if route is not None:
+                self.director.paired(shape)
+            else:
+                leg = self.director.without_prefill(shape, body)
+                route = await self.director.route(shape, outside, leg.phase)
         if route is None:
             raise self.metrics.refused(errors.no_replica(shape.model))
-        return route
+        return route, leg
 
     def _any_replica(self, subset: set[str] | None) -> list[ReplicaRecord]:
         """For a request without a body (no model named): the emptiest live replica."""
@@ -312,6 +296,5 @@ class EndpointPicker(ExternalProcessorServicer):
             served = next((r for r in exchange.endpoints if endpoint(r.url) == address), served)
         status = next((_header_value(h) for h in message.response_headers.headers.headers if h.key == ":status"), "")
         model = exchange.shape.model if exchange.shape is not None else served.model
-        self.metrics.requests.labels(model, served.replica_id, status).inc()
-        self.metrics.upstream_latency.labels(model, served.replica_id).observe(time.monotonic() - exchange.picked_at)
+        self.director.record(model, served, status, time.monotonic() - exchange.picked_at)
         return served

@@ -20,7 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from pagefleet.gateway.core import RoutingCore
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.picker import EndpointPicker
-from pagefleet.gateway.proxy import OutlierDetector, Proxy
+from pagefleet.gateway.proxy import OutlierDetector
 from pagefleet.gateway.settings import PickerSettings
 from pagefleet.gateway.upstream import UpstreamPool
 from pagefleet.runtime.metrics_http import serve_metrics
@@ -38,11 +38,12 @@ async def serve(settings: PickerSettings, started: asyncio.Event | None = None) 
     core = RoutingCore(settings, metrics)
     await core.start()
     server = aio.server()
-    # Disaggregated models' prompts go to their prefill replicas from here (gateway/proxy.py).
+    # Disaggregated models' prompts go to their prefill replicas, and unserved adapters are
+    # loaded, from here (gateway/director.py).
     outliers = OutlierDetector(core.registry, threshold=3, exclude_for=10.0)
     pool = UpstreamPool(2.0, settings.prefill_timeout_s)
-    prefiller = Proxy(core.router, pool, outliers, metrics, settings.prefill_attempts)
-    add_ExternalProcessorServicer_to_server(EndpointPicker(core, metrics, settings.fallbacks, prefiller), server)
+    director = core.director(pool, outliers, settings.prefill_attempts)
+    add_ExternalProcessorServicer_to_server(EndpointPicker(core, director, settings.fallbacks), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(f"{settings.host}:{settings.port}")

@@ -16,20 +16,23 @@ from dataclasses import dataclass
 
 import redis.asyncio as redis
 
+from pagefleet.gateway.decision import Candidate
 from pagefleet.protocol.replica import ReplicaRecord
 
 RESERVATION_PREFIX = "pagefleet:reserved:"
 RESERVATION_TTL_S = 120  # a router that dies mid-request cannot leak a promise for long
 
 # KEYS: per candidate, its promise set then its sum. ARGV: blocks, now, member (`id:blocks`), TTL, then
-# per candidate: free blocks, waiting, report timestamp. Returns the 1-based candidate.
+# per candidate: free blocks, queued prompt tokens, report timestamp. Returns the 1-based
+# candidate: the most free blocks net of promises, then the shortest queue (the fleet's one
+# ranking by load, decision.Candidate.load_rank, with the promises Redis holds).
 _RESERVE = """
 local amount, now, member, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-local best, best_free, best_waiting = nil, nil, nil
+local best, best_free, best_queued = nil, nil, nil
 for c = 1, #KEYS / 2 do
   local promises, total = KEYS[2 * c - 1], KEYS[2 * c]
   local base = 4 + (c - 1) * 3
-  local free, waiting, reported = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  local free, queued, reported = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local promised = tonumber(redis.call('GET', total) or '0')
   local stale = redis.call('ZRANGEBYSCORE', promises, '-inf', '(' .. reported)
   if #stale > 0 then
@@ -45,8 +48,8 @@ for c = 1, #KEYS / 2 do
     redis.call('DEL', total)
   end
   local effective = free - promised
-  if best == nil or effective > best_free or (effective == best_free and waiting < best_waiting) then
-    best, best_free, best_waiting = c, effective, waiting
+  if best == nil or effective > best_free or (effective == best_free and queued < best_queued) then
+    best, best_free, best_queued = c, effective, queued
   end
 end
 local promises, total = KEYS[2 * best - 1], KEYS[2 * best]
@@ -83,15 +86,14 @@ class Reservations:
         self._reserve = client.register_script(_RESERVE)
         self._release = client.register_script(_RELEASE)
 
-    async def reserve(self, candidates: list[ReplicaRecord], blocks: int, prefill: bool = False) -> Promise:
+    async def reserve(self, candidates: list[ReplicaRecord], blocks: int) -> Promise:
         """Promise `blocks` on the candidate with the most free blocks net of promises (ties:
-        fewer waiting requests; for a prefill, fewer queued prompt tokens). Raises RedisError
-        or OSError when Redis cannot be asked."""
+        the shorter prompt queue). Raises RedisError or OSError when Redis cannot be asked."""
         member = f"{os.urandom(8).hex()}:{blocks}"
         args: list[str | int | float] = [blocks, time.time(), member, RESERVATION_TTL_S]
         keys: list[str] = []
         for record in candidates:
-            args += [record.free_blocks, record.waiting_prompt_tokens if prefill else record.waiting, record.timestamp]
+            args += [record.free_blocks, Candidate(record).queued_prompt_tokens, record.timestamp]
             keys += promise_keys(record)
         index = int(await self._reserve(keys=keys, args=args)) - 1
         return Promise(candidates[index], member)

@@ -15,7 +15,6 @@ from pagefleet.protocol.replica import ReplicaRecord
 class RoutedRequest:
     shape: RequestShape
     estimated_blocks: int  # what the request may take on the replica it goes to
-    prefill: bool = False  # only its prompt runs there (prefill/decode disaggregation)
 
     @property
     def model(self) -> str:

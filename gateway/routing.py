@@ -23,6 +23,7 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from pagefleet.gateway.affinity import AffinityPolicy
+from pagefleet.gateway.decision import Candidate
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.prefix_index import PrefixIndex
 from pagefleet.gateway.prompt_hashes import PromptHashers
@@ -73,7 +74,7 @@ class KVPolicy:
 
     async def _reserve(self, candidates: list[ReplicaRecord], request: RoutedRequest) -> Promise | None:
         try:
-            return await self.reservations.reserve(candidates, request.estimated_blocks, request.prefill)
+            return await self.reservations.reserve(candidates, request.estimated_blocks)
         except (RedisError, OSError) as error:
             logger.debug("reservation failed (%s); routing without one", error)
             return None
@@ -127,9 +128,9 @@ class PrefixPolicy:
 
 
 def by_load(records: list[ReplicaRecord]) -> list[ReplicaRecord]:
-    """Replicas best first by their reports alone: the most free KV blocks, then the fewest
-    queued prompt tokens. (`affinity` ranks by load with what it sent since, decision.py.)"""
-    return sorted(records, key=lambda r: (-r.free_blocks, r.waiting_prompt_tokens, r.waiting))
+    """Replicas best first by their reports alone, in the fleet's one ranking by load
+    (decision.Candidate.load_rank; `affinity` adds what it sent since)."""
+    return sorted(records, key=lambda r: Candidate(r).load_rank(), reverse=True)
 
 
 def fallbacks(candidates: list[ReplicaRecord], chosen: ReplicaRecord) -> list[ReplicaRecord]:
@@ -218,10 +219,8 @@ class Router:
             return None
         policy = self.model_policies.get(shape.model, self.default_policy)
         block_size = candidates[0].block_size
-        if phase == "prefill":
-            routed = RoutedRequest(shape, shape.prompt_blocks(block_size), prefill=True)
-        else:
-            routed = RoutedRequest(shape, shape.blocks(block_size))
+        blocks = shape.prompt_blocks(block_size) if phase == "prefill" else shape.blocks(block_size)
+        routed = RoutedRequest(shape, blocks)
         route = await policy.choose(candidates, routed)
         if route is not None:
             route.policy, route.num_candidates = policy.name, len(candidates)

@@ -105,6 +105,38 @@ def test_the_engine_core_never_imports_its_server() -> None:
     assert {path: names for path, names in core.items() if names} == {}
 
 
+# What the engine's server (and, through it, the KV connectors' users: its pulls and the
+# blocks it serves) may import of the engine: its public API. The scheduler, the KV cache,
+# the connectors, the runner and the model are reached only through AsyncEngine.
+SERVER_MAY_IMPORT = {
+    "pagefleet.engine",
+    "pagefleet.engine.config",
+    "pagefleet.engine.errors",
+    "pagefleet.engine.front.async_engine",
+    "pagefleet.engine.front.chat_template",
+    "pagefleet.engine.front.inputs",
+    "pagefleet.engine.front.outputs",
+    "pagefleet.engine.front.stats",
+    "pagefleet.engine.lora.request",
+    "pagefleet.engine.sample.sampling_params",
+    "pagefleet.engine.sample.structured_outputs",
+}
+
+
+def test_the_server_imports_only_the_engines_public_modules() -> None:
+    internal = {
+        path: sorted(
+            name
+            for name in names
+            if name.startswith("pagefleet.engine")
+            and name not in SERVER_MAY_IMPORT
+            and not name.startswith(("pagefleet.engine.server", "pagefleet.engine.kv_transfer"))
+        )
+        for path, names in _project_imports(ROOT / "engine" / "server").items()
+    }
+    assert {path: names for path, names in internal.items() if names} == {}
+
+
 def test_every_subpackage_is_listed_for_a_wheel() -> None:
     """An editable install finds folders by itself; a wheel (the images) ships only the
     packages pyproject.toml lists."""

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from pagefleet.engine.core.block_pool import BlockPool
 from pagefleet.engine.core.request import Request, Sequence
-from pagefleet.engine.kv_transfer.params import RemoteKV
+from pagefleet.engine.kv_transfer.params import KVLoad, RemoteKV
 from pagefleet.protocol.block_hash import block_hashes
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
@@ -73,7 +73,7 @@ class PendingCopies:
     swap_out: list[BlockCopy] = field(default_factory=list)  # device -> host
     swap_in: list[BlockCopy] = field(default_factory=list)  # host -> device
     device: list[BlockCopy] = field(default_factory=list)  # copy-on-write
-    loads: list[tuple[list[int], RemoteKV]] = field(default_factory=list)  # pulled KV -> these blocks
+    loads: list[KVLoad] = field(default_factory=list)  # KV from outside (the connectors') -> these blocks
 
     def take(self) -> PendingCopies:
         taken = PendingCopies(self.swap_out, self.swap_in, self.device, self.loads)
@@ -239,7 +239,7 @@ class KVCacheManager:
     def take_remote_prefix(self, seq: Sequence, remote: RemoteKV) -> bool:
         """Start an empty sequence on fresh blocks for the `remote.num_tokens` tokens a
         prefill replica computed; their KV is loaded by `queue_load` once the request is
-        scheduled. False (nothing changed) if too few blocks are free."""
+        scheduled (`queue_load`). False (nothing changed) if too few blocks are free."""
         record = self._record(seq)
         assert not record.block_ids and record.num_computed_tokens == 0, "a remote prefix needs a fresh sequence"
         blocks = self.pool.try_allocate(remote.num_blocks)
@@ -249,16 +249,13 @@ class KVCacheManager:
         record.num_computed_tokens = remote.num_tokens
         return True
 
-    def queue_load(self, seq: Sequence, remote: RemoteKV) -> None:
-        """Copy the pulled KV into the sequence's first blocks before the next forward pass."""
-        self.pending.loads.append((self.block_table(seq)[: remote.num_blocks], remote))
+    def queue_load(self, load: KVLoad) -> None:
+        """Copy KV from outside into fresh blocks before the next forward pass."""
+        self.pending.loads.append(load)
 
-    def pin_prompt(self, seq: Sequence, num_prompt_tokens: int) -> list[int]:
-        """Take a reference on the blocks holding the sequence's prompt, so they outlive it
-        (a decode replica pulls them); `pool.free` drops it."""
-        blocks = self.block_table(seq)[: -(-num_prompt_tokens // self.block_size)]
-        self.pool.incref(blocks)
-        return list(blocks)
+    def prompt_blocks(self, seq: Sequence, num_prompt_tokens: int) -> list[int]:
+        """The blocks holding the sequence's prompt (a connector may keep them)."""
+        return list(self.block_table(seq)[: -(-num_prompt_tokens // self.block_size)])
 
     def _find_cached_prefix(self, seq: Sequence, num_tokens: int) -> list[int]:
         if not self.enable_prefix_caching:

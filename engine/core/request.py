@@ -14,9 +14,11 @@ hits and recompute after preemption.
 Who writes what, one writer per field:
 - `LLMEngine.add_request`: everything a request starts with, before it is queued.
 - the scheduler: `status`, `lora_slot`, `is_forked` (set when it plans the step that
-  reaches the fork point, reset by a recompute preemption), `remote_kv` (dropped once
-  loaded), `num_cached_tokens`, `is_prefix_counted` and `events`;
+  reaches the fork point, reset by a recompute preemption), `num_cached_tokens`,
+  `is_prefix_counted` and `events`;
 - the KV cache manager: every block table and computed-token count (not stored here);
+- the KV connectors (engine/kv_connector): the KV from outside a request starts on, kept
+  by each connector under the request's id (not stored here);
 - the step's update (front/step_update.py): `sequences` (beams), `first_token_time`,
   `error` and `kv_transfer_params`; through the output processor, which it alone calls
   after a step, each sequence's tokens, text, logprobs, detokenizer cursors and stop state,
@@ -35,7 +37,6 @@ from typing import Any
 import torch
 
 from pagefleet.engine.front.outputs import PositionLogprobs
-from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.beam_search import BeamSearchState
 from pagefleet.engine.sample.sampling_params import SamplingParams
@@ -134,7 +135,6 @@ class Request:
     error: str | None = None  # why the request failed inside the engine, if it did
     # Prefill/decode disaggregation: the prompt's KV pulled from a prefill replica, loaded
     # into the first blocks when the request is admitted (then dropped).
-    remote_kv: RemoteKV | None = None
     kv_transfer_params: dict[str, Any] | None = None  # for the caller: how to pull this prompt's KV
     lora_request: LoRARequest | None = None  # the adapter it runs with
     lora_slot: int | None = None  # its adapter's slot while the scheduler holds one for it

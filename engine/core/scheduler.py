@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.core.kv_cache_manager import KVCacheManager, PendingCopies
 from pagefleet.engine.core.request import Request, RequestStatus, Sequence
+from pagefleet.engine.kv_connector.base import KVConnector
 from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.sample.sampling_params import SamplingParams
@@ -118,9 +119,11 @@ class Scheduler:
         kv_cache: KVCacheManager,
         lora: LoRAManager | None = None,
         speculator: Speculator | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.kv_connector = kv_connector or KVConnector()
         self.lora = lora
         self.speculator = speculator
         self._draft_length = 0  # this step's drafts per sequence (the load switch's choice)
@@ -146,6 +149,7 @@ class Scheduler:
         else:
             self.kv_cache.free_request(request)
         self._release_adapter(request)
+        self.kv_connector.drop_staged(request)
         request.status = RequestStatus.FINISHED
 
     def schedule(self) -> SchedulePlan:
@@ -203,9 +207,10 @@ class Scheduler:
             starts_afresh = request.status == RequestStatus.WAITING and not self.kv_cache.block_table(
                 request.sequences[0]
             )
-            remote = request.remote_kv if starts_afresh else None
-            if remote is not None and remote.origin != "prefill" and not self._stored_prefix_is_longer(request, remote):
-                request.remote_kv = remote = None  # the local prefix cache has as much now
+            if starts_afresh and self.kv_connector.is_loading(request):
+                self._release_adapter(request)
+                break  # strict FCFS: the head waits for its KV from outside
+            remote = self._external_prefix(request) if starts_afresh else None
             if request.status == RequestStatus.SWAPPED:
                 if not self._try_swap_in(request):
                     self._release_adapter(request)
@@ -225,8 +230,8 @@ class Scheduler:
                 self._release_adapter(request)
                 break  # strict FCFS: a later request may not overtake the head of the queue
             if remote is not None:
-                self.kv_cache.queue_load(request.sequences[0], remote)
-                request.remote_kv = None  # loaded once; a recompute preemption computes it here
+                blocks = self.kv_cache.block_table(request.sequences[0])
+                self.kv_cache.queue_load(self.kv_connector.after_allocate(request, blocks, remote))
             self.waiting.pop(0)
             resumed = any(event.name == "preempted" for event in request.events)
             request.note("scheduled", cached_tokens=request.num_cached_tokens, resumed=resumed)
@@ -268,12 +273,15 @@ class Scheduler:
             request.num_cached_tokens = cached_tokens
             self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, local_hit_tokens)
 
-    def _stored_prefix_is_longer(self, request: Request, stored: RemoteKV) -> bool:
-        """Whether a prefix read while the request was prepared (file tier, peer) still
-        covers more than the local prefix cache does now."""
-        seq = request.sequences[0]
-        hits, _ = self.kv_cache.find_prefix_hits(seq, request.compute_target(seq))
-        return len(hits) * self.kv_cache.block_size < stored.num_tokens
+    def _external_prefix(self, request: Request) -> RemoteKV | None:
+        """The connectors' KV for the request's first tokens, if it covers more than the
+        local prefix cache does now (a prefill replica's always)."""
+        local_tokens = 0
+        if request.prompt_logprobs is None:
+            seq = request.sequences[0]
+            hits, _ = self.kv_cache.find_prefix_hits(seq, request.compute_target(seq))
+            local_tokens = len(hits) * self.kv_cache.block_size
+        return self.kv_connector.external_prefix(request, local_tokens)
 
     def _try_swap_in(self, request: Request) -> bool:
         needed = self.kv_cache.swap_in_cost(request) + len(request.active_sequences)

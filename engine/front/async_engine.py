@@ -7,15 +7,17 @@ runs even when the caller's task is being cancelled and can await nothing more. 
 work runs outside the event loop (torch releases the GIL), so an HTTP server on the loop
 stays responsive while a step runs.
 
-Only the engine thread changes the engine, which this class keeps to itself (`_engine`).
-Callers hand it their adds, aborts, resets, adapter removals and pin releases, which it runs
-before its next step: a lock shared with the step loop was not fair (the loop released and
-re-took it at once), so a new request could wait a dozen steps behind one running decode
-(TTFT 0.3-1.5 s instead of 0.06 s on SmolLM2 here). What other threads do, each documented
-where it happens: read what never changes after start-up (the tokenizer, the limits, the KV
-layout); prepare a request (tokenizing, bad words, compiling its grammar, reading its
-adapter under the LoRA manager's lock); copy the KV of blocks that are pinned, or that are
-checked against their hashes after the copy; pop the prefix-cache event queue.
+Only the engine thread touches the engine's state, and this class keeps the engine to
+itself (`_engine`). Callers hand it their adds, aborts, resets, adapter removals, KV
+connector calls (pin check-outs and releases, prefix holds and peeks), which it runs before
+its next step: a lock shared with the step loop was not fair (the loop released and re-took
+it at once), so a new request could wait a dozen steps behind one running decode (TTFT
+0.3-1.5 s instead of 0.06 s on SmolLM2 here). What other threads do, each documented where
+it happens: read what never changes after start-up (the tokenizer, the limits, the KV
+layout) and the stats snapshot the engine thread replaces after each step; prepare a
+request (tokenizing, bad words, compiling its grammar, reading its adapter under the LoRA
+manager's lock); copy the KV of blocks the engine thread gave a reference for the copy (a
+pinned prompt, a held prefix); pop the prefix-cache event queue.
 
 A request whose own per-request work fails (see `LLMEngine.step`) raises
 `RequestFailedError` to its caller only; a failure of the shared forward pass stops the
@@ -43,8 +45,10 @@ from pagefleet.engine.front.inputs import PromptType
 from pagefleet.engine.front.llm_engine import LLMEngine
 from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.front.stats import EngineStats
-from pagefleet.engine.kv_transfer.connector import KVConnector
+from pagefleet.engine.kv_connector.peer import PeerConnector
+from pagefleet.engine.kv_connector.prefill_decode import PrefillDecodeConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, RemoteKV
+from pagefleet.engine.kv_transfer.transport import KVTransport
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.sampling_params import SamplingParams
 
@@ -63,12 +67,16 @@ class AsyncEngine:
         self,
         config: EngineConfig | None = None,
         engine: LLMEngine | None = None,
-        kv_connector: KVConnector | None = None,
+        kv_transport: KVTransport | None = None,
         **engine_args: Any,
     ) -> None:
-        """Drive `engine`, or a new one of `config` (or of `engine_args`); `kv_connector`:
+        """Drive `engine`, or a new one of `config` (or of `engine_args`); `kv_transport`:
         how a prefill replica's answers say where decode replicas pull its KV from."""
-        self._engine = engine or LLMEngine(config or EngineConfig(**engine_args), kv_connector)
+        self._engine = engine or LLMEngine(config or EngineConfig(**engine_args), kv_transport)
+        connectors = self._engine.kv_connector
+        pd, peer = connectors.member(PrefillDecodeConnector), connectors.member(PeerConnector)
+        assert pd is not None and peer is not None, "every engine has both"
+        self._pd, self._peer = pd, peer
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
@@ -214,8 +222,8 @@ class AsyncEngine:
         return self._engine.prompt_token_ids(prompt, params)
 
     def kv_layout(self) -> KVLayout:
-        """What a KV transfer with this engine must agree on."""
-        return self._engine.kv_layout()
+        """What a KV transfer with this engine must agree on (never changes)."""
+        return self._engine.kv_connector.layout
 
     def enable_kv_events(self) -> None:
         """Start queueing prefix-cache events (`take_kv_events`), for the fleet's index."""
@@ -246,7 +254,7 @@ class AsyncEngine:
         """Tokenize the prompt and its bad words, compile its structured-output constraint
         and read its adapter here, in an adder thread (a long prompt, a large schema or a
         new adapter must not stall the steps), then add it on the engine thread."""
-        prepared = self._engine.prepare_prompt(prompt, params, lora_request)
+        prepared = self._engine.prepare_prompt(prompt, params)
         params = self._engine.with_bad_words_tokenized(params)
         self._engine.compile_grammar(params)
         self._engine.add_lora(lora_request)
@@ -263,42 +271,44 @@ class AsyncEngine:
         Raises:
             KVTransferError: nothing pinned under that id, or other blocks.
         """
-        pinned = await asyncio.wrap_future(self._on_engine_thread(self._engine.checkout_pinned, request_id, block_ids))
+        pinned = await asyncio.wrap_future(self._on_engine_thread(self._pd.checkout, request_id, block_ids))
         try:
-            blocks = await asyncio.to_thread(self._engine.read_blocks, block_ids)
+            blocks = await asyncio.to_thread(self._pd.read_blocks, block_ids)  # pinned: nothing rewrites them
         except BaseException:
             self.checkin_pinned(request_id)
             raise
         return pinned.token_ids, blocks
 
-    def count_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> int:
-        """How many of the prompt's full blocks this replica has (a peek, any thread)."""
-        return self._engine.count_cached_prefix(hashes, token_ids)
+    async def count_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> int:
+        """How many of the prompt's full blocks this replica has, in its prefix cache or its
+        file tier (asked between two steps)."""
+        return int(await asyncio.wrap_future(self._on_engine_thread(self._peer.count_available, hashes, token_ids)))
 
     async def read_cached_prefix(
         self, hashes: list[int], token_ids: list[int]
     ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Copies of the KV of the longest prefix of `hashes` this replica caches (for a
-        peer's pull): its block count and each layer's keys and values. Read beside a running
-        step, without waiting for it (the holder of a prefix a peer pulls is busy by
-        definition): the blocks are copied without a reference, then only those still
-        holding their contents are kept (a full cached block is never written in place; one
-        evicted meanwhile has lost its hash)."""
-        blocks = self._engine.peek_cached_prefix(hashes, token_ids)
+        peer's pull): its block count and each layer's keys and values. The blocks are held
+        between two steps (a reference each, so no step evicts or rewrites them), copied
+        beside the running steps, and released before the next step after the copy."""
+        blocks: list[int] = await asyncio.wrap_future(self._on_engine_thread(self._peer.hold_prefix, hashes, token_ids))
         if not blocks:
             return 0, []
-        copied = await asyncio.to_thread(self._engine.read_blocks, blocks)
-        kept = self._engine.count_still_cached(blocks, hashes, token_ids)
-        return kept, [(keys[:kept], values[:kept]) for keys, values in copied]
+        try:
+            copied = await asyncio.to_thread(self._peer.read_blocks, blocks)
+        finally:
+            self._releases.append(functools.partial(self._peer.release, blocks))
+            self._wake.set()
+        return len(blocks), copied
 
     def release_pinned(self, request_id: str) -> None:
         """Free a pulled prompt's blocks before the next step (from any thread, no wait)."""
-        self._releases.append(functools.partial(self._engine.pins.release, request_id))
+        self._releases.append(functools.partial(self._pd.release, request_id))
         self._wake.set()
 
     def checkin_pinned(self, request_id: str) -> None:
         """A pull that failed: keep the blocks pinned for another (from any thread, no wait)."""
-        self._releases.append(functools.partial(self._engine.pins.checkin, request_id))
+        self._releases.append(functools.partial(self._pd.checkin, request_id))
         self._wake.set()
 
     def _on_engine_thread(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -312,17 +322,14 @@ class AsyncEngine:
         return future
 
     def _run_loop(self) -> None:
-        writing = False
         while not self._stopping.is_set():
             self._wake.clear()  # before looking for work, so a wake-up is never lost
             self._apply_pending()
-            if not self._engine.has_unfinished_requests() and self._engine.expire_pins():
-                self._stats = self._engine.stats()
             if not self._engine.has_unfinished_requests():
-                if writing:  # the file tier's writer still holds blocks: free them as it finishes
-                    writing = self._engine.settle_kv_tier()
-                    self._stats = self._engine.stats()
-                self._wake.wait(timeout=0.01 if writing else 0.5)
+                # Idle: expire pins, and free the blocks the file tier's writer is done with.
+                pending = self._engine.kv_connector.between_steps()
+                self._stats = self._engine.stats()
+                self._wake.wait(timeout=0.01 if pending else 0.5)
                 continue
             try:
                 outputs = self._engine.step()
@@ -332,13 +339,12 @@ class AsyncEngine:
                 self._fail_all(error)
                 return
             self._deliver(outputs)
-            writing = self._engine.tier is not None
             for callback in self._step_callbacks:
                 callback(self._engine.last_iteration_tokens)
 
     def _apply_pending(self) -> None:
-        """Apply what callers handed over: their calls in the order they came, then pin
-        releases, then aborts."""
+        """Apply what callers handed over: their calls in the order they came, then block
+        releases and pin check-ins, then aborts."""
         if not self._calls and not self._pending_aborts and not self._releases:
             return
         while self._calls:

@@ -1,4 +1,5 @@
-"""Assemble an engine's parts from its config: tokenizer, model, KV cache, scheduler.
+"""Assemble an engine's parts from its config: tokenizer, model, KV cache, runner (the
+engine adds its KV connectors and the scheduler over them).
 
 This is where the memory budget becomes a block count, printed at start-up, and where a
 tensor-parallel engine starts its workers (engine/distributed/workers.py).
@@ -18,7 +19,6 @@ import torch.distributed as dist
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.core.host_memory import keep_freed_memory
 from pagefleet.engine.core.kv_cache_manager import KVCacheManager
-from pagefleet.engine.core.scheduler import Scheduler
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.distributed.workers import Workers, init_group
 from pagefleet.engine.errors import InvalidParameterError
@@ -44,7 +44,6 @@ class EngineParts:
     model_config: ModelConfig
     max_model_len: int
     kv_cache: KVCacheManager
-    scheduler: Scheduler
     runner: ModelRunner
     lora: LoRAManager | None  # with enable_lora
     speculator: Speculator | None  # with speculative_config
@@ -113,10 +112,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     lora = device.lora
     speculative = config.speculative
     speculator = Speculator(speculative, max_model_len) if speculative is not None else None
-    scheduler = Scheduler(config, kv_cache, lora, speculator)
-    return EngineParts(
-        model_dir, tokenizer, model, model_config, max_model_len, kv_cache, scheduler, device.runner, lora, speculator
-    )
+    runner = device.runner
+    return EngineParts(model_dir, tokenizer, model, model_config, max_model_len, kv_cache, runner, lora, speculator)
 
 
 def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: Workers | None = None) -> DeviceParts:

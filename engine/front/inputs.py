@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, TypedDict
 
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.engine.kv_transfer.params import RemoteKV
+from pagefleet.engine.lora.request import LoRARequest
+from pagefleet.protocol.block_hash import chain_root
 
 
 class TextPrompt(TypedDict, total=False):
@@ -71,4 +72,9 @@ class PreparedPrompt:
     text: str | None  # the prompt's text, if it came as text
     token_ids: list[int]  # what the engine computes: tokenized, then truncated
     cache_salt: str | None
-    stored_kv: RemoteKV | None = None  # its longest prefix read from the file tier, if worth it
+
+
+def prefix_hash_root(lora_request: LoRARequest | None, cache_salt: str | None) -> int:
+    """The first link of a request's prefix-cache hash chain: an adapter's KV, or a salted
+    request's, is its own (protocol/block_hash.py; routers compute the same)."""
+    return chain_root(lora_request.lora_name if lora_request is not None else None, cache_salt)

@@ -138,7 +138,7 @@ class LLM:
                     self.engine.abort_request(request_id)
                 raise
             finally:
-                self.engine.settle_kv_tier(wait=True)  # the file tier holds no block between calls
+                self.engine.kv_connector.between_steps(wait=True)  # the file tier holds no block between calls
         return [finished[request_id] for request_id in request_ids]
 
     def chat(

@@ -1,12 +1,17 @@
 """What a replica reports about itself: `EngineStats`, read by the server's /metrics and the
-Redis publisher (see docs/redis-protocol.md)."""
+Redis publisher (see docs/redis-protocol.md), with the types of its parts, and the
+prefix-cache events `AsyncEngine.take_kv_events` gives (`KVEvent`): the engine's public
+figures, so its server needs no module of the engine's internals."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pagefleet.engine.core.block_pool import KVEvent
 from pagefleet.engine.kv_tiers.file_tier import TierStats
 from pagefleet.engine.spec_decode.speculator import SpecDecodeStats
+
+__all__ = ["EngineStats", "KVEvent", "SpecDecodeStats", "TierStats"]
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,7 +3,8 @@
 A step is two calls: the scheduler's plan runs on the runner, then `StepUpdate.apply` owns
 every write that follows from it: computed tokens (through the KV cache manager), forks at
 the fork point, each request's new tokens or beams and stop state (through the output
-processor), prefill replicas' pins, and retiring finished requests (through the scheduler).
+processor), what the KV connectors keep of finished requests, and retiring them (through
+the scheduler).
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from pagefleet.engine.core.request import Request, Sequence
 from pagefleet.engine.core.scheduler import SchedulePlan, Scheduler
 from pagefleet.engine.front.output_processor import OutputProcessor
 from pagefleet.engine.front.outputs import RequestOutput
-from pagefleet.engine.kv_transfer.connector import KVConnector
-from pagefleet.engine.kv_transfer.pins import PinnedPrompts
+from pagefleet.engine.kv_connector.base import KVConnector
 from pagefleet.engine.sample.sampler import SampleResult
 from pagefleet.engine.spec_decode.speculator import Speculator
 from pagefleet.engine.worker.model_runner import RequestResults, Verified
-from pagefleet.protocol.kv_transfer import prefill_answer
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +54,20 @@ class StepUpdate:
         kv_cache: KVCacheManager,
         scheduler: Scheduler,
         outputs: OutputProcessor,
-        pins: PinnedPrompts,
-        kv_connector: KVConnector | None,
+        kv_connector: KVConnector,
+        counters: StepCounters,
         speculator: Speculator | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.outputs = outputs
-        self.pins = pins
         self.kv_connector = kv_connector
+        self.counters = counters
         self.speculator = speculator
-        self.counters = StepCounters()
 
     def apply(self, plan: SchedulePlan, results: dict[str, RequestResults], started: float) -> list[RequestOutput]:
         """Computed tokens and forks, the prefill rate, then request by request its tokens
-        or beams, stops, pins and freed blocks. Returns an output for every request the
+        or beams, stops, what the connectors keep, and freed blocks. Returns an output for every request the
         plan touched that has one to give in its output kind; a finished request's is its
         last."""
         chunks = plan.chunks
@@ -202,8 +200,8 @@ class StepUpdate:
         self.counters.num_generation_tokens += len(beams)
 
     def _after_step(self, request: Request) -> RequestOutput | None:
-        if request.generation_ended and request.wants_remote_decode:
-            self._pin_prompt(request)
+        if request.generation_ended:
+            request.kv_transfer_params = self.kv_connector.request_finished(request, self._prompt_blocks(request))
         for seq in request.sequences:
             if seq.is_finished and self.kv_cache.block_table(seq):
                 self.kv_cache.free(seq)  # siblings still running keep only what they share
@@ -213,15 +211,9 @@ class StepUpdate:
                 self.speculator.remember(request)
         return self.outputs.make_output(request)
 
-    def _pin_prompt(self, request: Request) -> None:
-        """Keep a finished prefill request's prompt blocks for a decode replica's pull, and
-        say where to pull them from (vLLM's `kv_transfer_params`)."""
+    def _prompt_blocks(self, request: Request) -> list[int]:
+        """The blocks of a finished request's computed prompt (before they are freed), or []."""
         holder = next((seq for seq in request.sequences if self.kv_cache.block_table(seq)), None)
         if holder is None or self.kv_cache.num_computed_tokens(holder) < request.num_prompt_tokens:
-            return
-        blocks = self.kv_cache.pin_prompt(holder, request.num_prompt_tokens)
-        self.pins.pin(request.request_id, blocks, request.prompt_token_ids)
-        if self.kv_connector is not None:
-            request.kv_transfer_params = self.kv_connector.transfer_params(request.request_id, blocks)
-        else:
-            request.kv_transfer_params = prefill_answer(request.request_id, blocks)
+            return []
+        return self.kv_cache.prompt_blocks(holder, request.num_prompt_tokens)

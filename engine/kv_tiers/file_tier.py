@@ -7,11 +7,12 @@ a writer thread copies it out and stores it; the engine drops those references b
 next step (`release_written`). The queue is bounded: when the writer falls behind, blocks
 are skipped, never waited for, so writing never slows a step.
 
-Reading: `read_prefix` (any thread; the engine calls it while preparing a request, off the
-engine thread) finds how many of the prompt's full blocks the local prefix cache holds
-(a peek: the scheduler decides again) and how many the directory holds; if the directory
-holds more and the cost model says reading them beats computing the difference, it reads
-them into a `RemoteKV` that the scheduler loads into fresh blocks like a pulled prompt.
+Reading: `read_prefix` (the file-tier connector's reader thread, engine/kv_connector/
+file_tier.py) is given how many of the prompt's full blocks the local prefix cache held when
+the request came (the scheduler compares again before loading) and finds how many the
+directory holds; if the directory holds more and the cost model says reading them beats
+computing the difference, it reads them into a `RemoteKV` that the scheduler loads into
+fresh blocks like a pulled prompt.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 
 from pagefleet.engine.core.block_pool import BlockPool
 from pagefleet.engine.core.kv_cache_manager import FullBlock
-from pagefleet.engine.kv_tiers.cost import TierCost
 from pagefleet.engine.kv_tiers.file_store import FileStore, UnusableBlockError
+from pagefleet.engine.kv_transfer.cost import TierCost
 from pagefleet.engine.kv_transfer.params import RemoteKV
 
 logger = logging.getLogger(__name__)
@@ -149,14 +150,13 @@ class FileTier:
                         self.stats.written_blocks += 1
                         self.stats.written_bytes += written
 
-    # --- reading (any thread) -----------------------------------------------------------------
+    # --- reading (any thread but the engine's) ------------------------------------------------
 
-    def read_prefix(self, hashes: list[int], token_ids: list[int]) -> RemoteKV | None:
+    def read_prefix(self, hashes: list[int], token_ids: list[int], local: int) -> RemoteKV | None:
         """The KV of the prompt's longest stored prefix of full blocks (`hashes`, excluding
-        the block of the last prompt token), or None: nothing stored beyond what this
-        replica caches, or computing it is estimated faster than reading it."""
+        the block of the last prompt token), or None: nothing stored beyond the `local`
+        blocks this replica caches, or computing it is estimated faster than reading it."""
         size = self.block_size
-        local = self.pool.count_cached(hashes, token_ids, size)
         stored = self.store.count_present(hashes)
         with self._lock:
             self.stats.lookups += 1

@@ -75,6 +75,14 @@ class RemoteKV:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
+@dataclass(slots=True)
+class KVLoad:
+    """KV from outside the engine to copy into `block_ids` before the next forward pass."""
+
+    block_ids: list[int]
+    kv: RemoteKV
+
+
 def transfer_params(params: SamplingParams) -> KVTransferParams | None:
     """A request's `kv_transfer_params` (the servers put them in `extra_args`), read once in
     protocol/kv_transfer.py's terms.

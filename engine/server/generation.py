@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from opentelemetry import context as otel_context
 
 from pagefleet.engine.front.async_engine import AsyncEngine
-from pagefleet.engine.front.inputs import TextPrompt, TokensPrompt
-from pagefleet.engine.front.llm_engine import prefix_hash_root
+from pagefleet.engine.front.inputs import TextPrompt, TokensPrompt, prefix_hash_root
 from pagefleet.engine.front.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.sampling_params import RequestOutputKind, SamplingParams

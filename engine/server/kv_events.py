@@ -17,7 +17,7 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
-from pagefleet.engine.core.block_pool import KVEvent
+from pagefleet.engine.front.stats import KVEvent
 from pagefleet.protocol.block_hash import pack
 from pagefleet.protocol.prefix_index import STREAM_MAX_ENTRIES, blocks_key, events_key
 

@@ -30,10 +30,10 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagefleet.engine.front.async_engine import AsyncEngine
-from pagefleet.engine.kv_tiers.cost import TierCost
 from pagefleet.engine.kv_transfer import wire
-from pagefleet.engine.kv_transfer.connector import PullRefusedError, assemble, post_for_frames
+from pagefleet.engine.kv_transfer.cost import TierCost
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
+from pagefleet.engine.kv_transfer.transport import PullRefusedError, assemble, post_for_frames
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.protocol.block_hash import reusable_prefix
 from pagefleet.protocol.headers import KV_PEER_HEADER
@@ -103,7 +103,7 @@ class PeerPrefixes:
         layout = self.layout_of(engine)
         size = layout.block_size
         full, hashes = reusable_prefix(token_ids, size, root)
-        have = engine.count_cached_prefix(hashes, full)
+        have = await engine.count_cached_prefix(hashes, full)
         cost = self.cost(engine)
         if len(hashes) <= have:
             self.metrics.kv_peer_pull("not_needed")

@@ -26,8 +26,8 @@ from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.front.async_engine import AsyncEngine
 from pagefleet.engine.front.inputs import PromptType
 from pagefleet.engine.kv_transfer import wire
-from pagefleet.engine.kv_transfer.connector import PULL_PATH, HTTPConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV, transfer_params
+from pagefleet.engine.kv_transfer.transport import PULL_PATH, HTTPTransport
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.kv_peers import PeerPrefixes
@@ -49,8 +49,8 @@ class KVTransfers:
         self.role = settings.role
         self.model_name = settings.model_name
         self.metrics = metrics
-        self.connector = HTTPConnector(settings.replica, settings.url, settings.kv_transfer_timeout)
-        self.peers = PeerPrefixes(metrics, self.layout, settings.kv_peer_pulls, self.connector.client)
+        self.transport = HTTPTransport(settings.replica, settings.url, settings.kv_transfer_timeout)
+        self.peers = PeerPrefixes(metrics, self.layout, settings.kv_peer_pulls, self.transport.client)
 
     async def prepare(
         self, engine: AsyncEngine, prompt: PromptType, params: SamplingParams
@@ -74,7 +74,7 @@ class KVTransfers:
         token_ids = await asyncio.to_thread(engine.prompt_token_ids, prompt, params)  # once, off the loop
         started = time.monotonic()
         try:
-            pulled = await self.connector.pull(remote, self.layout(engine), token_ids)
+            pulled = await self.transport.pull(remote, self.layout(engine), token_ids)
         except KVTransferError as error:
             self.metrics.kv_transfer_failures.inc()
             logger.warning("KV pull failed: %s", error)
@@ -103,7 +103,7 @@ class KVTransfers:
         return ours, None
 
     async def close(self) -> None:
-        await self.connector.close()
+        await self.transport.close()
 
 
 def add_kv_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> None:

@@ -186,8 +186,8 @@ async def _load(state: ServerState, engine: AsyncEngine | None) -> None:
     """Load the model (in a thread) and the adapters of --lora-modules, warm it up with one
     token, then mark ready."""
     try:
-        config, connector = state.settings.engine_config(), state.transfers.connector
-        loaded: AsyncEngine = engine or await asyncio.to_thread(AsyncEngine, config, kv_connector=connector)
+        config, transport = state.settings.engine_config(), state.transfers.transport
+        loaded: AsyncEngine = engine or await asyncio.to_thread(AsyncEngine, config, kv_transport=transport)
         for name, path in parse_lora_modules(state.settings.lora_modules):
             await state.adapters.load(loaded, name, path)
         warm_up: PromptType = "Hello" if loaded.tokenizer is not None else {"prompt_token_ids": [0]}

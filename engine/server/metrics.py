@@ -15,8 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagefleet.engine.front.stats import EngineStats
-from pagefleet.engine.kv_tiers.file_tier import TierStats
+from pagefleet.engine.front.stats import EngineStats, TierStats
 from pagefleet.engine.server.vllm_metrics import VLLMRequestMetrics, engine_families, spec_decode_families
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

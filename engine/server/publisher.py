@@ -17,8 +17,7 @@ from typing import Any
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from pagefleet.engine.core.block_pool import KVEvent
-from pagefleet.engine.front.stats import EngineStats
+from pagefleet.engine.front.stats import EngineStats, KVEvent
 from pagefleet.engine.server.kv_events import KVEventPublisher
 from pagefleet.protocol.replica import ReplicaRecord, catalog_key, record_key
 

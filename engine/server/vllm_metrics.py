@@ -16,9 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagefleet.engine.front.outputs import RequestOutput
-from pagefleet.engine.front.stats import EngineStats
+from pagefleet.engine.front.stats import EngineStats, SpecDecodeStats
 from pagefleet.engine.sample.sampling_params import SamplingParams
-from pagefleet.engine.spec_decode.speculator import SpecDecodeStats
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"

@@ -19,6 +19,7 @@ from pagefleet.engine.core.kv_cache_manager import PendingCopies
 from pagefleet.engine.core.request import Sequence
 from pagefleet.engine.core.scheduler import SampleRequest, ScheduledChunk, SchedulePlan
 from pagefleet.engine.distributed.shard import Shard
+from pagefleet.engine.kv_connector.worker import load_blocks
 from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, StepLayout, allocate_kv_cache
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
@@ -114,7 +115,7 @@ class ModelRunner:
 
     def run_copies(self, copies: PendingCopies) -> None:
         """Swap-outs first (their device blocks may be reused below), then swap-ins, then
-        KV pulled from prefill replicas, then copy-on-write copies."""
+        the connectors' loads (KV from outside), then copy-on-write copies."""
         for pairs, source, target in (
             (copies.swap_out, self.kv_caches, self.host_caches),
             (copies.swap_in, self.host_caches, self.kv_caches),
@@ -126,11 +127,7 @@ class ModelRunner:
             for (src_k, src_v), (dst_k, dst_v) in zip(source, target, strict=True):
                 dst_k[dst.to(dst_k.device)] = src_k[src.to(src_k.device)].to(dst_k.device)
                 dst_v[dst.to(dst_v.device)] = src_v[src.to(src_v.device)].to(dst_v.device)
-        for block_ids, remote in copies.loads:
-            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            for (key_cache, value_cache), keys, values in zip(self.kv_caches, remote.keys, remote.values, strict=True):
-                key_cache[index] = keys.to(key_cache.device, key_cache.dtype)
-                value_cache[index] = values.to(value_cache.device, value_cache.dtype)
+        load_blocks(self.kv_caches, copies.loads)
         if copies.device:
             mapping = torch.tensor(copies.device, dtype=torch.int64, device=self.device)
             for key_cache, value_cache in self.kv_caches:

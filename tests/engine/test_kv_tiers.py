@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.front.outputs import RequestOutput
+from pagefleet.engine.kv_connector.file_tier import FileTierConnector
+from pagefleet.engine.kv_tiers.file_tier import FileTier
+from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.lora.request import LoRARequest
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts
@@ -109,17 +113,17 @@ def test_a_torn_corrupted_or_foreign_file_is_a_miss(
     shutil.copytree(stored, copy)
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dir=str(copy))
     prompt = prompts[3]  # 97 tokens: 6 full blocks before the last token
-    prepared = llm.engine.prepare_prompt({"prompt_token_ids": prompt}, GREEDY)
-    assert prepared.stored_kv is not None and prepared.stored_kv.num_tokens == 96
-    assert llm.engine.tier is not None
-    files = [llm.engine.tier.store.path(h) for h in _hashes(prompt)]
+    tier = _tier(llm)
+    stored = tier.read_prefix(_hashes(prompt), prompt[:96], local=0)
+    assert stored is not None and stored.num_tokens == 96
+    files = [tier.store.path(h) for h in _hashes(prompt)]
     flipped = bytearray(files[4].read_bytes())
     flipped[-100] ^= 0xFF  # corrupted: block 4 and after are recomputed
     files[4].write_bytes(bytes(flipped))
     output = llm.generate([prompt], GREEDY)[0]
     assert output.num_cached_tokens == 64 and output.outputs[0].token_ids == expected[3]
     assert files[4].stat().st_size == len(flipped)  # removed, then written again whole by this engine
-    assert llm.engine.tier.store.read(_hashes(prompt)[4], tuple(prompt[64:80])) is not None
+    assert tier.store.read(_hashes(prompt)[4], tuple(prompt[64:80])) is not None
     llm.engine.reset_prefix_cache()
     data = files[2].read_bytes()
     files[2].write_bytes(data[: len(data) // 2])  # torn: block 2 and after are recomputed
@@ -138,8 +142,7 @@ def test_the_cost_model_recomputes_when_reading_would_be_slower(
     tiny_llama: Path, prompts: list[list[int]], expected: list[list[int]], stored: Path
 ) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dir=str(stored))
-    tier = llm.engine.tier
-    assert tier is not None
+    tier = _tier(llm)
     assert tier.cost.crossover_tokens(16) == 16  # reading one block beats computing it here
     tier.cost.seconds_per_block = 10.0  # a tier far slower than computing
     outputs = llm.generate(prompts, GREEDY)
@@ -150,8 +153,7 @@ def test_the_cost_model_recomputes_when_reading_would_be_slower(
 
 def test_the_directory_stays_under_its_size_evicting_the_least_recently_used(tiny_llama: Path, tmp_path: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dir=str(tmp_path), kv_cache_dir_size_gib=1e-3)
-    tier = llm.engine.tier
-    assert tier is not None
+    tier = _tier(llm)
     block_file = tier.store.block_bytes + 200
     tier.store.max_bytes = 10 * block_file  # room for about ten blocks
     llm.generate(random_prompts([70] * 6, TINY_VOCAB, seed=21), GREEDY)
@@ -159,6 +161,12 @@ def test_the_directory_stays_under_its_size_evicting_the_least_recently_used(tin
     assert 0 < sum(sizes) <= tier.store.max_bytes
     assert not list(tmp_path.glob("*/.*.tmp")), "a temporary file was left behind"
     assert_no_block_leaked(llm)
+
+
+def _tier(llm: LLM) -> FileTier:
+    connector = llm.engine.kv_connector.member(FileTierConnector)
+    assert connector is not None
+    return connector.tier
 
 
 def _hashes(prompt: list[int]) -> list[int]:
@@ -176,3 +184,36 @@ def test_a_prompt_answered_in_one_step_is_written_too(tiny_llama: Path, tmp_path
     assert_no_block_leaked(writer)
     reader = LLM(str(tiny_llama), dtype="float32", kv_cache_dir=str(tmp_path))
     assert reader.generate([prompt], one)[0].num_cached_tokens == 64
+
+
+def _answer(llm: LLM, prompt: list[int], given: RemoteKV | None) -> RequestOutput:
+    engine = llm.engine
+    engine.add_request(f"given-{len(engine.requests)}-{prompt[0]}", {"prompt_token_ids": prompt}, GREEDY, given)
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    engine.kv_connector.between_steps(wait=True)
+    return outputs[-1]
+
+
+def test_the_connectors_compose_a_request_starts_on_the_longest_prefix_offered(
+    tiny_llama: Path, prompts: list[list[int]], expected: list[list[int]], stored: Path
+) -> None:
+    """The file tier and a peer's pulled prefix, asked in order: the longer one is loaded,
+    the other dropped; and a request aborted while its read is on its way holds nothing."""
+    prompt = prompts[3]  # 97 tokens: 6 full blocks stored
+    reader = LLM(str(tiny_llama), dtype="float32", kv_cache_dir=str(stored))
+    whole = _tier(reader).read_prefix(_hashes(prompt), prompt[:96], local=0)
+    assert whole is not None and whole.num_tokens == 96
+    short_peer = RemoteKV(32, [k[:2] for k in whole.keys], [v[:2] for v in whole.values], origin="peer")
+    output = _answer(reader, prompt, short_peer)  # the files hold more: they win
+    assert output.num_cached_tokens == 96 and output.outputs[0].token_ids == expected[3]
+    assert reader.stats().kv_tier.hits == 2  # type: ignore[union-attr]  (the direct read above, and this one)
+    plain = LLM(str(tiny_llama), dtype="float32")  # no files: the peer's prefix
+    output = _answer(plain, prompt, RemoteKV(96, whole.keys, whole.values, origin="peer"))
+    assert output.num_cached_tokens == 96 and output.outputs[0].token_ids == expected[3]
+    reader.engine.reset_prefix_cache()
+    reader.engine.add_request("gone", {"prompt_token_ids": prompt}, GREEDY)
+    reader.engine.abort_request("gone")
+    assert_no_block_leaked(reader)
+    assert_no_block_leaked(plain)

@@ -12,9 +12,10 @@ import torch
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.kv_connector.prefill_decode import PrefillDecodeConnector
 from pagefleet.engine.kv_transfer import wire
-from pagefleet.engine.kv_transfer.connector import tokens_to_pull
 from pagefleet.engine.kv_transfer.params import RemoteKV
+from pagefleet.engine.kv_transfer.transport import tokens_to_pull
 from tests.engine.helpers import assert_no_block_leaked, random_prompts
 
 PREFILL = SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
@@ -27,12 +28,18 @@ def _pull(prefill: LLM, prompt: list[int]) -> RemoteKV:
     assert params is not None and params["do_remote_prefill"]
     num_tokens = tokens_to_pull(len(prompt))
     blocks = params["remote_block_ids"][: math.ceil(num_tokens / 16)]
-    engine = prefill.engine
-    pinned = engine.checkout_pinned(params["remote_request_id"], blocks)
+    connector = _pd(prefill)
+    pinned = connector.checkout(params["remote_request_id"], blocks)
     assert pinned.token_ids == prompt
-    layers = engine.read_blocks(blocks)
-    assert engine.pins.release(params["remote_request_id"])
+    layers = connector.read_blocks(blocks)
+    assert connector.release(params["remote_request_id"])
     return RemoteKV(num_tokens, [k for k, _ in layers], [v for _, v in layers])
+
+
+def _pd(llm: LLM) -> PrefillDecodeConnector:
+    connector = llm.engine.kv_connector.member(PrefillDecodeConnector)
+    assert connector is not None
+    return connector
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +102,7 @@ def test_pins_expire_and_roles_refuse_the_other_half(engines: tuple[LLM, LLM, LL
     (prompt,) = random_prompts([40], vocab=200, seed=5)
     prefill.generate([{"prompt_token_ids": prompt}], PREFILL)
     assert prefill.stats().num_pinned_blocks == 3
-    assert prefill.engine.pins.expire(now=float("inf")) == 1
+    assert _pd(prefill).pins.expire(now=float("inf")) == 1
     assert prefill.stats().num_pin_timeouts >= 1
     assert_no_block_leaked(prefill)
     with pytest.raises(InvalidParameterError, match="--role decode"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import re
 import shutil
 import time
@@ -20,11 +21,13 @@ from pagefleet.gateway.prefix_index import PrefixIndex
 from pagefleet.gateway.prompt_hashes import PromptHasher
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.protocol.tokenizer_info import TokenizerInfo
+from tests.envoy import render_config, start_envoy, start_picker
 from tests.gateway.conftest import prefix_routing_ready, start_replica
 from tests.processes import (
     EngineServer,
     GatewayProcess,
     RedisProcess,
+    free_port,
     metrics,
     running_redis,
     start_gateway,
@@ -70,6 +73,42 @@ def affinity_fleet(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -
             stop_server(replica)
 
 
+@dataclass
+class Door:
+    """A front door to the fleet: the gateway, or Envoy with the picker (which share the
+    director, gateway/director.py)."""
+
+    url: str  # where clients send requests
+    metrics_url: str  # the router's own metrics
+
+
+@contextlib.contextmanager
+def front_door(kind: str, fleet: AffinityFleet, *flags: str) -> Iterator[Door]:
+    """A router of `kind` ("gateway" or "envoy") over the fleet, with `flags`, once its
+    prefix routing is ready."""
+    logs = fleet.logs / f"{kind}-{free_port()}"
+    logs.mkdir()
+    if kind == "gateway":
+        gateway = start_gateway(fleet.redis.url, logs / "gateway.log", *flags)
+        try:
+            door = Door(gateway.url, f"{gateway.url}/metrics")
+            wait_for(lambda: 'prefix_routing_ready{model="tiny"} 1.0' in httpx.get(door.metrics_url).text)
+            yield door
+        finally:
+            stop_process(gateway.process)
+        return
+    picker = start_picker(fleet.redis.url, logs / "picker.log", *flags)
+    fallback = int(fleet.replicas["tiny-a"].url.rsplit(":", 1)[1])
+    envoy = start_envoy(render_config(int(picker.address.split(":")[1]), fallback, free_port(), free_port()), logs)
+    try:
+        door = Door(envoy.url, picker.metrics_url)
+        wait_for(lambda: 'prefix_routing_ready{model="tiny"} 1.0' in httpx.get(door.metrics_url).text)
+        yield door
+    finally:
+        stop_process(envoy.process)
+        stop_process(picker.process)
+
+
 def _follow_index(redis_url: str, until: Callable[[PrefixIndex], bool], timeout: float = 1.0) -> float:
     """Follow the fleet's index as a gateway does (its snapshot, then its stream) until
     `until(index)` holds; the seconds that took. Fails after `timeout`."""
@@ -97,8 +136,8 @@ def _complete(url: str, prompt: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
-def _chat(url: str, question: str, **extra: object) -> httpx.Response:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+def _chat(url: str, question: str, system: str = SYSTEM, **extra: object) -> httpx.Response:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     body = {"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0.0, **extra}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
 
@@ -107,42 +146,63 @@ def _matched(index: PrefixIndex, hashes: list[int], replica: str) -> int:
     return index.matched_blocks("tiny", hashes, [replica])[replica]
 
 
-def test_a_burst_beyond_the_holders_threshold_spills_to_the_other(affinity_fleet: AffinityFleet) -> None:
+@pytest.mark.parametrize("door_kind", ["gateway", "envoy"])
+def test_a_burst_beyond_the_holders_threshold_spills_through_either_door(
+    affinity_fleet: AffinityFleet, door_kind: str
+) -> None:
     """First in this module: a replica's cost is judged at the prefill rate it measured,
     which the tiny model's earlier requests would make differ between the two replicas.
 
     A threshold every queue exceeds: the prefix's holder is saturated as soon as requests
     are in flight to it, and a burst moves on once its queue outweighs what the whole
-    prompt costs elsewhere (decision.COLD_PREFILL_WEIGHT times its prefill)."""
-    gateway = start_gateway(affinity_fleet.redis.url, affinity_fleet.logs / "eager.log", "--saturation-s", "0.000001")
-    try:
-        wait_for(lambda: prefix_routing_ready(gateway.url))
-        system = "A new system prompt about asteroids and their orbits, long enough to fill blocks. " * 2
+    prompt costs elsewhere (decision.COLD_PREFILL_WEIGHT times its prefill). The same
+    through both front doors: the spilled requests name the holder for their replica to
+    pull the prefix from."""
+    with front_door(door_kind, affinity_fleet, "--saturation-s", "0.000001") as door:
+        system = f"A new system prompt about asteroids ({door_kind}), long enough to fill blocks. " * 2
         body = {"model": "tiny", "max_tokens": 2}
 
         def ask(n: int) -> str:
             # A long question of its own: each request adds a lot to the holder's queue.
             question = f"Asteroid {n}: " + "what is its orbit, its size and its composition? " * 4
             messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-            answer = httpx.post(f"{gateway.url}/v1/chat/completions", json={**body, "messages": messages}, timeout=60)
+            answer = httpx.post(f"{door.url}/v1/chat/completions", json={**body, "messages": messages}, timeout=60)
             assert answer.status_code == 200
             return answer.headers["x-pagefleet-replica"]
 
+        hinted_before = _peer_pulls(affinity_fleet)
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             served = list(pool.map(ask, range(16)))
         assert sorted(set(served)) == ["tiny-a", "tiny-b"], served
-        assert 'reason="saturated"' in httpx.get(f"{gateway.url}/metrics").text
+        assert 'reason="saturated"' in httpx.get(door.metrics_url).text
         # Each spilled request named the holder for its replica to pull the prefix from (the
         # tiny model computes faster than a pull: the replicas' cost model turns them down).
-        hinted = sum(
-            value
-            for replica in affinity_fleet.replicas.values()
-            for name, value in metrics(replica).items()
-            if name.startswith("pagefleet:kv_peer_pulls_total")
-        )
-        assert hinted > 0
-    finally:
-        stop_process(gateway.process)
+        assert _peer_pulls(affinity_fleet) > hinted_before
+
+
+def _peer_pulls(fleet: AffinityFleet) -> float:
+    """The peer pulls the replicas were asked for, whatever came of them."""
+    return sum(
+        value
+        for replica in fleet.replicas.values()
+        for name, value in metrics(replica).items()
+        if name.startswith("pagefleet:kv_peer_pulls_total")
+    )
+
+
+def test_both_front_doors_send_a_prefix_where_the_other_sent_it(affinity_fleet: AffinityFleet) -> None:
+    """One director, two doors: a prompt the gateway placed is followed there by the picker,
+    and the other way round."""
+    with front_door("envoy", affinity_fleet) as envoy:
+        gateway = affinity_fleet.gateway.url
+        for first, then in ((gateway, envoy.url), (envoy.url, gateway)):
+            system = f"Comets only, first asked at {first}: answer in a few words. " * 3
+            asked = _chat(first, "What is a comet made of?", system=system)
+            assert asked.status_code == 200
+            holder = asked.headers["x-pagefleet-replica"]
+            followed = _chat(then, "Where do comets come from?", system=system)
+            assert followed.headers["x-pagefleet-replica"] == holder
+            assert followed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(system) // 8
 
 
 def test_stored_blocks_appear_and_evicted_ones_disappear_within_a_second(affinity_fleet: AffinityFleet) -> None:

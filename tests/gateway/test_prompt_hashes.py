@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from pagefleet.engine.core.block_pool import take_events
 from pagefleet.engine.core.kv_cache_manager import KVCacheManager
 from pagefleet.engine.core.request import Sequence
-from pagefleet.engine.front.llm_engine import prefix_hash_root
+from pagefleet.engine.front.inputs import prefix_hash_root
 from pagefleet.engine.loader.source import resolve_model_dir
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.server.chat import chat_prompt

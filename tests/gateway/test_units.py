@@ -20,6 +20,7 @@ from pagefleet.gateway.errors import Refusal
 from pagefleet.gateway.limits import RateLimiter
 from pagefleet.gateway.metrics import GatewayMetrics
 from pagefleet.gateway.picker import DESTINATION, LB_NAMESPACE, SUBSET, SUBSET_NAMESPACE, EndpointPicker, endpoint
+from pagefleet.gateway.proxy import OutlierDetector
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.reservations import Reservations, promise_keys
 from pagefleet.gateway.routing import LeastRequestsPolicy, PrefixPolicy, RoundRobinPolicy, RoutedRequest
@@ -360,7 +361,9 @@ def test_the_picker_honours_the_subset_hint_and_lists_fallbacks(redis_server: Re
         metrics = GatewayMetrics("pagefleet_picker")
         core = RoutingCore(PickerSettings(redis_url=redis_server.url, policy="least_requests"), metrics)
         await core.registry.refresh()
-        picker = EndpointPicker(core, metrics, fallbacks=1)
+        pool = UpstreamPool(1.0, 5.0)
+        director = core.director(pool, OutlierDetector(core.registry, 3, 10.0), attempts=2)
+        picker = EndpointPicker(core, director, fallbacks=1)
         body = {"model": "m", "prompt": "hi"}
         a, b, c = (endpoint(r.url) for r in records)
 
@@ -375,6 +378,7 @@ def test_the_picker_honours_the_subset_hint_and_lists_fallbacks(redis_server: Re
         refused = await pick(picker, _exchange(body, subset=["10.9.9.9:1"]))
         assert refused.immediate_response.status.code == 503
         assert json.loads(refused.immediate_response.body)["error"]["code"] == 503
+        pool.close()
         await core.close()
 
     asyncio.run(scenario())

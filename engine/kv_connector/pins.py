@@ -3,7 +3,7 @@
 When a request with `do_remote_decode` finishes, its prompt's blocks are pinned (one
 reference each) instead of freed. They are released when a decode replica has pulled them,
 or when nobody has after `timeout` seconds, so a decode replica that never comes leaks
-nothing. Used only on the engine's thread (or under its lock).
+nothing. Used only on the engine's thread (the prefill-decode connector's state).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The KV connector seam, and its one transport today: a pull over HTTP.
+"""How KV moves between replicas, and its one transport today: a pull over HTTP.
 
-A connector says how a decode replica reaches a prefill replica (`transfer_params`, put in
+A transport says how a decode replica reaches a prefill replica (`transfer_params`, put in
 the prefill response in vLLM's shape) and fetches a prompt's KV from it (`pull`). The
-engine never sees the network: it pins blocks on the prefill side and loads a `RemoteKV`
-on the decode side. A GPU transport (NIXL, RDMA) would be another `KVConnector`.
+engine never sees the network: its prefill-decode connector (engine/kv_connector) pins
+blocks on the prefill side and loads a `RemoteKV` on the decode side. A GPU transport
+(NIXL, RDMA) would be another `KVTransport`.
 
 The HTTP pull: `POST /kv/pull` on the prefill replica's server (engine/server/kv_transfer.py)
 with the request id, the blocks wanted and the caller's `KVLayout`. The prefill side checks
@@ -26,7 +27,7 @@ from pagefleet.protocol.kv_transfer import RemotePrefill, prefill_answer
 PULL_PATH = "/kv/pull"
 
 
-class KVConnector(Protocol):
+class KVTransport(Protocol):
     def transfer_params(self, request_id: str, block_ids: list[int]) -> dict[str, Any]:
         """What a decode replica needs to pull these blocks from this replica."""
         ...
@@ -46,7 +47,7 @@ def tokens_to_pull(num_prompt_tokens: int) -> int:
     return num_prompt_tokens - 1
 
 
-class HTTPConnector:
+class HTTPTransport:
     """Pulls over HTTP from the prefill replica's server; `url` is this replica's own
     advertised URL (what decode replicas are told to pull from)."""
 

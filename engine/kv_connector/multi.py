@@ -1,0 +1,86 @@
+"""Several connectors as one, asked in order (P/D, then the file tier, then a peer)."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pagefleet.engine.core.kv_cache_manager import FullBlock
+from pagefleet.engine.core.request import Request
+from pagefleet.engine.kv_connector.base import ConnectorStats, KVConnector
+from pagefleet.engine.kv_transfer.params import KVLayout, KVLoad, RemoteKV
+
+C = TypeVar("C", bound=KVConnector)
+
+
+class MultiConnector(KVConnector):
+    """The engine's connectors. A request starts on the longest prefix any of them offers,
+    except that a prefill replica's KV always wins (it is the whole prompt but its last
+    token). `layout`: what a transfer with this engine must agree on (never changes)."""
+
+    def __init__(self, connectors: list[KVConnector], layout: KVLayout) -> None:
+        self.connectors = connectors
+        self.layout = layout
+        self._chosen: dict[str, KVConnector] = {}  # whose offer each request starts on
+
+    def member(self, kind: type[C]) -> C | None:
+        """The connector of that class, if this engine has one."""
+        return next((c for c in self.connectors if isinstance(c, kind)), None)
+
+    def request_added(self, request: Request, given: RemoteKV | None) -> None:
+        for connector in self.connectors:
+            connector.request_added(request, given)
+
+    def external_prefix(self, request: Request, num_local_tokens: int) -> RemoteKV | None:
+        best: RemoteKV | None = None
+        for connector in self.connectors:
+            offer = connector.external_prefix(request, num_local_tokens)
+            if offer is None:
+                continue
+            if offer.origin == "prefill" or best is None or offer.num_tokens > best.num_tokens:
+                best = offer
+                self._chosen[request.request_id] = connector
+            if offer.origin == "prefill":
+                break
+        return best
+
+    def is_loading(self, request: Request) -> bool:
+        return any(connector.is_loading(request) for connector in self.connectors)
+
+    def wait_for_load(self, request: Request, timeout: float) -> None:
+        for connector in self.connectors:
+            connector.wait_for_load(request, timeout)
+
+    def after_allocate(self, request: Request, block_ids: list[int], kv: RemoteKV) -> KVLoad:
+        load = self._chosen.pop(request.request_id).after_allocate(request, block_ids, kv)
+        self.drop_staged(request)  # loaded once: a recompute preemption computes it here
+        return load
+
+    def request_finished(self, request: Request, prompt_block_ids: list[int]) -> dict[str, Any] | None:
+        answers = [connector.request_finished(request, prompt_block_ids) for connector in self.connectors]
+        return next((answer for answer in answers if answer is not None), None)
+
+    def drop_staged(self, request: Request) -> None:
+        self._chosen.pop(request.request_id, None)
+        for connector in self.connectors:
+            connector.drop_staged(request)
+
+    @property
+    def wants_filled_blocks(self) -> bool:
+        return any(connector.wants_filled_blocks for connector in self.connectors)
+
+    def blocks_filled(self, blocks: list[FullBlock]) -> None:
+        for connector in self.connectors:
+            if connector.wants_filled_blocks:
+                connector.blocks_filled(blocks)
+
+    def between_steps(self, wait: bool = False) -> bool:
+        pending = [connector.between_steps(wait) for connector in self.connectors]
+        return any(pending)
+
+    def fill_stats(self, stats: ConnectorStats) -> None:
+        for connector in self.connectors:
+            connector.fill_stats(stats)
+
+    def close(self) -> None:
+        for connector in self.connectors:
+            connector.close()
