@@ -17,4 +17,11 @@ fi
 bash scripts/fetch-helm.sh  # the chart's tests run a real helm
 # Two shared cores: one OpenMP thread per process, and no spin-waiting.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=PASSIVE TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest "$@"
+# Two pytest workers (PAGEFLEET_TEST_WORKERS; 0 runs in this process): much of the suite waits
+# on servers starting and answering, so two overlap well on two cores. A module runs whole on
+# one worker (--dist loadscope), so its fleet fixture starts once.
+workers=${PAGEFLEET_TEST_WORKERS:-2}
+if [[ $workers == 0 ]]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+exec .venv/bin/python -m pytest -n "$workers" --dist loadscope "$@"

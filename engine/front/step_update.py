@@ -67,9 +67,9 @@ class StepUpdate:
 
     def apply(self, plan: SchedulePlan, results: dict[str, RequestResults], started: float) -> list[RequestOutput]:
         """Computed tokens and forks, the prefill rate, then request by request its tokens
-        or beams, stops, what the connectors keep, and freed blocks. Returns an output for every request the
-        plan touched that has one to give in its output kind; a finished request's is its
-        last."""
+        or beams, stops, what the connectors keep, and freed blocks. Returns an output for
+        every request the plan touched that has one to give in its output kind; a finished
+        request's is its last."""
         chunks = plan.chunks
         self.counters.last_step_tokens = sum(c.num_new_tokens for c in chunks)
         generated_before = self.counters.num_generation_tokens

@@ -189,7 +189,9 @@ def test_every_grafana_panel_shows_data_from_a_real_prometheus_scraping_the_flee
                     if answer["data"]["result"]:
                         filled.add(title)
                 empty = {title for title, _ in queries} - filled
-                assert empty == {"Failovers/s"}, f"no data yet: {sorted(empty)}"
+                # Failovers have data only if a replica of this session's fleet failed earlier
+                # (the tests share it, in whatever order a worker runs them).
+                assert empty <= {"Failovers/s"}, f"no data yet: {sorted(empty)}"
                 return empty
 
             wait_for(panels_without_data, timeout=60, interval=1.0)
