@@ -4,9 +4,11 @@ examples/envoy/, with its ports and modes changed."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ import httpx
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.processes import free_port, wait_ready
+from tests.processes import free_port, start_gateway, stop_process, wait_ready
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "envoy" / "envoy.yaml"
 
@@ -111,3 +113,35 @@ def start_picker(redis_url: str, log: Path, *flags: str, port: int | None = None
         "pagefleet picker", process, log, lambda: picker.health("readiness") == health_pb2.HealthCheckResponse.SERVING
     )
     return picker
+
+
+@dataclass
+class FrontDoor:
+    """Where clients send requests, and the router's own metrics: the gateway, or Envoy
+    with the picker (which share the director, gateway/director.py)."""
+
+    url: str
+    metrics_url: str
+
+
+@contextlib.contextmanager
+def front_door(kind: str, redis_url: str, logs: Path, fallback_url: str, *flags: str) -> Iterator[FrontDoor]:
+    """A router of `kind` ("gateway" or "envoy") on the fleet of `redis_url`, with `flags`;
+    Envoy's fallback route goes to `fallback_url`. Stopped on leaving."""
+    logs = logs / f"{kind}-{free_port()}"
+    logs.mkdir()
+    if kind == "gateway":
+        gateway = start_gateway(redis_url, logs / "gateway.log", *flags)
+        try:
+            yield FrontDoor(gateway.url, f"{gateway.url}/metrics")
+        finally:
+            stop_process(gateway.process)
+        return
+    picker = start_picker(redis_url, logs / "picker.log", *flags)
+    fallback = int(fallback_url.rsplit(":", 1)[1])
+    envoy = start_envoy(render_config(int(picker.address.split(":")[1]), fallback, free_port(), free_port()), logs)
+    try:
+        yield FrontDoor(envoy.url, picker.metrics_url)
+    finally:
+        stop_process(envoy.process)
+        stop_process(picker.process)

@@ -21,13 +21,12 @@ from pagefleet.gateway.prefix_index import PrefixIndex
 from pagefleet.gateway.prompt_hashes import PromptHasher
 from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.protocol.tokenizer_info import TokenizerInfo
-from tests.envoy import render_config, start_envoy, start_picker
+from tests.envoy import FrontDoor, front_door
 from tests.gateway.conftest import prefix_routing_ready, start_replica
 from tests.processes import (
     EngineServer,
     GatewayProcess,
     RedisProcess,
-    free_port,
     metrics,
     running_redis,
     start_gateway,
@@ -73,40 +72,12 @@ def affinity_fleet(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -
             stop_server(replica)
 
 
-@dataclass
-class Door:
-    """A front door to the fleet: the gateway, or Envoy with the picker (which share the
-    director, gateway/director.py)."""
-
-    url: str  # where clients send requests
-    metrics_url: str  # the router's own metrics
-
-
 @contextlib.contextmanager
-def front_door(kind: str, fleet: AffinityFleet, *flags: str) -> Iterator[Door]:
-    """A router of `kind` ("gateway" or "envoy") over the fleet, with `flags`, once its
-    prefix routing is ready."""
-    logs = fleet.logs / f"{kind}-{free_port()}"
-    logs.mkdir()
-    if kind == "gateway":
-        gateway = start_gateway(fleet.redis.url, logs / "gateway.log", *flags)
-        try:
-            door = Door(gateway.url, f"{gateway.url}/metrics")
-            wait_for(lambda: 'prefix_routing_ready{model="tiny"} 1.0' in httpx.get(door.metrics_url).text)
-            yield door
-        finally:
-            stop_process(gateway.process)
-        return
-    picker = start_picker(fleet.redis.url, logs / "picker.log", *flags)
-    fallback = int(fleet.replicas["tiny-a"].url.rsplit(":", 1)[1])
-    envoy = start_envoy(render_config(int(picker.address.split(":")[1]), fallback, free_port(), free_port()), logs)
-    try:
-        door = Door(envoy.url, picker.metrics_url)
+def door_to(kind: str, fleet: AffinityFleet, *flags: str) -> Iterator[FrontDoor]:
+    """A front door of `kind` over the fleet, once its prefix routing is ready."""
+    with front_door(kind, fleet.redis.url, fleet.logs, fleet.replicas["tiny-a"].url, *flags) as door:
         wait_for(lambda: 'prefix_routing_ready{model="tiny"} 1.0' in httpx.get(door.metrics_url).text)
         yield door
-    finally:
-        stop_process(envoy.process)
-        stop_process(picker.process)
 
 
 def _follow_index(redis_url: str, until: Callable[[PrefixIndex], bool], timeout: float = 1.0) -> float:
@@ -158,7 +129,7 @@ def test_a_burst_beyond_the_holders_threshold_spills_through_either_door(
     prompt costs elsewhere (decision.COLD_PREFILL_WEIGHT times its prefill). The same
     through both front doors: the spilled requests name the holder for their replica to
     pull the prefix from."""
-    with front_door(door_kind, affinity_fleet, "--saturation-s", "0.000001") as door:
+    with door_to(door_kind, affinity_fleet, "--saturation-s", "0.000001") as door:
         system = f"A new system prompt about asteroids ({door_kind}), long enough to fill blocks. " * 2
         body = {"model": "tiny", "max_tokens": 2}
 
@@ -193,7 +164,7 @@ def _peer_pulls(fleet: AffinityFleet) -> float:
 def test_both_front_doors_send_a_prefix_where_the_other_sent_it(affinity_fleet: AffinityFleet) -> None:
     """One director, two doors: a prompt the gateway placed is followed there by the picker,
     and the other way round."""
-    with front_door("envoy", affinity_fleet) as envoy:
+    with door_to("envoy", affinity_fleet) as envoy:
         gateway = affinity_fleet.gateway.url
         for first, then in ((gateway, envoy.url), (envoy.url, gateway)):
             system = f"Comets only, first asked at {first}: answer in a few words. " * 3

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.engine.test_lora import _adapter_dirs
+from tests.envoy import front_door
 from tests.processes import (
     EngineServer,
     GatewayProcess,
@@ -131,11 +132,16 @@ def test_requests_follow_the_adapter_from_replica_to_replica(fleet: LoRAFleet) -
         assert answer.json()["choices"][0]["text"] == expected
 
 
-def test_an_adapter_no_replica_serves_is_loaded_where_the_policy_says(fleet: LoRAFleet) -> None:
+@pytest.mark.parametrize("door_kind", ["gateway", "envoy"])
+def test_an_adapter_no_replica_serves_is_loaded_where_the_policy_says(
+    fleet: LoRAFleet, door_kind: str, tmp_path: Path
+) -> None:
+    """The same through both front doors: their director loads it first (director.py)."""
     for replica in (fleet.a, fleet.b):
         httpx.post(f"{replica.url}/v1/unload_lora_adapter", json={"lora_name": "first"})
     wait_for(lambda: not _gateway_routes(fleet, "first"), timeout=10)
-    answer = _complete(fleet.gateway.url, "first")  # the catalog in Redis knows where it lives
+    with front_door(door_kind, fleet.redis.url, tmp_path, fleet.a.url) as door:
+        answer = _complete(door.url, "first")  # the catalog in Redis knows where it lives
     assert answer.status_code == 200, answer.text
     chosen = {"a": fleet.a, "b": fleet.b}[answer.headers["x-pagefleet-replica"]]
     assert _serves(chosen.url, "first")
