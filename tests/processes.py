@@ -82,14 +82,16 @@ def start_redis(port: int) -> subprocess.Popen[bytes]:
 
 @contextmanager
 def running_prometheus(jobs: dict[str, list[str]], workdir: Path) -> Iterator[str]:
-    """Debian's Prometheus scraping `jobs` (job name -> `host:port` targets) every second,
-    on a free loopback port; its URL. Killed on exit."""
+    """Debian's Prometheus scraping `jobs` (job name -> `host:port` targets) every 2 s, on a
+    free loopback port; its URL. Killed on exit. (With a 1 s interval, its 1 s scrape timeout
+    lost every scrape of a replica whose /metrics answered late on a machine busy with other
+    tests.)"""
     import yaml
 
     if not os.path.exists(PROMETHEUS):
         pytest.fail(f"{PROMETHEUS} is missing: apt-get install prometheus (scripts/test.sh does)")
     config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "2s"},
         "scrape_configs": [
             {"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in jobs.items()
         ],

@@ -194,7 +194,7 @@ def test_every_grafana_panel_shows_data_from_a_real_prometheus_scraping_the_flee
                 assert empty <= {"Failovers/s"}, f"no data yet: {sorted(empty)}"
                 return empty
 
-            wait_for(panels_without_data, timeout=60, interval=1.0)
+            wait_for(panels_without_data, timeout=120, interval=2.0)
             models = httpx.get(f"{prometheus}/api/v1/label/model_name/values").json()["data"]
             assert "tiny" in models  # the dashboard's model selector
     finally:
