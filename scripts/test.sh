@@ -20,8 +20,13 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=PASSIVE TOKENIZERS_
 # Two pytest workers (PAGEFLEET_TEST_WORKERS; 0 runs in this process): much of the suite waits
 # on servers starting and answering, so two overlap well on two cores. A module runs whole on
 # one worker (--dist loadscope), so its fleet fixture starts once.
+# Tests marked `alone` run afterwards, with the machine to themselves.
 workers=${PAGEFLEET_TEST_WORKERS:-2}
 if [[ $workers == 0 ]]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-exec .venv/bin/python -m pytest -n "$workers" --dist loadscope "$@"
+status=0
+ran() { [[ $1 == 0 || $1 == 5 ]] || status=$1; }  # 5: this phase selected no test
+.venv/bin/python -m pytest -n "$workers" --dist loadscope -m "not alone" "$@" && ran 0 || ran $?
+.venv/bin/python -m pytest -m alone "$@" && ran 0 || ran $?
+exit $status
