@@ -155,7 +155,7 @@ def test_load_counts_generation_requests_in_flight_when_tracked(
     loads: dict[str, int] = {}
 
     def stream(server: EngineServer) -> None:
-        body = {"prompt": "Once", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
             for _ in response.iter_lines():
                 if not started.is_set():
