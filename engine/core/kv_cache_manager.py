@@ -239,7 +239,7 @@ class KVCacheManager:
     def take_remote_prefix(self, seq: Sequence, remote: RemoteKV) -> bool:
         """Start an empty sequence on fresh blocks for the `remote.num_tokens` tokens a
         prefill replica computed; their KV is loaded by `queue_load` once the request is
-        scheduled (`queue_load`). False (nothing changed) if too few blocks are free."""
+        scheduled. False (nothing changed) if too few blocks are free."""
         record = self._record(seq)
         assert not record.block_ids and record.num_computed_tokens == 0, "a remote prefix needs a fresh sequence"
         blocks = self.pool.try_allocate(remote.num_blocks)

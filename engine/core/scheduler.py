@@ -210,7 +210,8 @@ class Scheduler:
             if starts_afresh and self.kv_connector.is_loading(request):
                 self._release_adapter(request)
                 break  # strict FCFS: the head waits for its KV from outside
-            remote = self._external_prefix(request) if starts_afresh else None
+            hits, cost = self._local_hits(request) if starts_afresh else ([], 0)
+            remote = self._external_prefix(request, hits) if starts_afresh else None
             if request.status == RequestStatus.SWAPPED:
                 if not self._try_swap_in(request):
                     self._release_adapter(request)
@@ -222,7 +223,7 @@ class Scheduler:
                 if remote.origin != "prefill":
                     self._count_prefix(request, remote.num_tokens, local_hit_tokens=0)
             elif starts_afresh:
-                self._take_prefix_hits(request)
+                self._take_prefix_hits(request, hits, cost)
             scheduled = self._try_schedule_request(request, plan, budget)
             if scheduled is None:
                 if starts_afresh:
@@ -253,19 +254,25 @@ class Scheduler:
             self.lora.release(request.lora_slot)
             request.lora_slot = None
 
-    def _take_prefix_hits(self, request: Request) -> None:
+    def _local_hits(self, request: Request) -> tuple[list[int], int]:
+        """The cached blocks the request's first sequence starts with, and how many free
+        blocks taking them consumes (`find_prefix_hits`); none with prompt logprobs (skipped
+        positions would have none). Hits stop short of the target: its last token is always
+        computed, so the step that reaches the fork point really runs."""
         if request.prompt_logprobs is not None:
-            return  # skipped positions would have no prompt logprobs
+            return [], 0
         seq = request.sequences[0]
-        # Hits stop short of the target: its last token is always computed, so the step
-        # that reaches the fork point really runs.
-        hits, cost = self.kv_cache.find_prefix_hits(seq, request.compute_target(seq))
+        return self.kv_cache.find_prefix_hits(seq, request.compute_target(seq))
+
+    def _take_prefix_hits(self, request: Request, hits: list[int], cost: int) -> None:
+        if request.prompt_logprobs is not None:
+            return
         if hits and cost > self.kv_cache.num_free_blocks:
             hits = []
         hit_tokens = len(hits) * self.kv_cache.block_size
         self._count_prefix(request, hit_tokens, hit_tokens)
         if hits:
-            self.kv_cache.take_cached_prefix(seq, hits)
+            self.kv_cache.take_cached_prefix(request.sequences[0], hits)
 
     def _count_prefix(self, request: Request, cached_tokens: int, local_hit_tokens: int) -> None:
         """Count a request's prompt once, not per retry: `cached_tokens` came from any
@@ -275,15 +282,10 @@ class Scheduler:
             request.num_cached_tokens = cached_tokens
             self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, local_hit_tokens)
 
-    def _external_prefix(self, request: Request) -> RemoteKV | None:
+    def _external_prefix(self, request: Request, hits: list[int]) -> RemoteKV | None:
         """The connectors' KV for the request's first tokens, if it covers more than the
-        local prefix cache does now (a prefill replica's always)."""
-        local_tokens = 0
-        if request.prompt_logprobs is None:
-            seq = request.sequences[0]
-            hits, _ = self.kv_cache.find_prefix_hits(seq, request.compute_target(seq))
-            local_tokens = len(hits) * self.kv_cache.block_size
-        return self.kv_connector.external_prefix(request, local_tokens)
+        local prefix cache's `hits` (a prefill replica's always)."""
+        return self.kv_connector.external_prefix(request, len(hits) * self.kv_cache.block_size)
 
     def _try_swap_in(self, request: Request) -> bool:
         needed = self.kv_cache.swap_in_cost(request) + len(request.active_sequences)

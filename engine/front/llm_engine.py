@@ -135,9 +135,9 @@ class LLMEngine:
         prepared ahead (`prepare_prompt`, `with_bad_words_tokenized`: what an engine thread
         should not spend its time on).
         `remote_kv`: its prompt's KV pulled from a prefill replica (a decode replica's
-        request), or its prefix's from a peer; `params.extra_args["kv_transfer_params"]`
-        with `do_remote_decode` makes it
-        a prefill replica's request, whose prompt blocks stay pinned for a pull.
+        request), or its prefix's from a peer (ignored with prompt logprobs: the prompt is
+        computed here). `params.extra_args["kv_transfer_params"]` with `do_remote_decode`
+        makes it a prefill replica's request, whose prompt blocks stay pinned for a pull.
         `lora_request`: the adapter to run with (the engine needs enable_lora=True).
 
         Raises:

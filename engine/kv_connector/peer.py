@@ -39,7 +39,7 @@ class PeerConnector(KVConnector):
     # --- requesting side --------------------------------------------------------------------
 
     def request_added(self, request: Request, given: RemoteKV | None) -> None:
-        if given is not None and given.origin == "peer" and request.prompt_logprobs is None:
+        if given is not None and given.origin == "peer":
             self._pulled[request.request_id] = given
 
     def external_prefix(self, request: Request, num_local_tokens: int) -> RemoteKV | None:
