@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import re
 import shutil
 import time
@@ -107,9 +108,12 @@ def _complete(url: str, prompt: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
+def _messages(system: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
 def _chat(url: str, question: str, system: str = SYSTEM, **extra: object) -> httpx.Response:
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    body = {"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0.0, **extra}
+    body = {"model": "tiny", "messages": _messages(system, question), "max_tokens": 2, "temperature": 0.0, **extra}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
 
 
@@ -168,12 +172,29 @@ def test_both_front_doors_send_a_prefix_where_the_other_sent_it(affinity_fleet: 
         gateway = affinity_fleet.gateway.url
         for first, then in ((gateway, envoy.url), (envoy.url, gateway)):
             system = f"Comets only, first asked at {first}: answer in a few words. " * 3
-            asked = _chat(first, "What is a comet made of?", system=system)
+            asked = _chat(first, QUESTIONS[0], system=system)
             assert asked.status_code == 200
             holder = asked.headers["x-pagefleet-replica"]
-            followed = _chat(then, "Where do comets come from?", system=system)
+            _wait_until_indexed(affinity_fleet, holder, system)
+            followed = _chat(then, QUESTIONS[1], system=system)
             assert followed.headers["x-pagefleet-replica"] == holder
             assert followed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(system) // 8
+
+
+QUESTIONS = ("What is a comet made of?", "Where do comets come from?")
+
+
+def _wait_until_indexed(fleet: AffinityFleet, holder: str, system: str) -> None:
+    """Wait until the fleet's index has `holder` caching the chat prefix `system` makes: the
+    other door learns it from the replica's KV events, which may leave after the answer."""
+    chains = []
+    for question in QUESTIONS:
+        hashed = fleet.hasher.hashes({"messages": _messages(system, question)}, True, None)
+        assert hashed is not None
+        chains.append(hashed[1])
+    prefix = [a for a, _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(*chains, strict=False))]
+    assert len(prefix) >= 3
+    _follow_index(fleet.redis.url, lambda index: _matched(index, prefix, holder) == len(prefix), timeout=5)
 
 
 def test_stored_blocks_appear_and_evicted_ones_disappear_within_a_second(affinity_fleet: AffinityFleet) -> None:

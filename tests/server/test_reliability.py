@@ -181,7 +181,7 @@ def test_a_dead_engine_leaves_redis_fails_health_and_stops_the_server(
         )
         assert answer.status_code == 503 and "engine stopped" in answer.json()["error"]["message"]
         died = time.monotonic()
-        wait_for(lambda: not store.exists(key), timeout=1.0)
+        wait_for(lambda: not store.exists(key), timeout=3.0)
         health = httpx.get(f"{running.url}/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == 503
         running.thread.join(timeout=15)
