@@ -1,15 +1,8 @@
 """pagefleet's paged-attention inference engine."""
 
-import os
+from pagefleet.engine import omp_settings
 
-# OpenMP's worker threads between the parallel regions of a step: under
-# OMP_WAIT_POLICY=PASSIVE libgomp puts them to sleep at once, and waking one costs ~45 us, a
-# few hundred times a step. Spinning up to ~3 ms first (libgomp's own default without a
-# policy; vLLM asks Intel's OpenMP for 5 ms, KMP_BLOCKTIME=5) made the offline workload 8%
-# faster in bfloat16 and 3% in float32 (docs/benchmarks.md). libgomp reads it when torch
-# loads it, so it is set before torch is imported here; a GOMP_SPINCOUNT of the caller's
-# wins, and `pagefleet up` gives its replicas 0, since they share the machine's cores.
-os.environ.setdefault("GOMP_SPINCOUNT", "300000")
+omp_settings.apply()  # before torch is imported below: see omp_settings
 
 from pagefleet.engine.config import EngineConfig  # noqa: E402
 from pagefleet.engine.errors import EngineError, InvalidParameterError, PromptTooLongError, RequestFailedError  # noqa: E402

@@ -14,7 +14,10 @@ class InvalidParameterError(ValueError, EngineError):
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
-        self.param = param
+        self.param, self.detail = param, message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses to the caller's process whole
+        return type(self), (self.param, self.detail)
 
 
 class PromptTooLongError(InvalidParameterError):
@@ -43,7 +46,10 @@ class RequestFailedError(RuntimeError, EngineError):
 
     def __init__(self, request_id: str, message: str) -> None:
         super().__init__(f"request {request_id} failed: {message}")
-        self.request_id = request_id
+        self.request_id, self.detail = request_id, message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.request_id, self.detail)
 
 
 class ShuttingDownError(RuntimeError, EngineError):

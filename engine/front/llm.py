@@ -7,12 +7,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm import tqdm
-
+from pagefleet.engine import omp_settings
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.front.chat_template import Message, apply_chat_template
+from pagefleet.engine.front.core_process import CoreProcess
 from pagefleet.engine.front.inputs import PromptType, is_single_prompt
 from pagefleet.engine.front.llm_engine import LLMEngine
+from pagefleet.engine.front.offline_core import OfflineCore, OfflineRequest
 from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.lora.request import LoRARequest
@@ -25,15 +26,36 @@ class LLM:
     """Runs batches of prompts through the engine and returns outputs in prompt order.
 
     Every `EngineConfig` field is a keyword argument: `LLM(model="...", dtype="bfloat16",
-    num_kv_blocks=64, preemption_mode="swap")`.
+    num_kv_blocks=64, preemption_mode="swap")`. `separate_process`: run the engine in a
+    process of its own (core_process.py); by default only where this process's OpenMP
+    threads would run it slower (the caller imported torch first: omp_settings).
     """
 
-    def __init__(self, model: str = EngineConfig.model, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
-        self.tokenizer = self.engine.tokenizer
+    def __init__(
+        self, model: str = EngineConfig.model, separate_process: bool | None = None, **engine_args: Any
+    ) -> None:
+        config = EngineConfig(model=model, **engine_args)
+        if separate_process is None:
+            cpu = config.torch_device.type == "cpu"
+            separate_process = cpu and omp_settings.lost_in_this_process(omp_settings.engine_threads())
+        self._core: OfflineCore | CoreProcess = (
+            CoreProcess(config) if separate_process else OfflineCore(LLMEngine(config))
+        )
+        self.tokenizer = self._core.tokenizer
         self._ids = itertools.count()
         # `del llm` frees what it holds too (its tensor-parallel workers and process group).
-        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        self._finalizer = weakref.finalize(self, self._core.shutdown)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine, when it runs in this process."""
+        if not isinstance(self._core, OfflineCore):
+            raise RuntimeError("this LLM's engine runs in a process of its own (separate_process=True)")
+        return self._core.engine
+
+    @property
+    def separate_process(self) -> bool:
+        return isinstance(self._core, CoreProcess)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave their process group, so that another
@@ -77,18 +99,12 @@ class LLM:
         for params in params_list:
             if id(params) not in final_only:
                 final_only[id(params)] = params.with_output_kind(RequestOutputKind.FINAL_ONLY)
-        request_ids = []
-        try:
-            for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
-                params = final_only[id(params)]
-                request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, params, lora_request=lora)
-                request_ids.append(request_id)
-        except ValueError:
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
-            raise
-        return self._run(request_ids, use_tqdm if use_tqdm is not None else len(request_ids) >= _PROGRESS_MIN_PROMPTS)
+        requests = [
+            OfflineRequest(f"offline-{next(self._ids)}", prompt, final_only[id(params)], lora)
+            for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True)
+        ]
+        show_progress = use_tqdm if use_tqdm is not None else len(requests) >= _PROGRESS_MIN_PROMPTS
+        return self._core.run(requests, show_progress)
 
     def beam_search(
         self,
@@ -114,32 +130,15 @@ class LLM:
 
     def list_loras(self) -> list[str]:
         """The adapters loaded (read from disk), by name."""
-        return self.engine.list_loras()
+        return self._core.list_loras()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read an adapter ahead of its first request (else `generate` reads it)."""
-        return self.engine.add_lora(lora_request)
+        return self._core.add_lora(lora_request)
 
     def remove_lora(self, lora: str | int) -> bool:
         """Forget an adapter, by name or by `lora_int_id`."""
-        return self.engine.remove_lora(lora)
-
-    def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not show_progress) as bar:
-            try:
-                while len(finished) < len(request_ids):
-                    for output in self.engine.step():
-                        if output.finished:
-                            finished[output.request_id] = output
-                            bar.update(1)
-            except BaseException:  # failed or interrupted: free every block before re-raising
-                for request_id in request_ids:
-                    self.engine.abort_request(request_id)
-                raise
-            finally:
-                self.engine.kv_connector.between_steps(wait=True)  # the file tier holds no block between calls
-        return [finished[request_id] for request_id in request_ids]
+        return self._core.remove_lora(lora)
 
     def chat(
         self,
@@ -162,7 +161,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while requests hold blocks."""
-        return self.engine.reset_prefix_cache()
+        return self._core.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return self._core.stats()
