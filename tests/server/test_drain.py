@@ -69,7 +69,8 @@ def test_sigterm_lets_every_request_in_flight_finish_then_exits_0(
     assert started.wait(30)
 
     server.process.send_signal(signal.SIGTERM)
-    wait_for(lambda: not store.exists(key), timeout=2.0)  # routers stop sending work at once
+    # Routers stop sending work at once: within seconds, even on a loaded machine.
+    wait_for(lambda: not store.exists(key), timeout=5.0)
     assert httpx.get(f"{server.url}/health").status_code == 200  # live: not restarted mid-drain
     ready = httpx.get(f"{server.url}/ready")
     assert ready.status_code == 503 and "shutting down" in ready.json()["error"]["message"]
