@@ -58,8 +58,8 @@ def _person(**fields) -> SamplingParams:  # type: ignore[no-untyped-def]
     return SamplingParams(**{"temperature": 0.8, "max_tokens": 256, "structured_outputs": constraint, **fields})
 
 
-def test_twelve_json_answers_all_validate(smollm2: LLM) -> None:
-    outputs = smollm2.chat([_ask(i) for i in range(12)], [_person(seed=i) for i in range(12)])
+def test_eight_json_answers_all_validate(smollm2: LLM) -> None:
+    outputs = smollm2.chat([_ask(i) for i in range(8)], [_person(seed=i) for i in range(8)])
     people = []
     for output in outputs:
         completion = output.outputs[0]
@@ -96,8 +96,8 @@ def test_each_of_n_samples_and_each_beam_follows_the_constraint(smollm2: LLM) ->
 
 @pytest.fixture(scope="module")
 def unpreempted(smollm2: LLM) -> tuple[list[str], list[str]]:
-    """Six constrained greedy questions and their answers with room for all at once."""
-    prompts = [smollm2.apply_chat_template(_ask(i)) for i in range(6)]
+    """Four constrained greedy questions and their answers with room for all at once."""
+    prompts = [smollm2.apply_chat_template(_ask(i)) for i in range(4)]
     return prompts, [o.outputs[0].text for o in smollm2.generate(prompts, _person(temperature=0.0))]
 
 
@@ -111,7 +111,7 @@ def test_the_constraint_survives_preemption(unpreempted: tuple[list[str], list[s
         "smollm2-135m-instruct",
         dtype="float32",
         quantization="none",  # the `smollm2` fixture's weights, to compare answers
-        num_kv_blocks=40,
+        num_kv_blocks=24,  # 384 slots for four answers of ~130 tokens each
         block_size=16,
         preemption_mode=preemption_mode,
     )
@@ -128,7 +128,7 @@ def test_unconstrained_requests_are_unchanged_beside_constrained_ones(smollm2: L
     plain = SamplingParams(temperature=0.0, max_tokens=24)
     question = [{"role": "user", "content": "Name a famous bridge."}]
     alone = smollm2.chat(question, plain)[0].outputs[0].token_ids
-    mixed = smollm2.chat([_ask(3), question, _ask(4)], [_person(seed=1), plain, _person(seed=2)])
+    mixed = smollm2.chat([_ask(3), question], [_person(seed=1), plain])
     assert mixed[1].outputs[0].token_ids == alone
 
 
