@@ -39,6 +39,7 @@ from tests.processes import (
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}\n{% endfor %}<|assistant|>"
 SYSTEM = "You answer questions about the solar system in one short sentence, and never more. " * 3
 SMALL_CACHE = ("--num-kv-blocks", "48")  # 384 token slots: a few prompts evict the first
+QUESTIONS = ("What is a comet made of?", "Where do comets come from?")  # one system prompt, two questions
 
 
 @dataclass
@@ -179,9 +180,6 @@ def test_both_front_doors_send_a_prefix_where_the_other_sent_it(affinity_fleet: 
             followed = _chat(then, QUESTIONS[1], system=system)
             assert followed.headers["x-pagefleet-replica"] == holder
             assert followed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(system) // 8
-
-
-QUESTIONS = ("What is a comet made of?", "Where do comets come from?")
 
 
 def _wait_until_indexed(fleet: AffinityFleet, holder: str, system: str) -> None:
