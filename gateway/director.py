@@ -199,7 +199,7 @@ class Director:
 
     async def call(self, path: str, leg: Leg, headers: bytes, shape: RequestShape, request_id: bytes) -> Relay | None:
         """The first answer of a replica of `leg.phase` that is not a failure of its own, or
-        None. A decode replica's 502 (its KV pull failed) is such a failure too."""
+        None. A decode replica's 502 (its KV pull failed) is None at once."""
         tried: set[str] = set()
         for _ in range(self.attempts):
             route = await self.route(shape, tried, leg.phase)
@@ -216,8 +216,14 @@ class Director:
             except (UpstreamError, TimeoutError) as exc:
                 await self.failed(route, str(exc) or repr(exc), span)
                 continue
+            if leg.phase == "decode" and upstream.status == 502:
+                # Its KV pull failed: the prefill replica's fault, not this one's. Another
+                # decode replica would pull from the same place, so the request runs whole.
+                upstream.close()
+                await self.pull_failed(route, leg, span)
+                return None
             # 503: the replica cannot take it now (full, loading, stopped).
-            if upstream.status == 503 or (leg.phase == "decode" and upstream.status == 502):
+            if upstream.status == 503:
                 upstream.close()
                 await self.failed(route, f"HTTP {upstream.status}", span)
                 continue
@@ -243,6 +249,19 @@ class Director:
             replica.replica_id,
             reason,
             f"; skipping it for {self.outliers.exclude_for:g} s" if skipped else "",
+        )
+
+    async def pull_failed(self, route: Route, leg: Leg, span: Span | None) -> None:
+        """A decode replica could not pull the prompt's KV from `leg.prefill_replica`: its
+        promise dropped, and it is not counted as failing (it answered, and will run the
+        request whole)."""
+        if span is not None:
+            ProxyTracing.failed(span, "HTTP 502 (KV pull)")
+        await route.release()
+        logger.warning(
+            "replica %s could not pull the prompt's KV from %s; running the request whole",
+            route.replica.replica_id,
+            leg.prefill_replica,
         )
 
     # --- 6. record ----------------------------------------------------------------------------
