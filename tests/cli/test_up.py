@@ -194,7 +194,7 @@ class _SteadyLoad:
     """Streamed and plain completions through the gateway, back to back from a few threads,
     until stopped; every answer that is not a complete success is kept as a failure."""
 
-    def __init__(self, gateway: str, model: str, threads: int = 3) -> None:
+    def __init__(self, gateway: str, model: str, threads: int = 2) -> None:
         self.url, self.model = f"{gateway}/v1/completions", model
         self.completed = 0
         self.failures: list[str] = []

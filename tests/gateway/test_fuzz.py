@@ -13,9 +13,9 @@ from tests.processes import idle_with_every_block_free, wait_for
 def test_no_input_breaks_the_gateway_or_its_replicas(fleet: Fleet) -> None:
     described = httpx.get(f"{fleet.gateway.url}/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions"} <= described.keys()
-    report = fuzz_api(fleet.gateway.url, examples_per_operation=30, prepare=naming_model("tiny"))
+    report = fuzz_api(fleet.gateway.url, examples_per_operation=16, prepare=naming_model("tiny"))
     assert not report.failures, "\n".join(report.failures[:10])
-    assert report.statuses.get(200, 0) > 30 and report.statuses.get(400, 0) > 30, report.statuses
+    assert report.statuses.get(200, 0) > 15 and report.statuses.get(400, 0) > 15, report.statuses
     assert httpx.get(f"{fleet.gateway.url}/health").status_code == 200
     for replica in fleet.replicas.values():
         assert httpx.get(f"{replica.url}/health").status_code == 200

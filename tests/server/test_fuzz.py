@@ -10,8 +10,8 @@ from tests.processes import EngineServer, idle_with_every_block_free, wait_for
 
 
 def test_no_input_breaks_the_engine_server(tiny_server: EngineServer) -> None:
-    report = fuzz_api(tiny_server.url, examples_per_operation=20, prepare=naming_model(tiny_server.model))
+    report = fuzz_api(tiny_server.url, examples_per_operation=12, prepare=naming_model(tiny_server.model))
     assert not report.failures, "\n".join(report.failures[:10])
-    assert report.statuses.get(200, 0) > 50 and report.statuses.get(400, 0) > 50, report.statuses
+    assert report.statuses.get(200, 0) > 30 and report.statuses.get(400, 0) > 30, report.statuses
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
     wait_for(lambda: idle_with_every_block_free(tiny_server))
