@@ -81,7 +81,7 @@ def reconciled_periodically(cluster: Cluster, name: str, times: int) -> None:
     """Until the timer has read the resource's Deployment `times` more times."""
     path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{name}"
     before = cluster.operator_reads.count(path)
-    eventually(lambda: cluster.operator_reads.count(path) >= before + times, timeout=times + 10)
+    eventually(lambda: cluster.operator_reads.count(path) >= before + times, timeout=5 * times + 20)
 
 
 def test_a_restart_with_a_changed_spec_writes_the_deployment_exactly_once(
