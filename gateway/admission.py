@@ -5,7 +5,9 @@ The gateway and the picker both ask it; each refusal is counted and carries its 
 from __future__ import annotations
 
 import asyncio
+import logging
 
+from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagefleet.gateway import errors
@@ -16,6 +18,8 @@ from pagefleet.gateway.registry import ReplicaRegistry
 from pagefleet.gateway.shape import RequestShape, describe
 from pagefleet.protocol.demand import DemandSignal
 from pagefleet.runtime.http import is_api_path
+
+logger = logging.getLogger(__name__)
 
 
 class APIKeyGuard:
@@ -65,6 +69,7 @@ class Admission:
         self.api_keys, self.registry, self.limiter, self.metrics = api_keys, registry, limiter, metrics
         self.demand, self.hold_timeout, self.hold_max_requests = demand, hold_timeout, hold_max_requests
         self._held: dict[str, int] = {}  # model -> requests held for it now
+        self._askers: dict[str, asyncio.Task[None]] = {}  # model -> its demand signal while any is held
 
     def authorize(self, authorization: str) -> str | None:
         """The caller's API key; raises a Refusal (401) when keys are required and this is
@@ -111,20 +116,31 @@ class Admission:
         return bases[0]
 
     async def _hold(self, model: str) -> None:
-        """Wait while a replica of `model` starts (the demand signal asks for one)."""
+        """Wait while a replica of `model` starts (the demand signal asks for one). Every
+        held request waits on the registry at once, so they resume in the order they came;
+        one task per model keeps asking while any is held."""
         held = self._held.get(model, 0)
         if held >= self.hold_max_requests:
             raise errors.hold_full(model, self.hold_max_requests)
         self._held[model] = held + 1
         self.metrics.held_requests.labels(model).inc()
+        if held == 0:
+            self._askers[model] = asyncio.create_task(self._keep_asking(model))
         try:
-            deadline = asyncio.get_running_loop().time() + self.hold_timeout
-            while not self.registry.by_model.get(model):
-                remaining = deadline - asyncio.get_running_loop().time()
-                if remaining <= 0:
-                    raise errors.not_started(model, self.hold_timeout)
-                await self.demand.note(model)  # once a second: it may have been stopped meanwhile
-                await self.registry.until_served(model, min(remaining, 1.0))
+            if not await self.registry.until_served(model, self.hold_timeout):
+                raise errors.not_started(model, self.hold_timeout)
         finally:
             self._held[model] -= 1
             self.metrics.held_requests.labels(model).dec()
+            if not self._held[model]:
+                self._askers.pop(model).cancel()
+
+    async def _keep_asking(self, model: str) -> None:
+        """Once a second while requests of `model` are held: a replica stopped meanwhile
+        (the autoscaler saw it idle) is asked for again."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.demand.note(model)
+            except (RedisError, OSError) as error:  # the next second tries again
+                logger.warning("could not signal demand for %s: %r", model, error)
