@@ -105,6 +105,18 @@ def test_the_engine_core_never_imports_its_server() -> None:
     assert {path: names for path, names in core.items() if names} == {}
 
 
+def test_the_runner_and_the_sampler_never_see_a_request_or_a_sequence() -> None:
+    """The runner is handed plain data (engine/worker/step_input.py), not the scheduler's
+    live objects: it can run where the scheduler does not (another process, another rank)."""
+    live = ("pagefleet.engine.core.request", "pagefleet.engine.core.scheduler")
+    reaching = {
+        path: sorted(name for name in names if name in live)
+        for folder in ("worker", "sample")
+        for path, names in _project_imports(ROOT / "engine" / folder).items()
+    }
+    assert {path: names for path, names in reaching.items() if names} == {}
+
+
 # What the engine's server (and, through it, the KV connectors' users: its pulls and the
 # blocks it serves) may import of the engine: its public API. The scheduler, the KV cache,
 # the connectors, the runner and the model are reached only through AsyncEngine.

@@ -20,6 +20,7 @@ from typing import Any
 
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.core.request import Request, RequestStatus
+from pagefleet.engine.core.runner_input import runner_input
 from pagefleet.engine.core.scheduler import Scheduler
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.front.detokenizer import Detokenizer
@@ -290,7 +291,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self._fail_unschedulable()
-        outputs = self.update.apply(plan, self.runner.execute(plan), started)
+        results = self.runner.execute(runner_input(plan, self.runner.model_config.vocab_size))
+        outputs = self.update.apply(plan, results, started)
         if self.kv_connector.wants_filled_blocks:
             self.kv_connector.blocks_filled(self.kv_cache.take_full_blocks())
         for output in outputs:

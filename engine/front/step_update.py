@@ -17,7 +17,7 @@ import torch
 
 from pagefleet.engine.core.kv_cache_manager import KVCacheManager
 from pagefleet.engine.core.request import Request, Sequence
-from pagefleet.engine.core.scheduler import SchedulePlan, Scheduler
+from pagefleet.engine.core.scheduler import SampleRequest, SchedulePlan, Scheduler
 from pagefleet.engine.front.output_processor import OutputProcessor
 from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.kv_connector.base import KVConnector
@@ -88,7 +88,7 @@ class StepUpdate:
             try:
                 request_results = results.get(request.request_id)
                 if request_results is not None:
-                    self._apply_results(request, request_results, now)
+                    self._apply_results(request, request_results, plan.samples, now)
                 output = self._after_step(request)
             except Exception as error:  # a per-request boundary: fail it, free its blocks
                 output = self.fail(request, error)
@@ -134,8 +134,11 @@ class StepUpdate:
         previous = self.counters.prefill_tokens_per_s
         self.counters.prefill_tokens_per_s = rate if not previous else 0.8 * previous + 0.2 * rate
 
-    def _apply_results(self, request: Request, results: RequestResults, now: float) -> None:
-        """This request's part of the step: prompt logprobs, then its new tokens or beams."""
+    def _apply_results(
+        self, request: Request, results: RequestResults, samples: list[SampleRequest], now: float
+    ) -> None:
+        """This request's part of the step (`samples`: the plan's, which its results index):
+        prompt logprobs, then its new tokens or beams."""
         if results.error is not None:
             raise results.error
         if results.prompt_logprobs is not None:
@@ -143,16 +146,17 @@ class StepUpdate:
         if results.sampled is None:
             return
         request.first_token_time = request.first_token_time or now
+        seqs = [samples[index].seq for index in results.samples]
         if request.beam is not None:
-            rows = {id(sample.seq): row for sample, row in zip(results.samples, results.rows, strict=True)}
+            rows = {id(seq): row for seq, row in zip(seqs, results.rows, strict=True)}
             self._step_beams(request, rows, results.sampled)
             return
-        for sample, row in zip(results.samples, results.rows, strict=True):
-            self.outputs.append_token(request, sample.seq, results.sampled, row)
+        for index, seq, row in zip(results.samples, seqs, results.rows, strict=True):
+            self.outputs.append_token(request, seq, results.sampled, row)
             self.counters.num_generation_tokens += 1
-            verified = results.verified.get(id(sample.seq))
+            verified = results.verified.get(index)
             if verified is not None:
-                self._take_verified(request, sample.seq, verified)
+                self._take_verified(request, seq, verified)
 
     def _take_verified(self, request: Request, seq: Sequence, verified: Verified) -> None:
         """The tokens sampled after the accepted drafts, until the sequence stops; the

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagefleet.engine.core.request import Sequence
 from pagefleet.engine.sample.sampling_params import SamplingParams
-from pagefleet.engine.sample.structured_outputs import apply_grammar_masks
+from pagefleet.engine.sample.structured_outputs import apply_allowed_tokens
+from pagefleet.engine.worker.step_input import SamplingState
 
 
 @dataclass(slots=True)
@@ -65,17 +65,17 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState], params: list[SamplingParams]) -> SampleResult:
         """logits: [num_rows, vocab] float32, one row per (sequence, params).
 
         Logprobs are of the model's raw distribution (before penalties and temperature).
         """
         raw_logits = logits
-        logits = self._apply_penalties(logits, seqs, params)
-        logits = self._apply_min_tokens(logits, seqs, params)
-        logits = apply_token_constraints(logits, seqs, params)
-        logits = apply_grammar_masks(logits, [seq.grammar for seq in seqs])
-        chosen = self._choose(logits, seqs, params)
+        logits = self._apply_penalties(logits, states, params)
+        logits = self._apply_min_tokens(logits, states, params)
+        logits = apply_token_constraints(logits, states, params)
+        logits = apply_allowed_tokens(logits, [state.allowed for state in states])
+        chosen = self._choose(logits, states, params)
         # Only rows that keep a cumulative logprob pay for it (one logsumexp over the
         # vocabulary each); the others get 0.0, which nobody reads (as in vLLM).
         chosen_logprobs = torch.zeros(len(params))
@@ -95,28 +95,28 @@ class Sampler:
         beam_rows = [i for i, p in enumerate(params) if p.use_beam_search]
         if beam_rows:
             result.beam_rows = {row: r for r, row in enumerate(beam_rows)}
-            result.beam_candidates = self._beam_candidates(raw_logits, beam_rows, seqs, params)
+            result.beam_candidates = self._beam_candidates(raw_logits, beam_rows, states, params)
         return result
 
     def _beam_candidates(
-        self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], params: list[SamplingParams]
+        self, logits: torch.Tensor, rows: list[int], states: list[SamplingState], params: list[SamplingParams]
     ) -> BeamCandidates:
         """Each beam's best next tokens by log-probability; enough that the search can take
         its best `beams_to_keep` continuations overall from them."""
         logprobs = torch.log_softmax(logits[torch.tensor(rows)], dim=-1)
         # Like transformers' min-new-tokens processor: stop tokens masked after the softmax.
-        beam_seqs, beam_params = [seqs[i] for i in rows], [params[i] for i in rows]
+        beam_states, beam_params = [states[i] for i in rows], [params[i] for i in rows]
         logprobs = apply_token_constraints(
-            self._apply_min_tokens(logprobs, beam_seqs, beam_params), beam_seqs, beam_params
+            self._apply_min_tokens(logprobs, beam_states, beam_params), beam_states, beam_params
         )
-        logprobs = apply_grammar_masks(logprobs, [seq.grammar for seq in beam_seqs])
+        logprobs = apply_allowed_tokens(logprobs, [state.allowed for state in beam_states])
         num_stop = len(self.eos_token_ids) + max(len(params[i].stop_token_ids) for i in rows)
         k = min(logprobs.shape[1], max((2 + num_stop) * params[i].beam_width for i in rows))
         values, token_ids = logprobs.topk(k, dim=-1)
         return BeamCandidates(values, token_ids)
 
     def _apply_penalties(
-        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]
+        self, logits: torch.Tensor, states: list[SamplingState], params: list[SamplingParams]
     ) -> torch.Tensor:
         rows = [i for i, p in enumerate(params) if p.has_penalties]
         if not rows:
@@ -124,14 +124,14 @@ class Sampler:
         logits = logits.clone()
         vocab = logits.shape[1]
         for i in rows:  # only rows that asked for penalties; typically few
-            p, seq = params[i], seqs[i]
-            output = torch.tensor(seq.output_token_ids, dtype=torch.long)
+            p, state = params[i], states[i]
+            output = torch.tensor(state.output_token_ids, dtype=torch.long)
             counts = (
                 torch.zeros(vocab).index_add_(0, output, torch.ones(len(output))) if len(output) else torch.zeros(vocab)
             )
             if p.repetition_penalty != 1.0:
                 seen = torch.zeros(vocab, dtype=torch.bool)
-                seen[torch.tensor(seq.token_ids, dtype=torch.long)] = True
+                seen[torch.tensor(state.token_ids, dtype=torch.long)] = True
                 row = logits[i]
                 penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                 logits[i] = torch.where(seen, penalised, row)
@@ -139,9 +139,9 @@ class Sampler:
         return logits
 
     def _apply_min_tokens(
-        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]
+        self, logits: torch.Tensor, states: list[SamplingState], params: list[SamplingParams]
     ) -> torch.Tensor:
-        rows = [i for i, (s, p) in enumerate(zip(seqs, params, strict=True)) if s.num_output_tokens < p.min_tokens]
+        rows = [i for i, (s, p) in enumerate(zip(states, params, strict=True)) if s.num_output_tokens < p.min_tokens]
         if not rows:
             return logits
         logits = logits.clone()
@@ -151,7 +151,7 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, states: list[SamplingState], params: list[SamplingParams]) -> torch.Tensor:
         chosen = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy and not p.use_beam_search]
         if not sampled_rows:
@@ -163,18 +163,20 @@ class Sampler:
         probs = torch.softmax(sub / temperature, dim=-1)
         probs = _filter(probs, sub_params)
         noise = torch.empty_like(probs)
-        unseeded = [r for r, i in enumerate(sampled_rows) if seqs[i].generator is None]
+        unseeded = [r for r, i in enumerate(sampled_rows) if states[i].generator is None]
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
         for r, i in enumerate(sampled_rows):
-            generator = seqs[i].generator
+            generator = states[i].generator
             if generator is not None:
                 noise[r].exponential_(generator=generator)
         chosen[index] = (probs / noise).argmax(dim=-1)
         return chosen
 
 
-def apply_token_constraints(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+def apply_token_constraints(
+    logits: torch.Tensor, states: list[SamplingState], params: list[SamplingParams]
+) -> torch.Tensor:
     """Allowed tokens, logit bias and bad words, on the rows that set any (few, typically)."""
     rows = [i for i, p in enumerate(params) if p.has_token_constraints]
     if not rows:
@@ -189,7 +191,7 @@ def apply_token_constraints(logits: torch.Tensor, seqs: list[Sequence], params: 
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-        banned = _bad_word_endings(seqs[i].output_token_ids, p.bad_words_token_ids)
+        banned = _bad_word_endings(states[i].output_token_ids, p.bad_words_token_ids)
         if banned:
             logits[i, banned] = float("-inf")
     return logits

@@ -129,22 +129,27 @@ class GrammarCompiler:
         return self._xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
 
 
-def apply_grammar_masks(logits: torch.Tensor, matchers: list[Any | None]) -> torch.Tensor:
-    """Logits with every token a row's matcher does not allow set to -inf (rows without a
-    matcher untouched; the tensor is copied only if some row has one)."""
-    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
-    if not rows:
-        return logits
+def allowed_tokens(matcher: Any, vocab_size: int) -> torch.Tensor:
+    """The tokens `matcher` allows next, as xgrammar's packed bitmask (int32 words, bit b of
+    word w is token 32w + b) for a vocabulary of `vocab_size` (the logits' width)."""
     import xgrammar
 
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bitmask[0]
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: list[torch.Tensor | None]) -> torch.Tensor:
+    """Logits with every token a row's bitmask (allowed_tokens) leaves out set to -inf (rows
+    without one untouched; the tensor is copied only if some row has one)."""
+    rows = [i for i, mask in enumerate(allowed) if mask is not None]
+    if not rows:
+        return logits
     vocab = logits.shape[1]
-    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)
-    for r, i in enumerate(rows):
-        matchers[i].fill_next_token_bitmask(bitmask, r)  # type: ignore[union-attr]
-    # Unpack the 32-bit words into one bool per token: bit b of word w is token 32w + b.
+    words = torch.stack([allowed[i] for i in rows])  # type: ignore[misc]
     bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(len(rows), -1)[:, :vocab]
+    keep = ((words.unsqueeze(-1) >> bits) & 1).bool().view(len(rows), -1)[:, :vocab]
     logits = logits.clone()
     index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
     return logits

@@ -16,8 +16,6 @@ import numpy as np
 import torch
 
 from pagefleet.engine.core.kv_cache_manager import PendingCopies
-from pagefleet.engine.core.request import Sequence
-from pagefleet.engine.core.scheduler import SampleRequest, ScheduledChunk, SchedulePlan
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.kv_connector.worker import load_blocks
 from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, StepLayout, allocate_kv_cache
@@ -25,6 +23,7 @@ from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.loading import CausalLM
 from pagefleet.engine.sample.sampler import Sampler, SampleResult, TokenLogprobs, token_logprobs
+from pagefleet.engine.worker.step_input import ChunkInput, RunnerInput, SampleInput, SamplingState
 
 if TYPE_CHECKING:
     from pagefleet.engine.distributed.workers import Workers
@@ -55,11 +54,11 @@ class RequestResults:
     """One request's part of a step: its sampled rows and prompt logprobs, or the error
     that its own part raised (the forward pass is shared; sampling is per request)."""
 
-    samples: list[SampleRequest] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)  # indices into the step's samples
     rows: list[int] = field(default_factory=list)  # rows[i]: the row of samples[i] in `sampled`
     sampled: SampleResult | None = None
     prompt_logprobs: PromptLogprobs | None = None
-    verified: dict[int, Verified] = field(default_factory=dict)  # by id(sequence), with drafts
+    verified: dict[int, Verified] = field(default_factory=dict)  # by sample index, with drafts
     error: Exception | None = None
 
 
@@ -134,9 +133,9 @@ class ModelRunner:
                 self.backend.copy_blocks(key_cache, value_cache, mapping)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulePlan) -> dict[str, RequestResults]:
-        """Run the plan's copies, then the forward pass for its chunks (in the plan's batch
-        order), then its samples and prompt logprobs.
+    def execute(self, plan: RunnerInput) -> dict[str, RequestResults]:
+        """Run the step's copies, then the forward pass for its chunks (in batch order),
+        then its samples and prompt logprobs.
 
         Returns each request's results by request id. A failure of the forward pass raises
         (every request shares it); a failure in one request's sampling or prompt logprobs
@@ -160,12 +159,12 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(step)
         if self.lora is not None:
-            self.lora.set_batch([(c.request.lora_slot, c.num_new_tokens) for c in chunks])
+            self.lora.set_batch([(c.lora_slot, c.num_new_tokens) for c in chunks])
         logits = self.forward(step)
         results: dict[str, RequestResults] = {}
 
         def results_of(chunk_index: int) -> RequestResults:
-            return results.setdefault(chunks[chunk_index].request.request_id, RequestResults())
+            return results.setdefault(chunks[chunk_index].request_id, RequestResults())
 
         if samples:
             assert logits is not None
@@ -195,12 +194,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         return logits.cpu() if logits is not None else None
 
-    def _sample(self, logits: torch.Tensor, samples: list[SampleRequest], owners: list[RequestResults]) -> None:
+    def _sample(self, logits: torch.Tensor, samples: list[SampleInput], owners: list[RequestResults]) -> None:
         """Sample every row in one batch. If the batch fails, sample each request alone,
         so that only the request at fault fails and the others keep their tokens."""
-        seqs, params = [s.seq for s in samples], [s.params for s in samples]
+        states, params = [s.state for s in samples], [s.params for s in samples]
         try:
-            result = self.sampler(logits, seqs, params)
+            result = self.sampler(logits, states, params)
         except Exception:
             logger.warning("batched sampling failed; sampling each request alone", exc_info=True)
             groups: dict[int, list[int]] = {}
@@ -209,25 +208,21 @@ class ModelRunner:
             for indices in groups.values():
                 owner = owners[indices[0]]
                 try:
-                    alone = self.sampler(logits[indices], [seqs[i] for i in indices], [params[i] for i in indices])
+                    alone = self.sampler(logits[indices], [states[i] for i in indices], [params[i] for i in indices])
                 except Exception as error:  # this request's own parameters: it fails alone
                     owner.error = error
                     continue
-                owner.samples, owner.rows, owner.sampled = (
-                    [samples[i] for i in indices],
-                    list(range(len(indices))),
-                    alone,
-                )
+                owner.samples, owner.rows, owner.sampled = indices, list(range(len(indices))), alone
             return
-        for row, (sample, owner) in enumerate(zip(samples, owners, strict=True)):
-            owner.samples.append(sample)
+        for row, owner in enumerate(owners):
+            owner.samples.append(row)
             owner.rows.append(row)
             owner.sampled = result
 
     def _verify(
         self,
         logits: torch.Tensor,
-        samples: list[SampleRequest],
+        samples: list[SampleInput],
         owners: list[RequestResults],
         draft_spans: dict[int, int],
     ) -> None:
@@ -238,50 +233,45 @@ class ModelRunner:
         one more token, sampled there. Every emitted token is thus drawn from exactly the
         distribution it has without speculation, and a seeded request draws its random
         numbers in the same order (one per emitted token): the same output either way. A
-        constrained sequence's mask at each position comes from a copy of its matcher
-        advanced past the drafts before it. Positions after a mismatch are never sampled."""
-        walking = []  # (sample index, its Verified, its grammar past the accepted drafts) still matching
+        constrained sequence's mask at each position is its grammar's after the drafts
+        before it (`draft_allowed`). Positions after a mismatch are never sampled."""
+        walking = []  # (sample index, its Verified) still matching
         for index in draft_spans:
             owner, sample = owners[index], samples[index]
             if owner.sampled is None or owner.error is not None:
                 continue
-            verified = owner.verified.setdefault(id(sample.seq), Verified(len(sample.draft_token_ids)))
-            row = next(r for s, r in zip(owner.samples, owner.rows, strict=True) if s is sample)
-            first = owner.sampled.token_ids[row]
-            if first == sample.draft_token_ids[0]:
-                grammar = sample.seq.grammar.fork() if sample.seq.grammar is not None else None
-                walking.append((index, verified, grammar))
+            verified = owner.verified.setdefault(index, Verified(len(sample.draft_token_ids)))
+            row = next(r for i, r in zip(owner.samples, owner.rows, strict=True) if i == index)
+            if owner.sampled.token_ids[row] == sample.draft_token_ids[0]:
+                walking.append((index, verified))
         position = 0
         while walking:
             position += 1
-            seqs, params, rows = [], [], []
-            for index, verified, grammar in walking:
+            states, params, rows = [], [], []
+            for index, verified in walking:
                 verified.num_accepted += 1
                 sample = samples[index]
-                drafts = sample.draft_token_ids
-                seq = sample.seq
-                if grammar is not None:
-                    grammar.accept_token(drafts[position - 1])  # the proposer checked it is allowed
-                tokens = seq.token_ids + drafts[:position]  # as if the accepted drafts were its own
-                seqs.append(
-                    Sequence(seq.index, tokens, seq.num_prompt_tokens, generator=seq.generator, grammar=grammar)
-                )
+                state = sample.state
+                # As if the accepted drafts were its own tokens:
+                tokens = [*state.token_ids, *sample.draft_token_ids[:position]]
+                allowed = sample.draft_allowed[position - 1] if sample.draft_allowed else None
+                states.append(SamplingState(tokens, state.num_prompt_tokens, state.generator, allowed))
                 params.append(sample.params)
                 rows.append(draft_spans[index] + position - 1)
             try:
-                result = self.sampler(logits[rows], seqs, params)
+                result = self.sampler(logits[rows], states, params)
             except Exception:  # the tokens emitted so far stand; this position is not taken
                 logger.warning("sampling a draft position failed; keeping the tokens before it", exc_info=True)
                 return
             still = []
-            for row, (index, verified, grammar) in enumerate(walking):
+            for row, (index, verified) in enumerate(walking):
                 verified.tokens.append((result, row))
                 drafts = samples[index].draft_token_ids
                 if position < len(drafts) and result.token_ids[row] == drafts[position]:
-                    still.append((index, verified, grammar))
+                    still.append((index, verified))
             walking = still
 
-    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, StepLayout, list[int]]:
+    def _build_batch(self, chunks: list[ChunkInput]) -> tuple[torch.Tensor, torch.Tensor, StepLayout, list[int]]:
         """The flat batch of `chunks` and its attention layout."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -320,15 +310,12 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _prompt_rows(chunk: ScheduledChunk, last_row: int) -> tuple[int, int]:
-        """(first row, count) of the chunk's positions that score a next prompt token:
-        position p predicts token p + 1; the prompt's last position predicts none."""
-        end = min(chunk.start + chunk.num_new_tokens, chunk.request.num_prompt_tokens - 1)
-        return last_row - chunk.num_new_tokens + 1, max(0, end - chunk.start)
+    def _prompt_rows(chunk: ChunkInput, last_row: int) -> tuple[int, int]:
+        """(first row, count) of the chunk's positions that score a next prompt token (one
+        per target: the prompt's last position predicts none)."""
+        return last_row - chunk.num_new_tokens + 1, len(chunk.prompt_targets)
 
-    def _prompt_logprobs(self, logits: torch.Tensor, chunk: ScheduledChunk) -> PromptLogprobs:
+    def _prompt_logprobs(self, logits: torch.Tensor, chunk: ChunkInput) -> PromptLogprobs:
         """Logprobs of the prompt tokens that follow each scoring position of `chunk`."""
-        start, count = chunk.start, logits.shape[0]
-        targets = torch.tensor(chunk.seq.token_ids[start + 1 : start + count + 1], dtype=torch.long)
-        num_top = [chunk.request.params.prompt_logprobs or 0] * count
-        return PromptLogprobs(start, token_logprobs(logits, targets, num_top))
+        targets = torch.tensor(chunk.prompt_targets, dtype=torch.long)
+        return PromptLogprobs(chunk.start, token_logprobs(logits, targets, [chunk.num_prompt_top] * len(targets)))
