@@ -253,8 +253,8 @@ class Director:
 
     async def pull_failed(self, route: Route, leg: Leg, span: Span | None) -> None:
         """A decode replica could not pull the prompt's KV from `leg.prefill_replica`: its
-        promise dropped, and it is not counted as failing (it answered, and will run the
-        request whole)."""
+        promise dropped, and it is not counted as failing (it answered; the request is
+        then routed whole, to any replica)."""
         if span is not None:
             ProxyTracing.failed(span, "HTTP 502 (KV pull)")
         await route.release()
