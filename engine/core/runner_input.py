@@ -50,7 +50,8 @@ def _sample(sample: SampleRequest, vocab_size: int) -> SampleInput:
     allowed, draft_allowed = None, []
     if seq.grammar is not None:
         allowed = allowed_tokens(seq.grammar, vocab_size)
-        draft_allowed = _draft_masks(seq.grammar, drafts, vocab_size)
+        if drafts:  # no copy of the matcher on a step without drafts
+            draft_allowed = _draft_masks(seq.grammar, drafts, vocab_size)
     state = SamplingState(seq.token_ids, seq.num_prompt_tokens, seq.generator, allowed)
     return SampleInput(sample.chunk_index, sample.params, state, drafts, draft_allowed)
 

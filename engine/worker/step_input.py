@@ -7,7 +7,6 @@ the sequences' own, read during the step and never written by the runner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,14 +50,14 @@ class SamplingState:
     its own random generator if seeded, and the tokens its grammar allows next (xgrammar's
     packed bitmask: bit b of word w is token 32w + b; None: any token)."""
 
-    token_ids: Sequence[int]
+    token_ids: list[int]
     num_prompt_tokens: int
     generator: torch.Generator | None = None
     allowed: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
-        return list(self.token_ids[self.num_prompt_tokens :])
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
