@@ -37,17 +37,19 @@ def paged_attention_decode_cpu(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention -> [num_seqs, num_heads, head_dim], like `paged_attention_decode_torch`.
 
     query: [num_seqs, num_heads, head_dim] float32 or bfloat16; caches: [num_blocks,
     block_size, num_kv_heads, head_dim] (any strides, head_dim contiguous); block_tables:
-    [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32. Call `cpu_ops.load()` first.
+    [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32; softcap: the logit
+    soft-cap (None: none, and the same bits as before it existed). Call `cpu_ops.load()` first.
     """
     _check(query, key_cache, value_cache, block_tables, context_lens)
     block_tables, context_lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
     return torch.ops.pagefleet.paged_attention_decode(
-        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window or 0
+        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window or 0, softcap or 0.0
     )
 
 
@@ -60,6 +62,7 @@ def paged_attention_prefill_cpu(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Prefill attention -> [num_tokens, num_heads, head_dim], like `paged_attention_prefill_torch`.
 
@@ -82,4 +85,5 @@ def paged_attention_prefill_cpu(
         cu_seqlens.to(torch.int32),
         scale,
         sliding_window or 0,
+        softcap or 0.0,
     )

@@ -78,7 +78,7 @@ def _signature(fn: Any, dtype: str) -> dict[str, str]:
             signature[name] = _TYPED_POINTERS[name]
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
-        elif name == "scale":
+        elif name in ("scale", "softcap"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"

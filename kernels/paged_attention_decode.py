@@ -6,7 +6,8 @@ One program per (sequence, query head) reads the keys and values of its kv head
 lines). Keys are visited `TILE_N` tokens at a time with an online softmax; everything
 accumulates in float32 whatever the cache dtype, and head sizes need not be powers of two
 (masked). Every tile holds at least one visible key (the first tile starts at the window's
-first key), so the running maximum is always finite.
+first key), so the running maximum is always finite. A `softcap` > 0 caps every scaled score
+as softcap * tanh(score / softcap) before the softmax (Gemma 2's attn_logit_softcapping).
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ from pagefleet.kernels.checks import (
 )
 
 DEFAULT_TILE_N = 32
+
+
+@triton.jit
+def soft_cap(scores, softcap):
+    """softcap * tanh(scores / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1): triton.language
+    has no tanh (libdevice's is per backend), and this form goes to +-1, never NaN, at both ends."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
 
 
 @triton.jit
@@ -48,6 +56,7 @@ def _paged_attention_decode_kernel(
     head_dim,
     group_size,
     sliding_window,  # <= 0: none
+    softcap,  # <= 0: none
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
 ):
@@ -76,6 +85,8 @@ def _paged_attention_decode_kernel(
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(key_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(q[None, :] * k, axis=1)  # [TILE_N]
+        if softcap > 0:
+            scores = soft_cap(scores, softcap)
         scores = tl.where(valid, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))  # finite: every tile holds a visible key
         correction = tl.exp(m - m_new)
@@ -114,11 +125,13 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     tile_n: int = DEFAULT_TILE_N,
 ) -> torch.Tensor:
     """query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] (entries past a
-    sequence's context are ignored); context_lens: [num_seqs], each >= 1.
+    sequence's context are ignored); context_lens: [num_seqs], each >= 1; softcap: the
+    logit soft-cap (None: none).
 
     Returns [num_seqs, num_heads, head_dim] in the query's dtype.
     """
@@ -147,6 +160,7 @@ def paged_attention_decode(
         head_dim,
         num_heads // key_cache.shape[2],
         sliding_window or 0,
+        float(softcap or 0.0),
         BLOCK_D=triton.next_power_of_2(head_dim),
         TILE_N=tile_n,
     )
@@ -161,6 +175,7 @@ def paged_attention_decode_torch(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The reference: each sequence's keys gathered through its table, plain softmax."""
     _check(query, key_cache, value_cache, block_tables, context_lens)
@@ -169,7 +184,9 @@ def paged_attention_decode_torch(
         length = int(context_lens[seq])
         keys, values = gather_context(key_cache, value_cache, block_tables[seq], length)
         first = max(0, length - sliding_window) if sliding_window else 0
-        out[seq] = attend(query[seq : seq + 1], keys[first:], values[first:], scale, causal_offset=None)[0]
+        out[seq] = attend(
+            query[seq : seq + 1], keys[first:], values[first:], scale, causal_offset=None, softcap=softcap
+        )[0]
     return out
 
 
@@ -190,17 +207,21 @@ def attend(
     scale: float,
     causal_offset: int | None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Float32 softmax attention with grouped-query heads -> [q_len, num_heads, head_dim].
 
     query: [q_len, H, D]; keys/values: [k_len, KVH, D]. With `causal_offset`, query i sits
     at key position causal_offset + i and sees keys up to it (the last `sliding_window`).
+    With `softcap`, each scaled score becomes softcap * tanh(score / softcap), before the mask.
     """
     group = query.shape[1] // keys.shape[1]
     q = query.float().transpose(0, 1)  # [H, q, D]
     k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)
     v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = (q @ k.transpose(1, 2)) * scale  # [H, q, k]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal_offset is not None:
         query_pos = causal_offset + torch.arange(query.shape[0], device=query.device)[:, None]
         key_pos = torch.arange(keys.shape[0], device=query.device)[None, :]

@@ -6,7 +6,8 @@ cu_seqlens[b + 1], and its context (cached prefix + chunk, whose keys and values
 written to the cache first) is context_lens[b] tokens long. This covers whole prompts,
 chunked prefill and prefix-cache hits alike. One program per (sequence, tile of `BLOCK_M`
 queries, query head) runs an online softmax over `TILE_N` keys at a time, stopping at the
-tile's last visible key; float32 throughout.
+tile's last visible key; float32 throughout. A `softcap` > 0 caps every scaled score as
+softcap * tanh(score / softcap) before the mask and the softmax (Gemma 2).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pagefleet.kernels.checks import (
     check_shape,
     check_tensor,
 )
-from pagefleet.kernels.paged_attention_decode import attend, gather_context
+from pagefleet.kernels.paged_attention_decode import attend, gather_context, soft_cap
 
 DEFAULT_BLOCK_M = 16
 DEFAULT_TILE_N = 32
@@ -51,6 +52,7 @@ def _paged_attention_prefill_kernel(
     head_dim,
     group_size,
     sliding_window,  # <= 0: none
+    softcap,  # <= 0: none
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -91,6 +93,8 @@ def _paged_attention_prefill_kernel(
         k = tl.load(key_cache_ptr + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(value_cache_ptr + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, TILE_N]
+        if softcap > 0:
+            scores = soft_cap(scores, softcap)
         visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
         visible = visible & ((sliding_window <= 0) | (key_pos[None, :] > query_pos[:, None] - sliding_window))
         scores = tl.where(visible, scores, float("-inf"))
@@ -139,13 +143,14 @@ def paged_attention_prefill(
     scale: float,
     max_query_len: int,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     block_m: int = DEFAULT_BLOCK_M,
     tile_n: int = DEFAULT_TILE_N,
 ) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim], the chunks of all sequences back to back;
     cu_seqlens: [num_seqs + 1] chunk boundaries; context_lens: [num_seqs] cached prefix +
     chunk; block_tables: [num_seqs, max_blocks]; max_query_len: the longest chunk (sizes
-    the grid without reading the device).
+    the grid without reading the device); softcap: the logit soft-cap (None: none).
 
     Returns [num_tokens, num_heads, head_dim] in the query's dtype.
     """
@@ -177,6 +182,7 @@ def paged_attention_prefill(
         head_dim,
         num_heads // key_cache.shape[2],
         sliding_window or 0,
+        float(softcap or 0.0),
         BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         TILE_N=tile_n,
@@ -194,6 +200,7 @@ def paged_attention_prefill_torch(
     scale: float,
     max_query_len: int | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The reference: each sequence's context gathered through its table, masked softmax."""
     _check(query, key_cache, value_cache, block_tables, cu_seqlens, context_lens)
@@ -206,5 +213,5 @@ def paged_attention_prefill_torch(
         length = int(context_lens[seq])
         keys, values = gather_context(key_cache, value_cache, block_tables[seq], length)
         prefix = length - (end - start)
-        out[start:end] = attend(query[start:end], keys, values, scale, prefix, sliding_window)
+        out[start:end] = attend(query[start:end], keys, values, scale, prefix, sliding_window, softcap)
     return out

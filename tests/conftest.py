@@ -27,7 +27,7 @@ from tests.processes import RedisProcess, running_redis  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 TINY_VOCAB = 384
-TINY_ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+TINY_ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2"]
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks.",
     "Hello world! How are you today? I am fine, thank you. Paris is the capital of France.",
@@ -39,7 +39,8 @@ _CORPUS = [
 def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
     import transformers as tf
 
-    common = dict(vocab_size=TINY_VOCAB, initializer_range=0.3, tie_word_embeddings=arch in ("llama", "qwen3", "gpt2"))
+    tied = arch in ("llama", "qwen3", "gpt2")
+    common = dict(vocab_size=TINY_VOCAB, initializer_range=0.3, tie_word_embeddings=tied)
     if arch == "gpt2":
         return tf.GPT2Config(
             n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=None, eos_token_id=None, **common
@@ -68,6 +69,15 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
         return tf.MistralConfig(**sizes, sliding_window=8, **common)
     if arch == "qwen2":
         return tf.Qwen2Config(**sizes, **common)
+    # Gemma: a sliding layer (window 8, shorter than most test prompts) and a global one,
+    # a scale from query_pre_attn_scalar unlike head_dim's.
+    gemma = sizes | dict(
+        head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8
+    )
+    if arch == "gemma2":  # soft-capped scores and logits (caps low enough to bite here)
+        return tf.Gemma2Config(**gemma, attn_logit_softcapping=5.0, final_logit_softcapping=8.0, **common)
+    if arch == "gemma3":  # q/k norms; sliding layers on their own RoPE base
+        return tf.Gemma3TextConfig(**gemma, **common)
     return tf.Qwen3Config(**sizes, head_dim=32, **common)  # head_dim != hidden / heads
 
 

@@ -145,9 +145,7 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
             num_host_blocks,
         )
     num_kv_heads = shard.kv_heads(model_config.num_heads, model_config.num_kv_heads)[1]
-    spec = CacheSpec(
-        num_blocks, config.block_size, num_kv_heads, model_config.head_dim, dtype, device, model_config.sliding_window
-    )
+    spec = CacheSpec(num_blocks, config.block_size, num_kv_heads, model_config.head_dim, dtype, device)
     backend = select_backend(config.attention_backend, spec)
     if shard.rank == 0:
         logger.info("attention backend: %s", backend.name)

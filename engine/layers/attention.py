@@ -39,7 +39,6 @@ class CacheSpec:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    sliding_window: int | None  # a query sees only the last `sliding_window` keys
 
 
 @dataclass(slots=True)
@@ -142,10 +141,14 @@ class AttentionBackend(Protocol):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads,
         head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]; metadata: what
-        this backend's `prepare` built.
+        this backend's `prepare` built; the layer's own attention: each query sees the last
+        `window` keys (None: all), its scores scaled by `scale`, then capped as
+        `softcap * tanh(score / softcap)` (None: no cap).
 
         Returns: [num_tokens, num_heads, head_dim] in the query's dtype.
         """

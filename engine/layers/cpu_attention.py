@@ -64,6 +64,8 @@ class CpuAttentionBackend:
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         batch = metadata
         assert isinstance(batch, CpuMetadata), "metadata from another backend's prepare()"
@@ -83,5 +85,6 @@ class CpuAttentionBackend:
             rows.lengths,
             rows.row_groups,
             scale,
-            self.spec.sliding_window or 0,
+            window or 0,
+            softcap or 0.0,
         )

@@ -58,6 +58,12 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:], [T, I] (Gemma's MLP; plain torch)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D] rotated as HF does; cos, sin: [T, 1, D] -> [T, heads, D]."""
     if _fused(x) and x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous():

@@ -29,7 +29,6 @@ class PrefillChunk:
     query_len: int
     context_len: int  # cached prefix + this chunk
     context_slots: torch.Tensor  # [context_len] cache slots of the whole context
-    sliding_window: int | None = None  # a query sees only the last `sliding_window` keys
 
 
 @dataclass(slots=True)
@@ -39,7 +38,10 @@ class DecodeBucket:
     rows: torch.Tensor  # [b] row indices into the flat batch
     num_blocks: int  # blocks per row (padded)
     head_block_ids: torch.Tensor  # [kv_heads * b * num_blocks] rows of the head-major storage
-    bias: torch.Tensor  # [kv_heads * b, 1, num_blocks * block_size] additive mask: 0 or -inf
+    row_lengths: torch.Tensor  # [b] each row's context length (the query sits at length - 1)
+    # Per window (None: all keys), [kv_heads * b, 1, num_blocks * block_size] additive masks,
+    # 0 or -inf, made by the first layer that asks.
+    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -61,9 +63,9 @@ class TorchAttentionBackend:
         return TorchMetadata(step.slot_mapping, self.decode_buckets(step), self.prefill_chunks(step))
 
     def prefill_chunks(self, step: StepLayout) -> list[PrefillChunk]:
-        device, window = self.spec.device, self.spec.sliding_window
+        device = self.spec.device
         return [
-            PrefillChunk(p.row, p.num_new, p.context_len, torch.from_numpy(p.context_slots).to(device), window)
+            PrefillChunk(p.row, p.num_new, p.context_len, torch.from_numpy(p.context_slots).to(device))
             for p in step.prefills
         ]
 
@@ -83,18 +85,25 @@ class TorchAttentionBackend:
         num_blocks = len(tables[group[0]])
         padded = torch.tensor([tables[i] + [0] * (num_blocks - len(tables[i])) for i in group]).flatten()
         heads = torch.arange(spec.num_kv_heads)[:, None] * spec.num_blocks
-        row_lengths = torch.tensor([lengths[i] for i in group])
-        key_positions = torch.arange(num_blocks * spec.block_size)[None, :]
-        masked = key_positions >= row_lengths[:, None]
-        if spec.sliding_window is not None:  # the query sits at length - 1
-            masked |= key_positions <= row_lengths[:, None] - 1 - spec.sliding_window
-        bias = torch.zeros(masked.shape, dtype=spec.dtype).masked_fill_(masked, float("-inf"))
         return DecodeBucket(
             rows=torch.tensor(group, device=spec.device),
             num_blocks=num_blocks,
             head_block_ids=(heads + padded[None, :]).flatten().to(spec.device),
-            bias=bias.repeat(spec.num_kv_heads, 1).unsqueeze(1).to(spec.device),
+            row_lengths=torch.tensor([lengths[i] for i in group]),
         )
+
+    def _bias(self, bucket: DecodeBucket, window: int | None) -> torch.Tensor:
+        """The bucket's additive mask for layers that see the last `window` keys (None: all)."""
+        bias = bucket.biases.get(window)
+        if bias is None:
+            spec, lengths = self.spec, bucket.row_lengths[:, None]
+            key_positions = torch.arange(bucket.num_blocks * spec.block_size)[None, :]
+            masked = key_positions >= lengths
+            if window is not None:  # the query sits at length - 1
+                masked |= key_positions <= lengths - 1 - window
+            bias = torch.zeros(masked.shape, dtype=spec.dtype).masked_fill_(masked, float("-inf"))
+            bias = bucket.biases[window] = bias.repeat(spec.num_kv_heads, 1).unsqueeze(1).to(spec.device)
+        return bias
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         key = (name, like.dtype, like.device)
@@ -117,14 +126,17 @@ class TorchAttentionBackend:
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchMetadata), "metadata from another backend's prepare()"
         reshape_and_cache_torch(key, value, key_cache, value_cache, metadata.slot_mapping)
         keys, values = head_major(key_cache), head_major(value_cache)
         output = torch.empty_like(query)
+        shape = Shape(scale, window, softcap)
         for bucket in metadata.decode_buckets:
-            output[bucket.rows] = self._decode_bucket(query, keys, values, bucket, scale)
-        self.attend_prefills(query, key, value, keys, values, metadata.prefills, scale, output)
+            output[bucket.rows] = self._decode_bucket(query, keys, values, bucket, shape)
+        self.attend_prefills(query, key, value, keys, values, metadata.prefills, shape, output)
         return output
 
     def attend_prefills(
@@ -135,7 +147,7 @@ class TorchAttentionBackend:
         keys: torch.Tensor,
         values: torch.Tensor,
         prefills: list[PrefillChunk],
-        scale: float,
+        shape: Shape,
         output: torch.Tensor,
     ) -> None:
         """Write each chunk's attention into `output`; keys/values: head-major storage."""
@@ -149,10 +161,10 @@ class TorchAttentionBackend:
             else:
                 chunk_keys = flat_keys.index_select(1, chunk.context_slots)
                 chunk_values = flat_values.index_select(1, chunk.context_slots)
-            output[rows] = _prefill_chunk(query[rows], chunk_keys, chunk_values, chunk, scale)
+            output[rows] = _prefill_chunk(query[rows], chunk_keys, chunk_values, chunk, shape)
 
     def _decode_bucket(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket, scale: float
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket, shape: Shape
     ) -> torch.Tensor:
         """Single-token attention for `bucket.rows` -> [b, num_heads, head_dim].
 
@@ -162,23 +174,41 @@ class TorchAttentionBackend:
         num_rows = bucket.rows.numel()
         length = bucket.num_blocks * block_size
         # One gather per cache: rows of storage [kv_heads * num_blocks, block_size * D].
-        shape = (bucket.head_block_ids.numel(), block_size * head_dim)
-        gathered_keys = self._buffer("keys", shape, keys)
-        gathered_values = self._buffer("values", shape, values)
+        gathered_shape = (bucket.head_block_ids.numel(), block_size * head_dim)
+        gathered_keys = self._buffer("keys", gathered_shape, keys)
+        gathered_values = self._buffer("values", gathered_shape, values)
         torch.index_select(keys.view(-1, block_size * head_dim), 0, bucket.head_block_ids, out=gathered_keys)
         torch.index_select(values.view(-1, block_size * head_dim), 0, bucket.head_block_ids, out=gathered_values)
         # Batch over (kv head, row): [kv*b, group, D] @ [kv*b, D, L] -> [kv*b, group, L].
         q = query.index_select(0, bucket.rows).view(num_rows, num_kv_heads, -1, head_dim)
         q = q.transpose(0, 1).reshape(num_kv_heads * num_rows, -1, head_dim)
         batch_keys = gathered_keys.view(num_kv_heads * num_rows, length, head_dim)
-        scores = torch.baddbmm(bucket.bias, q, batch_keys.transpose(1, 2), alpha=scale)
+        bias = self._bias(bucket, shape.window)
+        if shape.softcap is None:
+            scores = torch.baddbmm(bias, q, batch_keys.transpose(1, 2), alpha=shape.scale)
+        else:  # capped before the mask, as transformers does
+            scores = _capped(torch.bmm(q, batch_keys.transpose(1, 2)) * shape.scale, shape.softcap) + bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.bmm(probs, gathered_values.view(num_kv_heads * num_rows, length, head_dim))
         return out.view(num_kv_heads, num_rows, -1, head_dim).transpose(0, 1).reshape(num_rows, -1, head_dim)
 
 
+@dataclass(slots=True, frozen=True)
+class Shape:
+    """One layer's attention: its scale, the keys it sees (the last `window`; None: all) and
+    its soft-cap (None: none)."""
+
+    scale: float
+    window: int | None
+    softcap: float | None
+
+
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(scores / softcap) * softcap
+
+
 def _prefill_chunk(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk: PrefillChunk, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk: PrefillChunk, shape: Shape
 ) -> torch.Tensor:
     """Causal attention of a chunk over its context -> [q_len, H, D].
 
@@ -187,19 +217,27 @@ def _prefill_chunk(
     q = query.transpose(0, 1).unsqueeze(0)
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     prefix = chunk.context_len - chunk.query_len
-    window = chunk.sliding_window
-    if prefix == 0 and (window is None or window >= chunk.query_len):
+    window, scale = shape.window, shape.scale
+    if shape.softcap is None and prefix == 0 and (window is None or window >= chunk.query_len):
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
-    else:
-        # Query i sits at position prefix + i and sees keys 0..prefix + i (the last
-        # `window` of them with a sliding window).
-        visible = torch.ones(chunk.query_len, chunk.context_len, dtype=torch.bool, device=q.device)
-        visible = visible.tril(diagonal=prefix)
-        if window is not None:
-            visible = visible.triu(diagonal=prefix - window + 1)
+        return out.squeeze(0).transpose(0, 1)
+    # Query i sits at position prefix + i and sees keys 0..prefix + i (the last `window` of
+    # them with a sliding window).
+    visible = torch.ones(chunk.query_len, chunk.context_len, dtype=torch.bool, device=q.device)
+    visible = visible.tril(diagonal=prefix)
+    if window is not None:
+        visible = visible.triu(diagonal=prefix - window + 1)
+    if shape.softcap is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
         )
-    return out.squeeze(0).transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1)
+    # SDPA has no soft-cap: the scores by hand, capped before the mask as transformers does.
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = _capped(torch.matmul(q, keys.transpose(-1, -2)) * scale, shape.softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).squeeze(0).transpose(0, 1)

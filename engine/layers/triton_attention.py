@@ -36,6 +36,8 @@ class TritonAttentionBackend:
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         batch = metadata
         assert isinstance(batch, PagedBatch), "metadata from another backend's prepare()"
@@ -50,7 +52,8 @@ class TritonAttentionBackend:
                 batch.decodes.tables,
                 batch.decodes.lengths,
                 scale,
-                self.spec.sliding_window,
+                window,
+                softcap=softcap,
             )
         if decodes < query.shape[0]:
             output[decodes:] = paged_attention_prefill(
@@ -62,6 +65,7 @@ class TritonAttentionBackend:
                 batch.prefills.lengths,
                 scale,
                 batch.max_prefill_len,
-                self.spec.sliding_window,
+                window,
+                softcap=softcap,
             )
         return output

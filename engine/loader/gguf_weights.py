@@ -203,6 +203,9 @@ def _fused_weight(
 def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> None:
     """Put the GGUF file's quantized tensors in `model` (a single-rank Llama-family or GPT-2
     model, weights loaded, on the CPU or CUDA); logs what was kept quantized and what not."""
+    if config.family not in ("llama", "gpt2"):
+        logger.info("GGUF: %s weights are served dequantized (no quantized path yet)", config.architecture)
+        return
     tensors = GGUFTensors(path)
     modules = dict(model.named_modules())
     kept: Counter[str] = Counter()

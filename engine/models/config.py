@@ -8,15 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from pagefleet.engine.errors import UnsupportedModelError
+from pagefleet.engine.models.registry import SUPPORTED_ARCHITECTURES
 
-# HF architecture name -> our model family.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "GPT2LMHeadModel": "gpt2",
-}
+SLIDING = "sliding_attention"  # a `layer_types` entry: the layer sees the last `sliding_window` keys
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,6 +35,23 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Per layer, HF's names ("full_attention", "sliding_attention"); empty: every layer alike
+    # (windowed if `sliding_window` is set, as Mistral's).
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (Gemma)
+    attn_softcap: float | None = None  # scores capped as cap * tanh(score / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits capped the same way (Gemma 2)
+    local_rope_theta: float | None = None  # the RoPE base of sliding layers, where it differs (Gemma 3)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The keys layer `layer` sees: the last `sliding_window` of them, or all (None)."""
+        if self.layer_types and self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -68,6 +79,8 @@ class ModelConfig:
         )
         if architecture == "GPT2LMHeadModel":
             return cls._gpt2(raw, common)
+        if SUPPORTED_ARCHITECTURES[architecture] == "gemma":
+            return cls._gemma(raw, architecture, common)
         return cls._llama(raw, architecture, common)
 
     @classmethod
@@ -95,11 +108,7 @@ class ModelConfig:
     def _llama(cls, raw: dict[str, Any], architecture: str, common: dict[str, Any]) -> ModelConfig:
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         # transformers 5 writes rope settings as `rope_parameters`; 4.x as rope_theta/rope_scaling.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+        theta, rope = _rope(raw.get("rope_parameters") or raw.get("rope_scaling") or {}, raw.get("rope_theta", 10000.0))
         window = raw.get("sliding_window")
         if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             # Qwen's window applies to only some layers; we support the common full-attention setup.
@@ -121,9 +130,63 @@ class ModelConfig:
             qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_window=window,
-            rope_theta=float(theta),
-            rope_scaling={**rope, "rope_type": rope_type},
+            rope_theta=theta,
+            rope_scaling=rope,
         )
+
+    @classmethod
+    def _gemma(cls, raw: dict[str, Any], architecture: str, common: dict[str, Any]) -> ModelConfig:
+        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+        if raw.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("Gemma use_bidirectional_attention=true (an encoder) is not supported")
+        layers = raw["num_hidden_layers"]
+        layer_types = tuple(raw.get("layer_types") or ())
+        if not layer_types:  # transformers 4: Gemma 2 alternates, Gemma 3 has a pattern
+            pattern = raw.get("sliding_window_pattern", 2 if architecture == "Gemma2ForCausalLM" else 6)
+            layer_types = tuple(SLIDING if (i + 1) % pattern else "full_attention" for i in range(layers))
+        rope = raw.get("rope_parameters") or {}
+        local_theta = None
+        if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5, per layer type
+            theta, scaling = _rope(rope.get("full_attention") or {}, 10000.0)
+            local_theta, local_scaling = _rope(rope.get("sliding_attention") or {}, 10000.0)
+            if local_scaling["rope_type"] != "default":
+                raise UnsupportedModelError("scaled RoPE on sliding layers is not supported")
+        else:
+            theta, scaling = _rope(rope or raw.get("rope_scaling") or {}, raw.get("rope_theta", 10000.0))
+            local_theta = raw.get("rope_local_base_freq")
+        return cls(
+            **common,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or hidden // heads,
+            intermediate_size=raw["intermediate_size"],
+            max_position_embeddings=raw.get("max_position_embeddings", 8192),
+            norm_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=raw.get("tie_word_embeddings", True),
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
+            qkv_bias=bool(raw.get("attention_bias", False)),
+            qk_norm=architecture == "Gemma3ForCausalLM",
+            sliding_window=raw.get("sliding_window"),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            layer_types=layer_types,
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+            attn_softcap=raw.get("attn_logit_softcapping"),
+            final_softcap=raw.get("final_logit_softcapping"),
+            local_rope_theta=float(local_theta) if local_theta is not None else None,
+        )
+
+
+def _rope(parameters: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any]]:
+    """(base, scaling) of one RoPE setting, in transformers 4's or 5's spelling."""
+    rope = dict(parameters)
+    theta = rope.pop("rope_theta", None) or default_theta
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+    return float(theta), {**rope, "rope_type": rope_type}
 
 
 def _as_ids(value: int | list[int] | None) -> list[int]:

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
+from pagefleet.engine.errors import UnsupportedModelError
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.cpu_attention import CpuAttentionBackend, CpuMetadata
-from pagefleet.engine.layers.fused import rotary, silu_and_mul
+from pagefleet.engine.layers.fused import gelu_tanh_and_mul, rotary, silu_and_mul
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
@@ -37,9 +38,11 @@ FUSED_PROJECTIONS = {
 
 
 class LlamaAttention(nn.Module):
-    """Column-parallel q/k/v (this rank's heads), row-parallel o_proj (one all-reduce)."""
+    """Column-parallel q/k/v (this rank's heads), row-parallel o_proj (one all-reduce); layer
+    `layer`'s window, scale and soft-cap from the config (shared by the families whose
+    attention differs only in those and in their q/k norm, `norm`)."""
 
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, layer: int = 0, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.shard = shard
         self.num_heads = config.num_heads // shard.size
@@ -49,9 +52,11 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        self.q_norm = norm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.scale = config.attention_scale
+        self.window = config.layer_window(layer)
+        self.softcap = config.attn_softcap
 
     def forward(
         self,
@@ -70,8 +75,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, *rope), rotary(k, *rope)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.window, self.softcap)
         return self.shard.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
+
+
+# A gated MLP's activation applied to the gate and multiplied by the up projection.
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 
 class LlamaMLP(nn.Module):
@@ -79,8 +88,11 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"Llama-family activation {config.hidden_act!r} is not supported (silu)")
+        if config.hidden_act not in GATED_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"activation {config.hidden_act!r} is not supported ({', '.join(GATED_ACTIVATIONS)})"
+            )
+        self.activation = GATED_ACTIVATIONS[config.hidden_act]
         self.shard = shard
         start, end = shard.split(config.intermediate_size, "intermediate_size")
         self.intermediate_size = end - start
@@ -88,14 +100,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, config.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shard.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(hidden))))
+        return self.shard.all_reduce(self.down_proj(self.activation(self.gate_up_proj(hidden))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config, shard)
+        self.self_attn = LlamaAttention(config, shard, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config, shard)
 
@@ -120,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shard) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shard, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         vocab_start, vocab_end = shard.vocab(config.vocab_size)
         self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)
@@ -168,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         if self.compiled is False:
             assert isinstance(backend, CpuAttentionBackend)
-            self.compiled = compile_layers(self, backend.spec.sliding_window or 0)
+            self.compiled = compile_layers(self, self.config.sliding_window or 0)
         return self.compiled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -176,52 +188,66 @@ class LlamaForCausalLM(nn.Module):
         return self.shard.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
 
     def lora_targets(self) -> dict[str, LoRATarget]:
-        """The checkpoint's q/k/v/o and gate/up/down projections, in our fused ones."""
-        targets = {}
-        hidden, intermediate = self.config.hidden_size, self.config.intermediate_size
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, LlamaDecoderLayer)
-            attn, mlp, hf = layer.self_attn, layer.mlp, f"model.layers.{i}."
-            q, kv = attn.q_size, attn.kv_size
-            for segment, (name, start, end) in enumerate((("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv))):
-                targets[hf + f"self_attn.{name}_proj"] = LoRATarget(attn.qkv_proj, segment, 3, start, end)
-            targets[hf + "self_attn.o_proj"] = LoRATarget(attn.o_proj, 0, 1, 0, hidden)
-            targets[hf + "mlp.gate_proj"] = LoRATarget(mlp.gate_up_proj, 0, 2, 0, intermediate)
-            targets[hf + "mlp.up_proj"] = LoRATarget(mlp.gate_up_proj, 1, 2, intermediate, 2 * intermediate)
-            targets[hf + "mlp.down_proj"] = LoRATarget(mlp.down_proj, 0, 1, 0, hidden)
-        return targets
+        return decoder_lora_targets(self.config, self.layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """From the checkpoint's tensors, one at a time: a rank keeps only its part of each."""
-        config, shard = self.config, self.shard
-        vocab = vocab_rows(*shard.vocab(config.vocab_size)) if shard.size > 1 else None
-        q_start, q_end = (config.head_dim * h for h in shard.split(config.num_heads, "num_attention_heads"))
-        kv_first, kv_count = shard.kv_heads(config.num_heads, config.num_kv_heads)
-        kv = rows(kv_first * config.head_dim, (kv_first + kv_count) * config.head_dim)
-        qkv = [rows(q_start, q_end), kv, kv] if shard.size > 1 else None
-        mlp_start, mlp_end = shard.split(config.intermediate_size, "intermediate_size")
-        gate_up = rows(mlp_start, mlp_end) if shard.size > 1 else None
-        o_cols = columns(q_start, q_end) if shard.size > 1 else None
-        down_cols = columns(mlp_start, mlp_end) if shard.size > 1 else None
-        loader = WeightLoader(self)
-        loader.direct("model.embed_tokens.weight", "embed_tokens", vocab)
-        loader.direct("model.norm.weight", "norm.weight")
-        if not config.tie_word_embeddings:
-            loader.direct("lm_head.weight", "lm_head.weight", vocab)
-        for i in range(config.num_layers):
-            hf, ours = f"model.layers.{i}.", f"layers.{i}."
-            attn = ours + "self_attn."
-            loader.fused([hf + f"self_attn.{p}_proj.weight" for p in "qkv"], attn + "qkv_proj.weight", qkv)
-            if config.qkv_bias:
-                loader.fused([hf + f"self_attn.{p}_proj.bias" for p in "qkv"], attn + "qkv_proj.bias", qkv)
-            loader.direct(hf + "self_attn.o_proj.weight", attn + "o_proj.weight", o_cols)
-            if self.config.qk_norm:
-                loader.direct(hf + "self_attn.q_norm.weight", attn + "q_norm.weight")
-                loader.direct(hf + "self_attn.k_norm.weight", attn + "k_norm.weight")
-            loader.direct(hf + "input_layernorm.weight", ours + "input_layernorm.weight")
-            loader.direct(hf + "post_attention_layernorm.weight", ours + "post_attention_layernorm.weight")
-            loader.fused(
-                [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_proj.weight", gate_up
-            )
-            loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_proj.weight", down_cols)
-        loader.load(weights, ignore=("rotary_emb.inv_freq",))
+        load_decoder_weights(self, weights)
+
+
+def decoder_lora_targets(config: ModelConfig, layers: nn.ModuleList) -> dict[str, LoRATarget]:
+    """The checkpoint's q/k/v/o and gate/up/down projections, in our fused ones."""
+    targets = {}
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    for i, layer in enumerate(layers):
+        attn, mlp, hf = layer.self_attn, layer.mlp, f"model.layers.{i}."
+        assert isinstance(attn, LlamaAttention) and isinstance(mlp, LlamaMLP)
+        q, kv = attn.q_size, attn.kv_size
+        for segment, (name, start, end) in enumerate((("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv))):
+            targets[hf + f"self_attn.{name}_proj"] = LoRATarget(attn.qkv_proj, segment, 3, start, end)
+        targets[hf + "self_attn.o_proj"] = LoRATarget(attn.o_proj, 0, 1, 0, hidden)
+        targets[hf + "mlp.gate_proj"] = LoRATarget(mlp.gate_up_proj, 0, 2, 0, intermediate)
+        targets[hf + "mlp.up_proj"] = LoRATarget(mlp.gate_up_proj, 1, 2, intermediate, 2 * intermediate)
+        targets[hf + "mlp.down_proj"] = LoRATarget(mlp.down_proj, 0, 1, 0, hidden)
+    return targets
+
+
+def load_decoder_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], layer_norms: tuple[str, ...] = ()
+) -> None:
+    """A Llama-shaped decoder's weights from the checkpoint's tensors, one at a time (a rank
+    keeps only its part of each): the embedding, the final norm, the head unless tied, and
+    per layer q/k/v fused, o, the q/k norms, gate/up fused, down and each of `layer_norms`
+    (default: the input and post-attention norms)."""
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    shard: Shard = model.shard  # type: ignore[assignment]
+    vocab = vocab_rows(*shard.vocab(config.vocab_size)) if shard.size > 1 else None
+    q_start, q_end = (config.head_dim * h for h in shard.split(config.num_heads, "num_attention_heads"))
+    kv_first, kv_count = shard.kv_heads(config.num_heads, config.num_kv_heads)
+    kv = rows(kv_first * config.head_dim, (kv_first + kv_count) * config.head_dim)
+    qkv = [rows(q_start, q_end), kv, kv] if shard.size > 1 else None
+    mlp_start, mlp_end = shard.split(config.intermediate_size, "intermediate_size")
+    gate_up = rows(mlp_start, mlp_end) if shard.size > 1 else None
+    o_cols = columns(q_start, q_end) if shard.size > 1 else None
+    down_cols = columns(mlp_start, mlp_end) if shard.size > 1 else None
+    loader = WeightLoader(model)
+    loader.direct("model.embed_tokens.weight", "embed_tokens", vocab)
+    loader.direct("model.norm.weight", "norm.weight")
+    if not config.tie_word_embeddings:
+        loader.direct("lm_head.weight", "lm_head.weight", vocab)
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = ours + "self_attn."
+        loader.fused([hf + f"self_attn.{p}_proj.weight" for p in "qkv"], attn + "qkv_proj.weight", qkv)
+        if config.qkv_bias:
+            loader.fused([hf + f"self_attn.{p}_proj.bias" for p in "qkv"], attn + "qkv_proj.bias", qkv)
+        loader.direct(hf + "self_attn.o_proj.weight", attn + "o_proj.weight", o_cols)
+        if config.qk_norm:
+            loader.direct(hf + "self_attn.q_norm.weight", attn + "q_norm.weight")
+            loader.direct(hf + "self_attn.k_norm.weight", attn + "k_norm.weight")
+        for norm in layer_norms or ("input_layernorm", "post_attention_layernorm"):
+            loader.direct(hf + f"{norm}.weight", ours + f"{norm}.weight")
+        loader.fused(
+            [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_proj.weight", gate_up
+        )
+        loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_proj.weight", down_cols)
+    loader.load(weights, ignore=("rotary_emb.inv_freq",))

@@ -11,7 +11,6 @@ from typing import Protocol, cast
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.errors import ModelNotFoundError
@@ -21,12 +20,13 @@ from pagefleet.engine.loader.compressed_tensors import Int8Checkpoint, is_int8_c
 from pagefleet.engine.loader.gguf_weights import quantize_from_gguf
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
 
 class CausalLM(Protocol):
-    """What the runner needs of a model family (see llama.py and gpt2.py)."""
+    """What the runner needs of a model family (one file each, see registry.py)."""
 
     config: ModelConfig
 
@@ -46,13 +46,6 @@ class CausalLM(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
-def _model_class(config: ModelConfig) -> type[nn.Module]:
-    from pagefleet.engine.models.gpt2 import GPT2LMHeadModel
-    from pagefleet.engine.models.llama import LlamaForCausalLM
-
-    return {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}[config.family]
-
-
 def load_model(
     model_dir: Path,
     dtype: torch.dtype,
@@ -66,7 +59,7 @@ def load_model(
     `int8`, an int8 W8A8 checkpoint's int8 weights (else they are dequantized)."""
     started = time.monotonic()
     config = ModelConfig.from_dir(model_dir)
-    module = _model_class(config)(config, shard or Shard())  # parameters start uninitialised (torch.empty)
+    module = model_class(config.family)(config, shard or Shard())  # parameters start uninitialised (torch.empty)
     weights = iter_weights(model_dir)
     checkpoint = None
     if is_int8_checkpoint(model_dir):

@@ -82,6 +82,13 @@ inline void softmax_unnormalised(float* scores, int64_t count, float* max_out, f
   *sum_out = sum;
 }
 
+// scores <- softcap * tanh(scores / softcap): Gemma 2's attn_logit_softcapping, which keeps
+// any logit from dominating its softmax. Called only when softcap > 0, so that without a cap
+// the arithmetic (and every bit of the output) is what it was.
+inline void soft_cap(float* scores, int64_t count, float softcap) {
+  for (int64_t i = 0; i < count; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
+}
+
 #if defined(__AVX512F__)
 // v[k] holds 16 partial sums of key k's dot product; returns the 16 totals in key order.
 // A tree of shuffles that reduces all 16 at once costs a third of 16 separate horizontal
@@ -287,10 +294,11 @@ struct Scratch {
 // sequence, over the partition of keys from `begin`: row r sees keys [begin, begin +
 // counts[r]). Writes each row's partition max, sum and unnormalised output (float32) at
 // slots[r] (a row's arithmetic is the same alone as in a block: decode rows are blocks of 1).
+// softcap > 0 caps each scaled score before the softmax (0: no cap).
 template <typename T>
 void attend_partition(const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
                       const Geometry& g, int64_t r0, int64_t n, int64_t kv_head, int64_t begin, float scale,
-                      Scratch<T>& s, const int64_t* slots, float* maxima, float* sums, float* partial) {
+                      float softcap, Scratch<T>& s, const int64_t* slots, float* maxima, float* sums, float* partial) {
   const int64_t group = g.group, head_dim = g.head_dim, block_size = g.block_size;
   const int64_t* counts = s.counts.data();
   const int64_t longest = *std::max_element(counts, counts + n);
@@ -333,6 +341,7 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
     avx2::score(s.q.data(), float_rows(), counts, n, group, head_dim, longest, scores);
     for (int64_t r = 0; r < n; ++r) {
       for (int64_t j = 0; j < group; ++j) {
+        if (softcap > 0.f) soft_cap(scores + (r * group + j) * kPartition, counts[r], softcap);
         avx2::softmax_unnormalised(scores + (r * group + j) * kPartition, counts[r], maxima + slots[r] * group + j,
                                    sums + slots[r] * group + j);
       }
@@ -366,6 +375,7 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
     const int64_t stride = kPartition;
 #endif
     for (int64_t j = 0; j < group; ++j) {
+      if (softcap > 0.f) soft_cap(scores + r * group * kPartition + j * stride, counts[r], softcap);
       softmax_unnormalised(scores + r * group * kPartition + j * stride, counts[r], maxima + slots[r] * group + j,
                            sums + slots[r] * group + j);
     }
@@ -394,7 +404,7 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
 template <typename T>
 void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, const std::vector<int64_t>& row_groups,
-                 double scale, int64_t sliding_window) {
+                 double scale, int64_t sliding_window, double softcap) {
   const int64_t num_rows = query.size(0);
   const Geometry g(query, key_cache, block_tables);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -431,7 +441,7 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const T* q_data = query.data_ptr<T>();
   const T* k_data = key_cache.data_ptr<T>();
   const T* v_data = value_cache.data_ptr<T>();
-  const float scale_f = static_cast<float>(scale);
+  const float scale_f = static_cast<float>(scale), softcap_f = static_cast<float>(softcap);
 
   at::parallel_for(0, num_items * g.num_kv_heads, 1, [&](int64_t start, int64_t stop) {
     Scratch<T> scratch(g);
@@ -468,7 +478,8 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
           std::copy(slots + b, slots + e, slots);
         }
         attend_partition<T>(q_data, k_data, v_data, tables + it.table * g.max_blocks, g, active_rows[b], e - b,
-                            kv_head, begin, scale_f, scratch, slots, maxima.data(), sums.data(), partial.data());
+                            kv_head, begin, scale_f, softcap_f, scratch, slots, maxima.data(), sums.data(),
+                            partial.data());
         b = e;
       }
     }
@@ -506,16 +517,17 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, const std::vector<int64_t>& row_groups,
-                  double scale, int64_t sliding_window) {
+                  double scale, int64_t sliding_window, double softcap) {
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
   if (query.size(0) == 0) return out;
   switch (query.scalar_type()) {
     case at::kFloat:
-      attend_rows<float>(out, query, key_cache, value_cache, block_tables, context_lens, row_groups, scale, sliding_window);
+      attend_rows<float>(out, query, key_cache, value_cache, block_tables, context_lens, row_groups, scale, sliding_window,
+                         softcap);
       break;
     case at::kBFloat16:
       attend_rows<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, row_groups, scale,
-                                 sliding_window);
+                                 sliding_window, softcap);
       break;
     default:
       TORCH_CHECK(false, "float32 or bfloat16 only, got ", query.scalar_type());
@@ -526,14 +538,14 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at
 // One query token per sequence: row s over its table s.
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t sliding_window) {
+                                  int64_t sliding_window, double softcap) {
   check_paged_args(query, key_cache, value_cache, {block_tables, context_lens});
   TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
               "a block table and a length per query row");
   std::vector<int64_t> row_groups(query.size(0) + 1);
   std::iota(row_groups.begin(), row_groups.end(), 0);
   return attend(query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), row_groups, scale,
-                sliding_window);
+                sliding_window, softcap);
 }
 
 // Any rows: row r sees the first context_lens[r] tokens of the sequence whose block table is
@@ -541,7 +553,8 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
 // with lengths position + 1), with the decode operator's arithmetic.
 at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                const at::Tensor& row_groups, double scale, int64_t sliding_window) {
+                                const at::Tensor& row_groups, double scale, int64_t sliding_window,
+                                double softcap) {
   check_paged_args(query, key_cache, value_cache, {block_tables, context_lens, row_groups});
   const at::Tensor groups = row_groups.contiguous();
   const int32_t* offsets = groups.data_ptr<int32_t>();
@@ -552,7 +565,7 @@ at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& key_c
   std::vector<int64_t> bounds(offsets, offsets + num_groups + 1);
   for (int64_t i = 0; i < num_groups; ++i) TORCH_CHECK(bounds[i] <= bounds[i + 1], "row_groups must not decrease");
   return attend(query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), bounds, scale,
-                sliding_window);
+                sliding_window, softcap);
 }
 
 // Writes each new token's keys and values into its cache slot (block * block_size + offset;
@@ -598,10 +611,10 @@ TORCH_LIBRARY(pagefleet, m) {
       "Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int sliding_window) -> Tensor");
+      "Tensor context_lens, float scale, int sliding_window, float softcap=0.0) -> Tensor");
   m.def(
       "paged_attention_rows(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor context_lens, Tensor row_groups, float scale, int sliding_window) -> Tensor");
+      "Tensor context_lens, Tensor row_groups, float scale, int sliding_window, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {

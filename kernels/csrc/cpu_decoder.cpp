@@ -39,9 +39,9 @@ struct Operators {
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)> cache_write =
       handle<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)>("reshape_and_cache");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, double, int64_t)>
+                                  const Tensor&, double, int64_t, double)>
       attention = handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                const Tensor&, double, int64_t)>("paged_attention_rows");
+                                const Tensor&, double, int64_t, double)>("paged_attention_rows");
 
   template <typename Signature>
   static c10::TypedOperatorHandle<Signature> handle(const char* name) {
@@ -157,7 +157,8 @@ class LlamaLayers : public torch::CustomClassHolder {
       const auto cache_type = key_cache.scalar_type();
       op.cache_write.call(k.to(cache_type), v.to(cache_type), key_cache, value_cache, slot_mapping);
       const Tensor attended =
-          op.attention.call(q, key_cache, value_cache, tables, lengths, row_groups, scale_, sliding_window_);
+          op.attention.call(q, key_cache, value_cache, tables, lengths, row_groups, scale_, sliding_window_,
+                            /*softcap=*/0.0);  // the Llama family has no soft-cap
       const Tensor projected = layer.projections[kOut](attended.view({tokens, q_size}));
       std::tie(residual, normed) = op.add_rms_norm.call(residual, projected, layer.post_norm, eps_);
       hidden = layer.projections[kDown](op.silu_and_mul.call(layer.projections[kGateUp](normed)));

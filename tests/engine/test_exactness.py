@@ -158,6 +158,16 @@ def test_triton_backend_sliding_window(tiny_mistral_window: Path) -> None:
 
 
 @pytest.mark.triton
+def test_triton_backend_gemma2_soft_caps_and_interleaved_windows(tiny_models: dict[str, Path]) -> None:
+    """Gemma 2's sliding and global layers in one step, scores soft-capped in the kernels;
+    prompts longer than the window (8)."""
+    llm = LLM(str(tiny_models["gemma2"]), dtype="float32", attention_backend="triton")
+    prompts = random_prompts([17, 33], TINY_VOCAB, seed=7)
+    _assert_matches_hf(tiny_models["gemma2"], prompts, llm.generate(prompts, _greedy()))
+    assert_no_block_leaked(llm)
+
+
+@pytest.mark.triton
 def test_triton_backend_copy_on_write(tiny_llama: Path) -> None:
     """Beams fork mid-block, so copy_blocks runs; results equal the torch backend's."""
     prompts = random_prompts([13, 6], TINY_VOCAB, seed=11)

@@ -50,8 +50,11 @@ def _beam_params(k: int, length_penalty: float = 1.0, early_stopping: bool | str
     )
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+# Gemma's families add nothing to the blocks beams share: one width is enough for them.
+BEAM_CASES = [(arch, k) for arch in TINY_ARCHITECTURES for k in (1, 2, 4) if k == 4 or not arch.startswith("gemma")]
+
+
+@pytest.mark.parametrize(("arch", "k"), BEAM_CASES)
 def test_beam_search_equals_transformers(tiny_models: dict[str, Path], arch: str, k: int) -> None:
     model_dir = tiny_models[arch]
     llm = LLM(str(model_dir), dtype="float32", block_size=4)

@@ -136,6 +136,60 @@ def test_prefill_attention_equals_the_reference_and_each_row_as_a_decode(
         assert torch.equal(alone, actual[row : row + 1]), f"row {row}"
 
 
+SOFTCAP = 30.0  # Gemma 2's attn_logit_softcapping
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 20], ids=["avx512", "avx2", "any"])  # which kernel scores
+@pytest.mark.parametrize("window", [None, 100])
+def test_softcapped_attention_equals_the_reference(dtype: torch.dtype, head_dim: int, window: int | None) -> None:
+    """Prompt rows and decodes, over one and several partitions, with scores large enough
+    (a query 8 times the usual) for the cap to matter; a decode is still its prompt row."""
+    generator = torch.Generator().manual_seed(head_dim)
+    num_heads, num_kv_heads, block_size = 6, 2, 16
+    chunks = [(1, 0), (40, 0), (5, 300), (20, 700)]  # (new tokens, cached prefix)
+    num_blocks = sum(-(-(n + p) // block_size) for n, p in chunks) + 3
+    key_cache, value_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, "head_major")
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(chunks), -(-max(n + p for n, p in chunks) // block_size), dtype=torch.int32)
+    used = 0
+    for row, (new, prefix) in enumerate(chunks):
+        count = -(-(new + prefix) // block_size)
+        tables[row, :count] = order[used : used + count]
+        used += count
+    cu_seqlens = torch.tensor([0, *torch.tensor([n for n, _ in chunks]).cumsum(0).tolist()], dtype=torch.int32)
+    context_lens = torch.tensor([n + p for n, p in chunks], dtype=torch.int32)
+    query = (8 * torch.randn(int(cu_seqlens[-1]), num_heads, head_dim, generator=generator)).to(dtype)
+    scale = head_dim**-0.5
+    tolerance = dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    args = (query, key_cache, value_cache, tables, cu_seqlens, context_lens, scale)
+    expected = paged_attention_prefill_torch(*args, sliding_window=window, softcap=SOFTCAP)
+    rows = paged_attention_prefill_cpu(*args, sliding_window=window, softcap=SOFTCAP)
+    torch.testing.assert_close(rows.float(), expected.float(), **tolerance)
+    last = cu_seqlens[1:].long() - 1  # each chunk's last row, as a decode
+    decode = (query[last], key_cache, value_cache, tables, context_lens, scale, window, SOFTCAP)
+    decoded = paged_attention_decode_cpu(*decode)
+    torch.testing.assert_close(decoded.float(), paged_attention_decode_torch(*decode).float(), **tolerance)
+    assert torch.equal(decoded, rows[last])
+
+
+def test_operators_called_without_a_softcap_have_none() -> None:
+    """Callers written before the soft-cap (the schemas' default 0.0) get the uncapped bits."""
+    key_cache, value_cache = _caches(8, 16, 2, 64, torch.float32, "head_major")
+    query = 8 * torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(0))
+    tables, lengths = torch.arange(6, dtype=torch.int32).view(3, 2), torch.tensor([5, 17, 32], dtype=torch.int32)
+    old = torch.ops.pagefleet.paged_attention_decode(query, key_cache, value_cache, tables, lengths, 0.125, 0)
+    assert torch.equal(old, paged_attention_decode_cpu(query, key_cache, value_cache, tables, lengths, 0.125))
+    assert torch.equal(
+        old, paged_attention_decode_cpu(query, key_cache, value_cache, tables, lengths, 0.125, None, 0.0)
+    )
+    groups = torch.arange(4, dtype=torch.int32)
+    rows = torch.ops.pagefleet.paged_attention_rows(query, key_cache, value_cache, tables, lengths, groups, 0.125, 0)
+    assert torch.equal(rows, old)
+    capped = paged_attention_decode_cpu(query, key_cache, value_cache, tables, lengths, 0.125, None, SOFTCAP)
+    assert not torch.allclose(capped, old, atol=1e-2)
+
+
 def test_decode_attention_of_no_sequence_is_empty() -> None:
     key_cache, value_cache = _caches(4, 16, 2, 64, torch.float32, "head_major")
     out = paged_attention_decode_cpu(

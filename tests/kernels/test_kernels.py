@@ -153,6 +153,58 @@ def test_prefill_empty_batch() -> None:
     assert out.shape == (0, 2, 64)
 
 
+SOFTCAP = 30.0  # Gemma 2's attn_logit_softcapping
+
+
+def _large_query(tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Scores of a few tens at scale head_dim**-0.5, where tanh bends and the cap matters."""
+    return (8 * torch.randn(tokens, num_heads, head_dim, generator=torch.Generator().manual_seed(1))).to(dtype)
+
+
+def _softcap_decode_args(dtype: torch.dtype) -> tuple:
+    key_cache, value_cache = _caches(8, 2, 80, dtype, head_major=True)
+    lengths = _lengths(8)
+    query = _large_query(len(lengths), 8, 80, dtype)
+    return query, key_cache, value_cache, _block_tables(lengths, 8), torch.tensor(lengths), 80**-0.5
+
+
+def _softcap_prefill_args(dtype: torch.dtype) -> tuple:
+    key_cache, value_cache = _caches(8, 2, 64, dtype, head_major=False)
+    query_lens, context_lens = [20, 3], [20, 30]  # a whole prompt, and a chunk after 27 cached
+    cu_seqlens = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    query = _large_query(23, 4, 64, dtype)
+    tables = _block_tables(context_lens, 8)
+    return query, key_cache, value_cache, tables, cu_seqlens, torch.tensor(context_lens), 0.125
+
+
+def test_softcap_changes_the_references() -> None:
+    """Guards the soft-cap tests against passing with the cap ignored everywhere."""
+    decode = _softcap_decode_args(torch.float32)
+    capped = paged_attention_decode_torch(*decode, softcap=SOFTCAP)
+    assert (capped - paged_attention_decode_torch(*decode)).abs().max() > 0.1
+    prefill = _softcap_prefill_args(torch.float32)
+    capped = paged_attention_prefill_torch(*prefill, softcap=SOFTCAP)
+    assert (capped - paged_attention_prefill_torch(*prefill)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_softcap(dtype: torch.dtype, window: int | None) -> None:
+    args = _softcap_decode_args(dtype)
+    expected = paged_attention_decode_torch(*args, sliding_window=window, softcap=SOFTCAP)
+    got = paged_attention_decode(*args, sliding_window=window, softcap=SOFTCAP, tile_n=16)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_softcap(dtype: torch.dtype, window: int | None) -> None:
+    args = _softcap_prefill_args(dtype)
+    expected = paged_attention_prefill_torch(*args, sliding_window=window, softcap=SOFTCAP)
+    got = paged_attention_prefill(*args, 20, sliding_window=window, softcap=SOFTCAP, block_m=16, tile_n=16)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_major", [True, False])
 def test_reshape_and_cache_matches_reference(head_major: bool, dtype: torch.dtype) -> None:

@@ -1,0 +1,112 @@
+"""Gemma 2 and Gemma 3 (text) on a flat token batch, from the Llama family's layers.
+
+What differs from Llama, each as transformers computes it:
+- RMSNorm scales by `1 + w`, in float32 before the cast back (`GemmaRMSNorm`);
+- every layer has four norms: before and after attention, before and after the MLP;
+- the embeddings are multiplied by sqrt(hidden_size), rounded to the weights' dtype first;
+- attention is scaled by `query_pre_attn_scalar ** -0.5`; sliding-window and global layers
+  interleave by `layer_types`; Gemma 2 soft-caps attention scores and final logits;
+  Gemma 3 normalises q and k per head and gives sliding layers their own RoPE base;
+- the MLP's activation is GELU with the tanh approximation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagefleet.engine.distributed.shard import Shard
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.layers.linear import Linear, frozen_parameter
+from pagefleet.engine.layers.rotary import RotaryEmbedding
+from pagefleet.engine.lora.adapter import LoRATarget
+from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.llama import LlamaAttention, LlamaMLP, decoder_lora_targets, load_decoder_weights
+
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+class GemmaRMSNorm(nn.Module):
+    """x normalised and scaled by (1 + w), both in float32, then cast back (the checkpoint
+    stores w around 0)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, shard: Shard, layer: int) -> None:
+        super().__init__()
+        self.sliding = config.layer_window(layer) is not None
+        self.self_attn = LlamaAttention(config, shard, layer, norm=GemmaRMSNorm)
+        self.mlp = LlamaMLP(config, shard)
+        for name in _NORMS:
+            setattr(self, name, GemmaRMSNorm(config.hidden_size, config.norm_eps))
+
+    def forward(self, hidden, rope, kv_cache, metadata, backend):  # type: ignore[no-untyped-def]
+        attention = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata, backend)
+        hidden = hidden + self.post_attention_layernorm(attention)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class GemmaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.shard = shard = shard or Shard()
+        positions = config.max_position_embeddings
+        self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling)
+        self.local_rotary = (
+            RotaryEmbedding(config.head_dim, positions, config.local_rope_theta, {})
+            if config.local_rope_theta is not None
+            else None
+        )
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, shard, i) for i in range(config.num_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
+        vocab_start, vocab_end = shard.vocab(config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)
+        self.embed_tokens = (
+            self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
+        )
+        self.quantized_embedding = None
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        return self.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCache,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        hidden = self.shard.embed(input_ids, self.embed_tokens)
+        hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        rope = self.rotary.lookup(positions, hidden.dtype)
+        local_rope = self.local_rotary.lookup(positions, hidden.dtype) if self.local_rotary is not None else rope
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, local_rope if layer.sliding else rope, kv_cache, metadata, backend)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [n, hidden] -> float32 logits [n, vocab], soft-capped where the model says."""
+        logits = self.shard.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap if logits is not None and cap is not None else logits
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        return decoder_lora_targets(self.config, self.layers)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_decoder_weights(self, weights, layer_norms=_NORMS)

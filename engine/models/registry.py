@@ -1,0 +1,40 @@
+"""Which architectures pagefleet serves, and the file under engine/models/ that runs each.
+
+One entry per model family: the next architecture is a file of its own and a line here.
+`docs/engine.md`'s list of supported models is this table (tests/engine/test_models.py
+checks that they agree).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(slots=True, frozen=True)
+class Family:
+    name: str  # engine/models/<name>.py
+    model_class: str  # the nn.Module class in that file
+    architectures: tuple[str, ...]  # the `architectures` of an HF config.json it serves
+
+
+FAMILIES = (
+    Family(
+        "llama", "LlamaForCausalLM", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    ),
+    Family("gemma", "GemmaForCausalLM", ("Gemma2ForCausalLM", "Gemma3ForCausalLM")),
+    Family("gpt2", "GPT2LMHeadModel", ("GPT2LMHeadModel",)),
+)
+
+# HF architecture name -> our model family.
+SUPPORTED_ARCHITECTURES = {architecture: family.name for family in FAMILIES for architecture in family.architectures}
+
+
+def model_class(family_name: str) -> type[nn.Module]:
+    """The module class of a family, imported on first use (one family's file per model)."""
+    family = next(f for f in FAMILIES if f.name == family_name)
+    module = importlib.import_module(f"pagefleet.engine.models.{family.name}")
+    cls: type[nn.Module] = getattr(module, family.model_class)
+    return cls

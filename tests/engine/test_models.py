@@ -1,0 +1,40 @@
+"""The model registry: what docs/engine.md says is supported is what loads, and per-layer
+attention settings come from the config as transformers reads them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import transformers as tf
+
+from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.registry import FAMILIES, SUPPORTED_ARCHITECTURES, model_class
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "engine.md"
+
+
+def test_the_docs_table_lists_every_registered_architecture() -> None:
+    table = DOCS.read_text().split("<!-- supported-architectures -->")[1].split("<!-- /supported-architectures -->")[0]
+    rows = {m.group(1): set(m.group(2).split(", ")) for m in re.finditer(r"\| `(\w+)\.py` \| ([\w, ]+) \|", table)}
+    assert rows == {family.name: set(family.architectures) for family in FAMILIES}
+    for family in FAMILIES:
+        assert model_class(family.name).__name__ == family.model_class
+
+
+def _config(hf_config: tf.PretrainedConfig, architecture: str) -> ModelConfig:
+    return ModelConfig.from_hf({**hf_config.to_dict(), "architectures": [architecture]})
+
+
+def test_gemma_layers_take_their_windows_scales_and_rope_bases_from_the_config() -> None:
+    gemma3 = tf.Gemma3TextConfig(num_hidden_layers=7, sliding_window=512, head_dim=64, query_pre_attn_scalar=256)
+    config = _config(gemma3, "Gemma3ForCausalLM")
+    assert [config.layer_window(i) for i in range(7)] == [512] * 5 + [None, 512]  # five local per global
+    assert (config.rope_theta, config.local_rope_theta) == (1_000_000.0, 10_000.0)
+    assert config.attention_scale == 256**-0.5 and config.qk_norm and config.attn_softcap is None
+    gemma2 = _config(tf.Gemma2Config(num_hidden_layers=4, sliding_window=4096), "Gemma2ForCausalLM")
+    assert [gemma2.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.local_rope_theta) == (50.0, 30.0, None)
+    mistral = _config(tf.MistralConfig(num_hidden_layers=2, sliding_window=4096), "MistralForCausalLM")
+    assert [mistral.layer_window(i) for i in range(2)] == [4096, 4096]
+    assert SUPPORTED_ARCHITECTURES["Gemma3ForCausalLM"] == "gemma"
