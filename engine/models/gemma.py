@@ -76,11 +76,6 @@ class GemmaForCausalLM(nn.Module):
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
-        self.quantized_embedding = None
-
-    @property
-    def embedding(self) -> torch.Tensor:
-        return self.embed_tokens
 
     def forward(
         self,
