@@ -38,6 +38,9 @@ class Decision:
         return self.replicas != current
 
 
+STALE_BODY_S = 30.0  # how long a body may still show the count from before our patch
+
+
 @dataclass(slots=True)
 class ScaleHistory:
     """Recommendations of one resource, oldest first: (time, replicas)."""
@@ -47,6 +50,19 @@ class ScaleHistory:
     last_reason: str = ""  # events are posted when the reason changes, not every period
     stopped_at: float | None = None  # Unix time it was scaled to zero (None: watched since `started_at`)
     started_at: float = 0.0  # Unix time the operator started watching it, or last scaled it up from zero
+    # Our latest patch of the replica count not yet seen in a body: (from, to, monotonic time).
+    patched: tuple[int, int, float] | None = None
+
+    def current(self, observed: int, now_s: float) -> int:
+        """The replica count to decide from: `observed` (the body's), unless it is a body
+        from before our own latest patch (kopf's watch lags under load), which would make
+        the same scale-up twice (and count it twice)."""
+        if self.patched is not None:
+            before, after, at = self.patched
+            if observed == before and now_s - at < STALE_BODY_S:
+                return after
+            self.patched = None
+        return observed
 
     def remember(self, now_s: float, replicas: int, keep_s: float) -> None:
         self.recommendations.append((now_s, replicas))

@@ -214,7 +214,7 @@ async def _autoscale(
     now = time.monotonic()
     key = owner.key + (f"/{role}" if role else "")
     history = runtime.histories.setdefault(key, ScaleHistory(started_s=now, started_at=time.time()))
-    current = spec.replicas
+    current = history.current(spec.replicas, now)
     last_request = None
     if spec.autoscaling.min_replicas == 0:
         try:
@@ -225,6 +225,7 @@ async def _autoscale(
     prefill = role == "prefill"
     decision = decide(current, kv, spec.autoscaling, history, now, prefill, last_request, wall_now=time.time())
     if decision.changes(current):
+        history.patched = (current, decision.replicas, now)
         metrics.scaling_events.labels(owner.namespace, owner.name, role or "", decision.reason).inc()
         # The decision is the desired count from now on: the next reconcile may still read a
         # body from before the patch (kopf's watch lags under load) and would say the old one.

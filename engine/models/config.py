@@ -38,7 +38,11 @@ class ModelConfig:
     # Per layer, HF's names ("full_attention", "sliding_attention"); empty: every layer alike
     # (windowed if `sliding_window` is set, as Mistral's).
     layer_types: tuple[str, ...] = ()
-    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (Gemma)
+    layer_rope: tuple[bool, ...] = ()  # per layer, whether it rotates q and k; empty: all do (SmolLM3's NoPE)
+    attn_scale: float | None = None  # the attention scale, where not head_dim**-0.5 (Gemma, Granite)
+    embedding_multiplier: float = 1.0  # Granite's multipliers: of the embeddings,
+    residual_multiplier: float = 1.0  # of each attention and MLP output before its residual add,
+    logits_scaling: float = 1.0  # and the divisor of the logits
     attn_softcap: float | None = None  # scores capped as cap * tanh(score / cap) (Gemma 2)
     final_softcap: float | None = None  # logits capped the same way (Gemma 2)
     local_rope_theta: float | None = None  # the RoPE base of sliding layers, where it differs (Gemma 3)
@@ -49,9 +53,12 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def layer_uses_rope(self, layer: int) -> bool:
+        return not self.layer_rope or self.layer_rope[layer]
+
     @property
     def attention_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -109,16 +116,23 @@ class ModelConfig:
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         # transformers 5 writes rope settings as `rope_parameters`; 4.x as rope_theta/rope_scaling.
         theta, rope = _rope(raw.get("rope_parameters") or raw.get("rope_scaling") or {}, raw.get("rope_theta", 10000.0))
-        window = raw.get("sliding_window")
+        window, layer_types = raw.get("sliding_window"), ()
         if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             # Qwen's window applies to only some layers; we support the common full-attention setup.
             if raw.get("use_sliding_window"):
                 raise UnsupportedModelError("Qwen use_sliding_window=true is not supported")
             window = None
+        elif architecture == "SmolLM3ForCausalLM":  # windows only where use_sliding_window says
+            layer_types = tuple(raw.get("layer_types") or ()) if raw.get("use_sliding_window") else ()
+            window = window if layer_types else None
+        layers = raw["num_hidden_layers"]
+        granite_scale = float(raw.get("attention_multiplier", 1.0)) if architecture == "GraniteForCausalLM" else None
+        if raw.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=true is not supported")
         return cls(
             **common,
             hidden_size=hidden,
-            num_layers=raw["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or hidden // heads,
@@ -128,10 +142,16 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             hidden_act=raw.get("hidden_act", "silu"),
             qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
             sliding_window=window,
             rope_theta=theta,
             rope_scaling=rope,
+            layer_types=layer_types,
+            layer_rope=tuple(bool(r) for r in raw.get("no_rope_layers") or ()),  # SmolLM3: 0 = no RoPE
+            attn_scale=granite_scale,
+            embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+            logits_scaling=float(raw.get("logits_scaling", 1.0)),
         )
 
     @classmethod
@@ -172,7 +192,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             layer_types=layer_types,
-            query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+            attn_scale=raw["query_pre_attn_scalar"] ** -0.5 if raw.get("query_pre_attn_scalar") else None,
             attn_softcap=raw.get("attn_logit_softcapping"),
             final_softcap=raw.get("final_logit_softcapping"),
             local_rope_theta=float(local_theta) if local_theta is not None else None,

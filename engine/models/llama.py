@@ -57,6 +57,7 @@ class LlamaAttention(nn.Module):
         self.scale = config.attention_scale
         self.window = config.layer_window(layer)
         self.softcap = config.attn_softcap
+        self.rope = config.layer_uses_rope(layer)
 
     def forward(
         self,
@@ -74,7 +75,8 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, *rope), rotary(k, *rope)
+        if self.rope:
+            q, k = rotary(q, *rope), rotary(k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.window, self.softcap)
         return self.shard.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
@@ -125,6 +127,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: type[nn.Module] = LlamaDecoderLayer  # a family built on Llama's may change its layers
+
     def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         self.config = config
@@ -132,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shard, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, shard, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         vocab_start, vocab_end = shard.vocab(config.vocab_size)
         self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)

@@ -22,8 +22,12 @@ class Family:
 
 FAMILIES = (
     Family(
-        "llama", "LlamaForCausalLM", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        "llama",
+        "LlamaForCausalLM",
+        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"),
     ),
+    Family("granite", "GraniteForCausalLM", ("GraniteForCausalLM",)),
+    Family("olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",)),
     Family("gemma", "GemmaForCausalLM", ("Gemma2ForCausalLM", "Gemma3ForCausalLM")),
     Family("gpt2", "GPT2LMHeadModel", ("GPT2LMHeadModel",)),
 )

@@ -38,3 +38,15 @@ def test_gemma_layers_take_their_windows_scales_and_rope_bases_from_the_config()
     mistral = _config(tf.MistralConfig(num_hidden_layers=2, sliding_window=4096), "MistralForCausalLM")
     assert [mistral.layer_window(i) for i in range(2)] == [4096, 4096]
     assert SUPPORTED_ARCHITECTURES["Gemma3ForCausalLM"] == "gemma"
+
+
+def test_smollm3_nope_layers_and_granite_multipliers_come_from_the_config() -> None:
+    smollm3 = _config(tf.SmolLM3Config(num_hidden_layers=8, no_rope_layer_interval=4), "SmolLM3ForCausalLM")
+    assert [smollm3.layer_uses_rope(i) for i in range(8)] == [True, True, True, False] * 2
+    assert smollm3.layer_window(0) is None  # use_sliding_window is off by default
+    granite = tf.GraniteConfig(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125)
+    config = _config(granite, "GraniteForCausalLM")
+    assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale) == (12.0, 0.22, 0.0078125)
+    assert config.logits_scaling == 1.0
+    olmo2 = _config(tf.Olmo2Config(num_hidden_layers=2), "Olmo2ForCausalLM")
+    assert olmo2.qk_norm and olmo2.attention_scale == olmo2.head_dim**-0.5

@@ -30,6 +30,19 @@ def test_scale_up_is_immediate_with_no_up_window() -> None:
     assert (decision.replicas, decision.reason) == (4, "ScaledUp")
 
 
+def test_a_body_from_before_our_own_patch_is_read_as_the_patched_count() -> None:
+    """kopf's watch can hand the next reconcile a body from before the scale patch: deciding
+    from it would scale up (and count the event) a second time."""
+    history = ScaleHistory(started_s=0.0)
+    history.patched = (1, 2, 10.0)
+    assert history.current(1, now_s=11.0) == 2  # the stale body
+    assert history.current(2, now_s=12.0) == 2 and history.patched is None  # seen: forgotten
+    history.patched = (1, 2, 10.0)
+    assert history.current(3, now_s=11.0) == 3  # someone else changed it: theirs counts
+    history.patched = (1, 2, 10.0)
+    assert history.current(1, now_s=50.0) == 1  # long after the patch, the body is the truth
+
+
 def test_scale_up_window_takes_the_lowest_recent_recommendation() -> None:
     policy = POLICY.model_copy(update={"scale_up_stabilization_window_seconds": 60})
     history = ScaleHistory(started_s=0.0)

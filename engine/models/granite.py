@@ -1,0 +1,56 @@
+"""IBM Granite 3.x (`GraniteForCausalLM`): the Llama architecture with four multipliers, as
+transformers applies them: the embeddings times `embedding_multiplier`, attention scaled by
+`attention_multiplier` (not head_dim**-0.5; config.py reads it), each attention and MLP
+output times `residual_multiplier` before its residual add, and the logits divided by
+`logits_scaling`."""
+
+from __future__ import annotations
+
+import torch
+
+from pagefleet.engine.distributed.shard import Shard
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: ModelConfig, shard: Shard, layer: int) -> None:
+        super().__init__(config, shard, layer)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, hidden, residual, rope, kv_cache, metadata, backend):  # type: ignore[no-untyped-def]
+        """As Llama's layer, each output scaled before it joins the residual (the MLP's in
+        the next layer's fused add, or the final norm's)."""
+        multiplier = self.residual_multiplier
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            residual, normed = self.input_layernorm.add_and_norm(residual, hidden)
+        attention = self.self_attn(normed, rope, kv_cache, metadata, backend) * multiplier
+        residual, normed = self.post_attention_layernorm.add_and_norm(residual, attention)
+        return self.mlp(normed) * multiplier, residual
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    layer_class = GraniteDecoderLayer
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCache,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        hidden = self.shard.embed(input_ids, self.embed_tokens) * self.config.embedding_multiplier
+        rope = self.rotary.lookup(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, backend)
+        return self.norm.add_and_norm(residual, hidden)[1]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden)
+        return logits / self.config.logits_scaling if logits is not None else None

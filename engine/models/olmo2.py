@@ -1,0 +1,73 @@
+"""AllenAI OLMo-2 (`Olmo2ForCausalLM`): Llama's projections and MLP with the norms moved,
+as transformers computes them: no norm before attention or the MLP, an RMSNorm of each of
+their outputs before its residual add, and q and k normalised over the whole projection
+(all heads at once, before the split into heads), not per head as Qwen3's."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagefleet.engine.distributed.shard import Shard
+from pagefleet.engine.errors import UnsupportedModelError
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.layers.fused import rotary
+from pagefleet.engine.layers.norm import RMSNorm
+from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, load_decoder_weights
+
+_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+
+class Olmo2Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, shard: Shard, layer: int) -> None:
+        super().__init__(config, shard, layer)
+        if shard.size > 1:  # the norm spans every head: ranks would need each other's sums
+            raise UnsupportedModelError("OLMo-2 with tensor_parallel_size > 1 is not supported")
+        self.q_norm = RMSNorm(self.q_size, config.norm_eps)
+        self.k_norm = RMSNorm(self.kv_size, config.norm_eps)
+
+    def forward(self, hidden, rope, kv_cache, metadata, backend):  # type: ignore[no-untyped-def]
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.contiguous()).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_norm(k.contiguous()).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(q, *rope), rotary(k, *rope)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.window, self.softcap)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class Olmo2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, shard: Shard, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Olmo2Attention(config, shard, layer)
+        self.mlp = LlamaMLP(config, shard)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, hidden, rope, kv_cache, metadata, backend):  # type: ignore[no-untyped-def]
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, rope, kv_cache, metadata, backend))
+        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    layer_class = Olmo2DecoderLayer
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCache,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        hidden = self.shard.embed(input_ids, self.embed_tokens)
+        rope = self.rotary.lookup(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, rope, kv_cache, metadata, backend)
+        return self.norm(hidden)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        load_decoder_weights(self, weights, layer_norms=_NORMS)
