@@ -27,10 +27,14 @@ from tests.processes import RedisProcess, running_redis  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 TINY_VOCAB = 384
-TINY_ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "olmo2", "gpt2"]
+TINY_ARCHITECTURES = [
+    *("llama", "mistral", "qwen2", "qwen3"),
+    *("gemma2", "gemma3", "smollm3", "granite", "olmo2", "phi3"),
+    "gpt2",
+]
 # The families of issue 53: their own code is the model, so the scheduler's and the memory
 # paths, which the first families cover in full, run for them in fewer variants.
-NEWER_FAMILIES = ("gemma2", "gemma3", "smollm3", "granite", "olmo2")
+NEWER_FAMILIES = ("gemma2", "gemma3", "smollm3", "granite", "olmo2", "phi3")
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks.",
     "Hello world! How are you today? I am fine, thank you. Paris is the capital of France.",
@@ -79,6 +83,8 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
         return tf.GraniteConfig(**sizes, **multipliers, logits_scaling=2.0, **common)
     if arch == "olmo2":
         return tf.Olmo2Config(**sizes, **common)
+    if arch == "phi3":  # q/k/v and gate/up stored fused; RoPE on the first half of each head only
+        return tf.Phi3Config(**sizes, partial_rotary_factor=0.5, **common)
     # Gemma: a sliding layer (window 8, shorter than most test prompts) and a global one,
     # a scale from query_pre_attn_scalar unlike head_dim's.
     gemma = sizes | dict(

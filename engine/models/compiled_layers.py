@@ -37,12 +37,12 @@ def _packed_parts(linear: Linear) -> list[PackedWeight] | None:
 def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
     """`torch.classes.pagefleet.LlamaLayers` holding `model`'s layers, or None where a layer
     has anything the compiled loop does not run."""
-    if not cpu_ops.has_compiled_layers() or model.shard.size != 1 or model.config.layer_rope:
-        return None  # (the compiled loop rotates every layer's q and k)
+    config = model.config
+    if not cpu_ops.has_compiled_layers() or model.shard.size != 1 or config.layer_rope or config.rotary_dim:
+        return None  # (the compiled loop rotates every dim of every layer's q and k)
     dtype = model.norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or model.norm.weight.device.type != "cpu":
         return None
-    config = model.config
     first = model.layers[0].self_attn
     compiled = torch.classes.pagefleet.LlamaLayers(
         first.num_heads, first.num_kv_heads, first.head_dim, config.norm_eps, first.scale, sliding_window

@@ -38,6 +38,7 @@ class ModelConfig:
     # Per layer, HF's names ("full_attention", "sliding_attention"); empty: every layer alike
     # (windowed if `sliding_window` is set, as Mistral's).
     layer_types: tuple[str, ...] = ()
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head's dims only (Phi-4-mini); None: all
     layer_rope: tuple[bool, ...] = ()  # per layer, whether it rotates q and k; empty: all do (SmolLM3's NoPE)
     attn_scale: float | None = None  # the attention scale, where not head_dim**-0.5 (Gemma, Granite)
     embedding_multiplier: float = 1.0  # Granite's multipliers: of the embeddings,
@@ -116,6 +117,8 @@ class ModelConfig:
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         # transformers 5 writes rope settings as `rope_parameters`; 4.x as rope_theta/rope_scaling.
         theta, rope = _rope(raw.get("rope_parameters") or raw.get("rope_scaling") or {}, raw.get("rope_theta", 10000.0))
+        head_dim = raw.get("head_dim") or hidden // heads
+        partial = rope.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
         window, layer_types = raw.get("sliding_window"), ()
         if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             # Qwen's window applies to only some layers; we support the common full-attention setup.
@@ -135,9 +138,10 @@ class ModelConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=raw["intermediate_size"],
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             norm_eps=raw.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             hidden_act=raw.get("hidden_act", "silu"),

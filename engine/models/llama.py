@@ -58,6 +58,7 @@ class LlamaAttention(nn.Module):
         self.window = config.layer_window(layer)
         self.softcap = config.attn_softcap
         self.rope = config.layer_uses_rope(layer)
+        self.rotary_dim = config.rotary_dim  # None: every dim of a head
 
     def forward(
         self,
@@ -75,8 +76,12 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
+        if self.rope and self.rotary_dim is None:
             q, k = rotary(q, *rope), rotary(k, *rope)
+        elif self.rope:  # the first rotary_dim dims rotated, the rest passed through
+            r = self.rotary_dim
+            q = torch.cat((rotary(q[..., :r].contiguous(), *rope), q[..., r:]), dim=-1)
+            k = torch.cat((rotary(k[..., :r].contiguous(), *rope), k[..., r:]), dim=-1)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.window, self.softcap)
         return self.shard.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
@@ -134,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.shard = shard = shard or Shard()
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.rotary_dim or config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(self.layer_class(config, shard, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)

@@ -28,6 +28,7 @@ FAMILIES = (
     ),
     Family("granite", "GraniteForCausalLM", ("GraniteForCausalLM",)),
     Family("olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",)),
+    Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
     Family("gemma", "GemmaForCausalLM", ("Gemma2ForCausalLM", "Gemma3ForCausalLM")),
     Family("gpt2", "GPT2LMHeadModel", ("GPT2LMHeadModel",)),
 )

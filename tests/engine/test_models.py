@@ -6,8 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import transformers as tf
 
+from pagefleet.engine.errors import UnsupportedModelError
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.registry import FAMILIES, SUPPORTED_ARCHITECTURES, model_class
 
@@ -50,3 +52,16 @@ def test_smollm3_nope_layers_and_granite_multipliers_come_from_the_config() -> N
     assert config.logits_scaling == 1.0
     olmo2 = _config(tf.Olmo2Config(num_hidden_layers=2), "Olmo2ForCausalLM")
     assert olmo2.qk_norm and olmo2.attention_scale == olmo2.head_dim**-0.5
+
+
+def test_phi3_rotates_part_of_each_head_and_longrope_is_refused_by_name() -> None:
+    phi = _config(tf.Phi3Config(num_hidden_layers=2, partial_rotary_factor=0.75), "Phi3ForCausalLM")
+    assert (phi.head_dim, phi.rotary_dim) == (96, 72)
+    longrope = tf.Phi3Config(
+        num_hidden_layers=2,
+        original_max_position_embeddings=4096,
+        max_position_embeddings=131072,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
+    )
+    with pytest.raises(UnsupportedModelError, match="rope type 'longrope' is not supported"):
+        _config(longrope, "Phi3ForCausalLM")

@@ -32,10 +32,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tp_models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Llama with 2 KV heads (one per rank), 4 (two per rank) and 1 (replicated), Qwen2, GPT-2."""
+    """Llama with 2 KV heads (one per rank), 4 (two per rank) and 1 (replicated), Qwen2,
+    Gemma 2 (soft-caps, sandwich norms), Phi-3 (fused checkpoint tensors), GPT-2."""
     root = tmp_path_factory.mktemp("tp-models")
     extra = {arch: build_tiny_model(arch, root / arch) for arch in ("llama_kv4", "llama_kv1")}
-    return {"llama_kv2": tiny_models["llama"], **extra, "qwen2": tiny_models["qwen2"], "gpt2": tiny_models["gpt2"]}
+    shared = {arch: tiny_models[arch] for arch in ("qwen2", "gemma2", "phi3", "gpt2")}
+    return {"llama_kv2": tiny_models["llama"], **extra, **shared}
 
 
 def _worker_pids(llm: LLM) -> list[int]:
@@ -56,7 +58,7 @@ def _alive(pid: int) -> bool:
 # biases, GPT-2's fused projections) with chunked prefills and swapping in one run, which
 # runs every path of the workers' step.
 ARCH_SCHEDULES = [("llama_kv2", schedule) for schedule in SCHEDULES if schedule != "chunked_swap"] + [
-    (arch, "chunked_swap") for arch in ("llama_kv4", "llama_kv1", "qwen2", "gpt2")
+    (arch, "chunked_swap") for arch in ("llama_kv4", "llama_kv1", "qwen2", "gemma2", "phi3", "gpt2")
 ]
 
 
