@@ -177,7 +177,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def add_step_callback(self, callback: Callable[[int], None]) -> None:
-        """Call `callback(tokens the step computed)` after every step, from the engine thread."""
+        """Call `callback(tokens the step computed)` after every step, from the engine thread,
+        before the step's outputs reach their callers."""
         self._step_callbacks.append(callback)
 
     def add_death_callback(self, callback: Callable[[BaseException], None]) -> None:
@@ -338,9 +339,12 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing all requests")
                 self._fail_all(error)
                 return
-            self._deliver(outputs)
+            # The step's callbacks (the server's per-step metrics) before its outputs: a caller
+            # that has its output sees the step counted, and a callback added once the
+            # server's warm-up answered is never called for the warm-up's step.
             for callback in self._step_callbacks:
                 callback(self._engine.last_iteration_tokens)
+            self._deliver(outputs)
 
     def _apply_pending(self) -> None:
         """Apply what callers handed over: their calls in the order they came, then block

@@ -38,8 +38,10 @@ def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
     """`torch.classes.pagefleet.LlamaLayers` holding `model`'s layers, or None where a layer
     has anything the compiled loop does not run."""
     config = model.config
-    if not cpu_ops.has_compiled_layers() or model.shard.size != 1 or config.layer_rope or config.rotary_dim:
-        return None  # (the compiled loop rotates every dim of every layer's q and k)
+    if not cpu_ops.has_compiled_layers() or model.shard.size != 1:
+        return None
+    if config.layer_rope or config.rotary_dim or config.layer_types or config.attn_softcap:
+        return None  # the compiled loop rotates every dim and gives every layer one window, no cap
     dtype = model.norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or model.norm.weight.device.type != "cpu":
         return None
