@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from pagefleet.engine.distributed.shard import Shard
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -35,21 +34,8 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 class GraniteForCausalLM(LlamaForCausalLM):
     layer_class = GraniteDecoderLayer
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCache,
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden = self.shard.embed(input_ids, self.embed_tokens) * self.config.embedding_multiplier
-        rope = self.rotary.lookup(positions, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, backend)
-        return self.norm.add_and_norm(residual, hidden)[1]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.config.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

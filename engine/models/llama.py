@@ -165,10 +165,7 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        if self.quantized_embedding is None:
-            hidden = self.shard.embed(input_ids, self.embed_tokens)
-        else:
-            hidden = self.quantized_embedding.dequantize(input_ids).to(self.norm.weight.dtype)
+        hidden = self.embed(input_ids)
         rope = self.rotary.lookup(positions, hidden.dtype)
         compiled = self._compiled_layers(backend) if isinstance(metadata, CpuMetadata) else None
         if compiled is not None:
@@ -179,13 +176,19 @@ class LlamaForCausalLM(nn.Module):
                 hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, backend)
         return self.norm.add_and_norm(residual, hidden)[1]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (looked up in a GGUF's quantized table where it has one)."""
+        if self.quantized_embedding is None:
+            return self.shard.embed(input_ids, self.embed_tokens)
+        return self.quantized_embedding.dequantize(input_ids).to(self.norm.weight.dtype)
+
     def _compiled_layers(self, backend: AttentionBackend) -> Any | None:
         """The layers as one compiled call (models/compiled_layers.py), made at the first step
         on the CPU backend (after the weights are loaded and LoRA, if any, is attached), or
-        None where they cannot be; never while an adapter is attached."""
+        None where they cannot be; never while an adapter is attached, nor for a family that
+        changes Llama's layers (the compiled loop runs Llama's)."""
         first = self.layers[0]
-        assert isinstance(first, LlamaDecoderLayer)
-        if first.self_attn.qkv_proj.lora is not None:
+        if type(first) is not LlamaDecoderLayer or first.self_attn.qkv_proj.lora is not None:
             return None
         if self.compiled is False:
             assert isinstance(backend, CpuAttentionBackend)

@@ -5,12 +5,10 @@ their outputs before its residual add, and q and k normalised over the whole pro
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.errors import UnsupportedModelError
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from pagefleet.engine.layers.fused import rotary
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.models.config import ModelConfig
@@ -46,28 +44,18 @@ class Olmo2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
-    def forward(self, hidden, rope, kv_cache, metadata, backend):  # type: ignore[no-untyped-def]
+    def forward(self, hidden, residual, rope, kv_cache, metadata, backend):  # type: ignore[no-untyped-def]
+        """In the shape of Llama's layer, so that Llama's loop runs it: `hidden` is the
+        previous layer's normed MLP output, added here to `residual` (the embeddings alone
+        for the first layer); returns this layer's and the residual it joins."""
+        if residual is not None:
+            hidden = residual + hidden
         hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, rope, kv_cache, metadata, backend))
-        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
+        return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     layer_class = Olmo2DecoderLayer
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCache,
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden = self.shard.embed(input_ids, self.embed_tokens)
-        rope = self.rotary.lookup(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, metadata, backend)
-        return self.norm(hidden)
 
     def load_weights(self, weights):  # type: ignore[no-untyped-def]
         load_decoder_weights(self, weights, layer_norms=_NORMS)
