@@ -43,6 +43,11 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of full blocks whose tokens were seen before.
         enable_block_sharing: samples and beams of one request share their common blocks
             (copy-on-write). Turn off only to measure what sharing saves.
+        disable_hybrid_kv_cache_manager: as vLLM's flag, keep every block of sliding-window
+            layers too (one KV cache group). By default layers are grouped by window and a
+            sliding group frees the blocks that fall behind its window (docs/engine.md).
+            Turned on by itself with `kv_cache_dir` or a `kv_role` other than "both": KV
+            transfers move one group's blocks.
         preemption_mode: "recompute" or "swap" (to a host pool of `swap_space` bytes).
         seed: seed of the engine's own random generator (requests without a seed).
         device: "auto", "cpu" or "cuda".
@@ -100,6 +105,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_block_sharing: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     preemption_mode: str = "recompute"
     swap_space: int = 1 << 30
     seed: int = 0
@@ -191,6 +197,12 @@ class EngineConfig:
             _fail("tensor_parallel_size", "prefill/decode disaggregation (kv_role) needs tensor_parallel_size=1")
         if self.speculative_config is not None:
             self.speculative  # noqa: B018 (parsing checks it)
+
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        """Whether layers of different windows get KV cache groups of their own."""
+        transfers = self.kv_cache_dir is not None or self.kv_role != "both"
+        return not self.disable_hybrid_kv_cache_manager and not transfers
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

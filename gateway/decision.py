@@ -87,7 +87,7 @@ class Candidate:
     def load_rank(self) -> tuple[int, int]:
         """The fleet's one ranking by load, higher is better: KV room for this request, then
         a shorter prompt queue. (reservations.py's script ranks the same way in Redis.)"""
-        room = self.replica.free_blocks - self.promised_blocks + self.cached_blocks
+        room = self.replica.room_blocks - self.promised_blocks + self.cached_blocks
         return room, -self.queued_prompt_tokens
 
 

@@ -93,7 +93,7 @@ class Reservations:
         args: list[str | int | float] = [blocks, time.time(), member, RESERVATION_TTL_S]
         keys: list[str] = []
         for record in candidates:
-            args += [record.free_blocks, Candidate(record).queued_prompt_tokens, record.timestamp]
+            args += [record.room_blocks, Candidate(record).queued_prompt_tokens, record.timestamp]
             keys += promise_keys(record)
         index = int(await self._reserve(keys=keys, args=args)) - 1
         return Promise(candidates[index], member)

@@ -100,7 +100,7 @@ class LeastRequestsPolicy:
     async def choose(self, candidates: list[ReplicaRecord], request: RoutedRequest) -> Route | None:
         if not candidates:
             return None
-        return Route(min(candidates, key=lambda r: (r.running + r.waiting, -r.free_blocks)))
+        return Route(min(candidates, key=lambda r: (r.running + r.waiting, -r.room_blocks)))
 
 
 class PrefixPolicy:
@@ -121,8 +121,8 @@ class PrefixPolicy:
             return hashlib.blake2b(f"{request.shape.prefix}\0{record.replica_id}".encode(), digest_size=8).digest()
 
         preferred = max(candidates, key=affinity)
-        emptiest = max(candidates, key=lambda r: r.free_blocks)
-        if preferred.free_blocks < self.min_free_ratio * emptiest.free_blocks:
+        emptiest = max(candidates, key=lambda r: r.room_blocks)
+        if preferred.room_blocks < self.min_free_ratio * emptiest.room_blocks:
             return Route(emptiest)
         return Route(preferred)
 

@@ -24,6 +24,12 @@ class ReplicaRecord(BaseModel):
     model: str = Field(description="the served model name clients send as `model`")
     url: str = Field(description="base URL of the replica's OpenAI API, e.g. http://10.0.0.5:8000")
     free_blocks: int = Field(ge=0, description="KV blocks an allocation may take now")
+    free_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="the longest context a new request could be admitted with now, in every KV cache group "
+        "(sliding-window layers need only their window's blocks); None from replicas that do not say",
+    )
     total_blocks: int = Field(gt=0)
     block_size: int = Field(gt=0, description="token slots per block")
     running: int = Field(ge=0, description="requests being computed")
@@ -41,6 +47,11 @@ class ReplicaRecord(BaseModel):
     )
     adapters: list[str] = Field(default_factory=list, description="LoRA adapters it serves now, by name")
     timestamp: float = Field(default_factory=time.time, description="Unix time of this report")
+
+    @property
+    def room_blocks(self) -> int:
+        """Room for a new request, in blocks of its context: what routing ranks on."""
+        return self.free_blocks if self.free_tokens is None else self.free_tokens // self.block_size
 
     @property
     def kv_usage(self) -> float:

@@ -5,9 +5,13 @@ blocks that still hold a cached prefix (hash registered, no references) are evic
 when the first queue is empty, least recently freed first. A freed block keeps its hash, so
 a later request with the same prefix can take it back (`touch`) until it is reallocated.
 
-With events on, every change to the set of cached hashes is queued as a `KVEvent` (stored
-when a block is registered, removed when its hash is forgotten), in order, for the server to
-publish to the fleet's prefix index off the step thread (engine/server/kv_events.py).
+The cache is keyed by (KV cache group, chain hash): each group of layers keeps its own copy
+of a prefix's blocks (engine/core/kv_groups.py).
+
+With events on, every change to group 0's set of cached hashes is queued as a `KVEvent`
+(stored when a block is registered, removed when its hash is forgotten), in order, for the
+server to publish to the fleet's prefix index off the step thread (engine/server/kv_events.py).
+Group 0 is a full-attention group wherever the model has one: it holds a prompt's every block.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Block:
     # Chained hash of this block's tokens and all before it; None unless full and registered.
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    group: int = 0  # the KV cache group whose layers' keys and values it holds, while cached
 
 
 class BlockPool:
@@ -51,7 +56,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block id
         self.num_evictions = 0
         self.peak_used_blocks = 0  # high-water mark of blocks taken at once
         self._num_shared = 0  # blocks with ref_count > 1
@@ -62,7 +67,7 @@ class BlockPool:
         """Queue a KVEvent for every hash cached or forgotten from now on (the replica
         publishes them); the hashes cached already are reported as stored first."""
         if self.events is None:
-            self.events = deque(KVEvent(block_hash, True) for block_hash in self._cached)
+            self.events = deque(KVEvent(block_hash, True) for group, block_hash in self._cached if group == 0)
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,9 +135,9 @@ class BlockPool:
                 else:
                     self._evictable[block_id] = None
 
-    def try_lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """The cached block holding exactly these tokens after this chain, or None."""
-        block_id = self._cached.get(block_hash)
+    def try_lookup(self, block_hash: int, token_ids: tuple[int, ...], group: int = 0) -> int | None:
+        """The group's cached block holding exactly these tokens after this chain, or None."""
+        block_id = self._cached.get((group, block_hash))
         if block_id is None or self.blocks[block_id].token_ids != token_ids:
             return None
         return block_id
@@ -153,7 +158,7 @@ class BlockPool:
         if block.ref_count > 0:
             self._add_ref(block)
             return True
-        if block.block_hash == block_hash and block_id in self._evictable:
+        if block.block_hash == block_hash and block.group == 0 and block_id in self._evictable:
             self.touch(block_id)
             return True
         return False
@@ -166,18 +171,18 @@ class BlockPool:
             self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
         self._add_ref(block)
 
-    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...], group: int = 0) -> None:
         """Publish a full block's contents for prefix reuse (after the step that wrote it).
 
-        A block whose prefix is already cached elsewhere stays unregistered: one copy is
-        enough, and this one is freed as an ordinary block.
+        A block whose prefix is already cached elsewhere in its group stays unregistered:
+        one copy is enough, and this one is freed as an ordinary block.
         """
         block = self.blocks[block_id]
-        if block.block_hash is not None or block_hash in self._cached:
+        if block.block_hash is not None or (group, block_hash) in self._cached:
             return
-        block.block_hash, block.token_ids = block_hash, token_ids
-        self._cached[block_hash] = block_id
-        if self.events is not None:
+        block.block_hash, block.token_ids, block.group = block_hash, token_ids, group
+        self._cached[(group, block_hash)] = block_id
+        if self.events is not None and group == 0:
             self.events.append(KVEvent(block_hash, True))
 
     def reset_prefix_cache(self) -> bool:
@@ -194,8 +199,8 @@ class BlockPool:
         return block_id in self._evictable
 
     def _forget(self, block: Block) -> None:
-        if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
-            del self._cached[block.block_hash]
-            if self.events is not None:
+        if block.block_hash is not None and self._cached.get((block.group, block.block_hash)) == block.block_id:
+            del self._cached[(block.group, block.block_hash)]
+            if self.events is not None and block.group == 0:
                 self.events.append(KVEvent(block.block_hash, False))
-        block.block_hash, block.token_ids = None, ()
+        block.block_hash, block.token_ids, block.group = None, (), 0

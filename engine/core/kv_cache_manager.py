@@ -1,6 +1,10 @@
 """Block tables of sequences on top of the block pool: allocation on demand, prefix
 caching, forking with copy-on-write, and swapping to a host-memory pool.
 
+A sequence has one block table per KV cache group (engine/core/kv_groups.py): every table
+is indexed by the same token positions, and a sliding-window group's table holds
+`NULL_BLOCK` where its blocks fell behind the window and were freed.
+
 The manager only does bookkeeping. Data movement it decides (copy-on-write copies, swap
 copies) is returned to the caller, which hands it to the model runner before the step's
 forward pass writes anything.
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagefleet.engine.core.block_pool import BlockPool
+from pagefleet.engine.core.kv_groups import NULL_BLOCK, ONE_GROUP, KVGroups
 from pagefleet.engine.core.request import Request, Sequence
 from pagefleet.engine.kv_transfer.params import KVLoad, RemoteKV
 from pagefleet.protocol.block_hash import block_hashes
@@ -23,13 +28,22 @@ BlockCopy = tuple[int, int]  # (source block id, destination block id)
 @dataclass(slots=True)
 class SequenceBlocks:
     """One sequence's place in the cache. Written by KVCacheManager alone; others read it
-    through `KVCacheManager.block_table` and `num_computed_tokens`."""
+    through `KVCacheManager.block_tables` and `num_computed_tokens`."""
 
-    block_ids: list[int] = field(default_factory=list)  # its device blocks (none while swapped out)
-    host_block_ids: list[int] = field(default_factory=list)  # its host copies while swapped out
+    tables: list[list[int]]  # per group, its device blocks (none while swapped out)
+    host_tables: list[list[int]]  # per group, its host copies while swapped out
     num_computed_tokens: int = 0  # tokens whose keys and values are in those blocks
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
+
+    @classmethod
+    def empty(cls, num_groups: int) -> SequenceBlocks:
+        return cls([[] for _ in range(num_groups)], [[] for _ in range(num_groups)])
+
+    def held(self, on_host: bool = False) -> list[int]:
+        """Every block it holds, each table's in order, NULL_BLOCK places left out."""
+        tables = self.host_tables if on_host else self.tables
+        return [b for table in tables for b in table if b != NULL_BLOCK]
 
 
 class FullBlock(NamedTuple):
@@ -40,10 +54,21 @@ class FullBlock(NamedTuple):
     token_ids: tuple[int, ...]
 
 
+class PrefixHit(NamedTuple):
+    """What the prefix cache holds of a prompt's start: `num_blocks` blocks' worth of
+    tokens, each group's cached blocks for them (NULL_BLOCK where a sliding group needs
+    none), and how many free blocks taking them consumes (hits on evictable blocks leave
+    the free queue)."""
+
+    tables: list[list[int]]
+    num_blocks: int
+    cost: int
+
+
 class SlotAllocation(NamedTuple):
     """What `KVCacheManager.allocate_slots` did for one sequence."""
 
-    new_block_ids: list[int]  # appended to its table
+    new_block_ids: list[int]  # appended to its tables
     copies: list[BlockCopy]  # copy-on-write: (shared block, its private copy), also queued in `pending`
 
 
@@ -82,23 +107,25 @@ class PendingCopies:
 
 
 class KVCacheManager:
-    """Owns every sequence's block table and computed-token count (`SequenceBlocks`), on top
-    of the reference-counted `BlockPool`.
+    """Owns every sequence's block tables and computed-token count (`SequenceBlocks`), on
+    top of the reference-counted `BlockPool` that all KV cache groups share.
 
     Contract:
-    - Only this class writes a sequence's blocks and progress; `block_table(seq)` and
-      `num_computed_tokens(seq)` read them (an unknown sequence has none: [] and 0).
-    - `allocate_slots` either makes every slot of the asked tokens writable and returns what
-      it did, or returns None and changes nothing. A block shared by several sequences is
-      copied before one of them writes into it (copy-on-write); the copies, like swap
-      copies, queue in `pending` until the scheduler takes them for the next step.
-    - `commit(seq, n)` records that a forward pass wrote n more tokens, and publishes blocks
-      that became full to the prefix cache.
+    - Only this class writes a sequence's blocks and progress; `block_tables(seq)` and
+      `num_computed_tokens(seq)` read them (an unknown sequence has none).
+    - `allocate_slots` either makes every slot of the asked tokens writable in every group
+      and returns what it did, or returns None and changes nothing. A block shared by
+      several sequences is copied before one of them writes into it (copy-on-write); the
+      copies, like swap copies, queue in `pending` until the scheduler takes them.
+    - `commit(seq, n)` records that a forward pass wrote n more tokens, publishes blocks
+      that became full to the prefix cache, and frees the blocks of sliding-window groups
+      that no later query can see.
     - `free(seq)` returns every block the sequence holds (tail first, so a prefix-cached
       chain is evicted from its end) and forgets it; a freed block whose reference count
       reaches zero becomes free (or evictable, if it is in the prefix cache).
-    - Invariant: a sequence's table covers exactly ceil(tokens written / block_size) blocks
-      after `allocate_slots`, so only its last block can be part-empty.
+    - Invariant: each of a sequence's tables covers exactly ceil(tokens written /
+      block_size) positions after `allocate_slots`, so only its last block can be
+      part-empty; a sliding group holds real blocks from the first its next query reads.
     """
 
     def __init__(
@@ -108,8 +135,10 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         num_host_blocks: int = 0,
         enable_sharing: bool = True,
+        groups: KVGroups = ONE_GROUP,
     ) -> None:
         self.block_size = block_size
+        self.groups = groups
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         # Off only to measure what sharing saves: a sequence then copies every block it
@@ -126,10 +155,18 @@ class KVCacheManager:
 
     # --- reading ------------------------------------------------------------------------
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        """The sequence's blocks in order (do not modify)."""
+    def block_tables(self, seq: Sequence) -> list[list[int]]:
+        """The sequence's blocks in order, one table per group (do not modify)."""
         record = self._sequences.get(seq.seq_id)
-        return record.block_ids if record is not None else []
+        return record.tables if record is not None else [[] for _ in self.groups.windows]
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """Group 0's table: with one group, the sequence's blocks in order (do not modify)."""
+        return self.block_tables(seq)[0]
+
+    def holds_blocks(self, seq: Sequence) -> bool:
+        record = self._sequences.get(seq.seq_id)
+        return record is not None and any(record.tables)
 
     def num_computed_tokens(self, seq: Sequence) -> int:
         record = self._sequences.get(seq.seq_id)
@@ -142,6 +179,11 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    def admissible_tokens(self, limit: int) -> int:
+        """The longest context (at most `limit` tokens) the free blocks hold: what a new
+        request can still be admitted with, in every group."""
+        return self.groups.admissible_tokens(self.pool.num_free_blocks, self.block_size, limit)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only while no block is in use (False otherwise)."""
@@ -159,15 +201,21 @@ class KVCacheManager:
         )
 
     def _record(self, seq: Sequence) -> SequenceBlocks:
-        return self._sequences.setdefault(seq.seq_id, SequenceBlocks())
+        record = self._sequences.get(seq.seq_id)
+        if record is None:
+            record = self._sequences[seq.seq_id] = SequenceBlocks.empty(self.groups.num_groups)
+        return record
 
     # --- allocation ---------------------------------------------------------------------
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """New blocks (copy-on-write included) that computing `num_new_tokens` would take."""
-        table, start = self.block_table(seq), self.num_computed_tokens(seq)
-        needed = max(0, -(-(start + num_new_tokens) // self.block_size) - len(table))
-        return needed + len(self._blocks_to_copy(table, start))
+        start = self.num_computed_tokens(seq)
+        end_blocks = -(-(start + num_new_tokens) // self.block_size)
+        needed = 0
+        for table in self.block_tables(seq):
+            needed += max(0, end_blocks - len(table)) + len(self._blocks_to_copy(table, start))
+        return needed
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> SlotAllocation | None:
         """Make slots for tokens [num_computed, num_computed + num_new) writable.
@@ -179,73 +227,129 @@ class KVCacheManager:
             return None
         record = self._record(seq)
         start = record.num_computed_tokens
-        copies = []
-        for index in self._blocks_to_copy(record.block_ids, start):
-            shared = record.block_ids[index]
-            (copy,) = self.pool.try_allocate(1) or [None]
-            assert copy is not None, "blocks_needed counted the copied blocks"
-            copies.append((shared, copy))
-            self.pool.free([shared])
-            record.block_ids[index] = copy
-            self.stats.cow_copies += 1
-        self.pending.device.extend(copies)
         end_blocks = -(-(start + num_new_tokens) // self.block_size)
-        new_blocks = self.pool.try_allocate(max(0, end_blocks - len(record.block_ids)))
-        assert new_blocks is not None, "blocks_needed counted these blocks"
-        record.block_ids.extend(new_blocks)
+        copies, new_blocks = [], []
+        for table in record.tables:
+            for index in self._blocks_to_copy(table, start):
+                shared = table[index]
+                (copy,) = self.pool.try_allocate(1) or [None]
+                assert copy is not None, "blocks_needed counted the copied blocks"
+                copies.append((shared, copy))
+                self.pool.free([shared])
+                table[index] = copy
+                self.stats.cow_copies += 1
+            added = self.pool.try_allocate(max(0, end_blocks - len(table)))
+            assert added is not None, "blocks_needed counted these blocks"
+            table.extend(added)
+            new_blocks += added
+        self.pending.device.extend(copies)
         return SlotAllocation(new_blocks, copies)
 
     def _blocks_to_copy(self, table: list[int], start: int) -> list[int]:
         """Table indices to copy before writing from token `start` on: the shared block
         that token lands in (copy-on-write), or with sharing disabled every shared block."""
         if not self.enable_sharing:
-            return [i for i, block_id in enumerate(table) if self.pool.ref_count(block_id) > 1]
+            return [i for i, b in enumerate(table) if b != NULL_BLOCK and self.pool.ref_count(b) > 1]
         index = start // self.block_size
-        shared = index < len(table) and self.pool.ref_count(table[index]) > 1
+        shared = index < len(table) and table[index] != NULL_BLOCK and self.pool.ref_count(table[index]) > 1
         return [index] if shared and start % self.block_size != 0 else []
 
     def commit(self, seq: Sequence, num_new_tokens: int) -> int:
         """The forward pass wrote `num_new_tokens` more of the sequence's tokens; returns its
-        computed-token count. Blocks that became full join the prefix cache."""
+        computed-token count. Blocks that became full join the prefix cache; blocks behind
+        a sliding window are freed."""
         record = self._record(seq)
         record.num_computed_tokens += num_new_tokens
         self._register_full_blocks(seq, record)
+        self._free_behind_windows(record)
         return record.num_computed_tokens
+
+    def _free_behind_windows(self, record: SequenceBlocks) -> None:
+        """Free the blocks that the next query (at the computed-token count) cannot see."""
+        groups, position = self.groups, record.num_computed_tokens
+        for group, table in enumerate(record.tables):
+            # Freed places form a prefix of the table: walk back from the window to it.
+            index = min(groups.first_needed_block(group, position, self.block_size), len(table)) - 1
+            while index >= 0 and table[index] != NULL_BLOCK:
+                self.pool.free([table[index]])
+                table[index] = NULL_BLOCK
+                index -= 1
 
     # --- prefix caching ---------------------------------------------------------------
 
-    def find_prefix_hits(self, seq: Sequence, num_tokens: int) -> tuple[list[int], int]:
-        """Cached blocks that the sequence's first `num_tokens` tokens start with, and how
-        many free blocks taking them would consume (hits on evictable blocks leave the free
-        queue). The last of those tokens is never a hit: its logits are needed."""
-        hits = self._find_cached_prefix(seq, num_tokens)
-        return hits, sum(1 for block_id in hits if self.pool.is_evictable(block_id))
+    def find_prefix_hits(self, seq: Sequence, num_tokens: int) -> PrefixHit:
+        """The cached blocks that the sequence's first `num_tokens` tokens start with: the
+        longest prefix every group can serve (full groups: every block; sliding groups: the
+        blocks of the window before the first token to compute). The last of those tokens
+        is never a hit: its logits are needed."""
+        num_groups = self.groups.num_groups
+        if not self.enable_prefix_caching:
+            return PrefixHit([[] for _ in range(num_groups)], 0, 0)
+        max_blocks = (num_tokens - 1) // self.block_size
+        record = self._record(seq)
+        self._extend_hashes(seq, record, max_blocks)
+        cached = [self._cached_blocks(seq, record, group, max_blocks) for group in range(num_groups)]
+        num_blocks = self._longest_hit(cached, max_blocks)
+        tables = []
+        for group, blocks in enumerate(cached):
+            first = self.groups.first_needed_block(group, num_blocks * self.block_size, self.block_size)
+            tables.append([NULL_BLOCK] * first + [b for b in blocks[first:num_blocks] if b is not None])
+        cost = sum(1 for table in tables for b in table if b != NULL_BLOCK and self.pool.is_evictable(b))
+        return PrefixHit(tables, num_blocks, cost)
+
+    def _cached_blocks(self, seq: Sequence, record: SequenceBlocks, group: int, max_blocks: int) -> list[int | None]:
+        """Per block of the prompt's first `max_blocks`, the group's cached copy or None;
+        a full group stops at its first miss (nothing after one can be used)."""
+        found: list[int | None] = []
+        for index in range(max_blocks):
+            block_id = self.pool.try_lookup(record.block_hashes[index], self._block_tokens(seq, index), group)
+            if block_id is None and self.groups.windows[group] is None:
+                break
+            found.append(block_id)
+        return found
+
+    def _longest_hit(self, cached: list[list[int | None]], max_blocks: int) -> int:
+        """The most blocks of the prompt that every group holds what it needs for."""
+        groups, size = self.groups, self.block_size
+        num_blocks = min([max_blocks] + [len(c) for g, c in enumerate(cached) if groups.windows[g] is None])
+        while num_blocks > 0:
+            if all(
+                all(b is not None for b in blocks[groups.first_needed_block(g, num_blocks * size, size) : num_blocks])
+                for g, blocks in enumerate(cached)
+            ):
+                return num_blocks
+            num_blocks -= 1
+        return 0
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count one request's prompt in the prefix-cache statistics (once per request)."""
         self.stats.prefix_queries += num_prompt_tokens
         self.stats.prefix_hits += num_hit_tokens
 
-    def take_cached_prefix(self, seq: Sequence, hits: list[int]) -> None:
-        """Start an empty sequence on `hits`, skipping the prefill of their tokens."""
+    def take_cached_prefix(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Start an empty sequence on a prefix hit, skipping the prefill of its tokens."""
         record = self._record(seq)
-        assert not record.block_ids and record.num_computed_tokens == 0, "prefix reuse needs a fresh sequence"
-        for block_id in hits:
-            self.pool.touch(block_id)
-        record.block_ids = list(hits)
-        record.num_computed_tokens = len(hits) * self.block_size
-        record.num_registered_blocks = len(hits)
+        assert not any(record.tables) and record.num_computed_tokens == 0, "prefix reuse needs a fresh sequence"
+        for table in hit.tables:
+            for block_id in table:
+                if block_id != NULL_BLOCK:
+                    self.pool.touch(block_id)
+        record.tables = [list(table) for table in hit.tables]
+        record.num_computed_tokens = hit.num_blocks * self.block_size
+        record.num_registered_blocks = hit.num_blocks
 
     def take_remote_prefix(self, seq: Sequence, remote: RemoteKV) -> bool:
         """Start an empty sequence on fresh blocks for the `remote.num_tokens` tokens a
         prefill replica computed; their KV is loaded by `queue_load` once the request is
-        scheduled. False (nothing changed) if too few blocks are free."""
+        scheduled. False (nothing changed) if too few blocks are free. (Connectors run
+        with one KV cache group.)"""
         record = self._record(seq)
-        assert not record.block_ids and record.num_computed_tokens == 0, "a remote prefix needs a fresh sequence"
+        assert not any(record.tables) and record.num_computed_tokens == 0, "a remote prefix needs a fresh sequence"
+        assert self.groups.num_groups == 1, "KV connectors serve a cache of one group"
         blocks = self.pool.try_allocate(remote.num_blocks)
         if blocks is None:
             return False
-        record.block_ids = blocks
+        record.tables = [blocks]
         record.num_computed_tokens = remote.num_tokens
         return True
 
@@ -257,31 +361,21 @@ class KVCacheManager:
         """The blocks holding the sequence's prompt (a connector may keep them)."""
         return list(self.block_table(seq)[: -(-num_prompt_tokens // self.block_size)])
 
-    def _find_cached_prefix(self, seq: Sequence, num_tokens: int) -> list[int]:
-        if not self.enable_prefix_caching:
-            return []
-        max_blocks = (num_tokens - 1) // self.block_size
-        record = self._record(seq)
-        self._extend_hashes(seq, record, max_blocks)
-        hits = []
-        for index in range(max_blocks):
-            block_id = self.pool.try_lookup(record.block_hashes[index], self._block_tokens(seq, index))
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
-
     def _register_full_blocks(self, seq: Sequence, record: SequenceBlocks) -> None:
         """Publish blocks whose every slot is now computed."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(record.num_computed_tokens // self.block_size, len(record.block_ids))
+        num_full = min(record.num_computed_tokens // self.block_size, min(len(t) for t in record.tables))
         self._extend_hashes(seq, record, num_full)
         for index in range(record.num_registered_blocks, num_full):
-            block = FullBlock(record.block_ids[index], record.block_hashes[index], self._block_tokens(seq, index))
-            self.pool.register(*block)
-            if self.collect_full_blocks:
-                self._full_blocks.append(block)
+            tokens = self._block_tokens(seq, index)
+            for group, table in enumerate(record.tables):
+                if table[index] == NULL_BLOCK:
+                    continue
+                block = FullBlock(table[index], record.block_hashes[index], tokens)
+                self.pool.register(*block, group=group)
+                if self.collect_full_blocks:
+                    self._full_blocks.append(block)
         record.num_registered_blocks = max(record.num_registered_blocks, num_full)
 
     def take_full_blocks(self) -> list[FullBlock]:
@@ -301,11 +395,12 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (copy-on-write on the first write)."""
-        assert not self.block_table(child), "fork into a sequence that still holds blocks"
+        assert not self.holds_blocks(child), "fork into a sequence that still holds blocks"
         source = self._record(parent)
-        self.pool.incref(source.block_ids)
+        self.pool.incref(source.held())
         self._sequences[child.seq_id] = SequenceBlocks(
-            block_ids=list(source.block_ids),
+            tables=[list(table) for table in source.tables],
+            host_tables=[[] for _ in source.tables],
             num_computed_tokens=source.num_computed_tokens,
             # Only hashes of full blocks both share; the parent may have hashed its own outputs.
             block_hashes=source.block_hashes[: source.num_computed_tokens // self.block_size],
@@ -313,10 +408,11 @@ class KVCacheManager:
         )
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of the sequence (tail first) and forget its progress."""
+        """Release every block of the sequence (each table tail first) and forget its progress."""
         record = self._sequences.pop(seq.seq_id, None)
         if record is not None:
-            self.pool.free(record.block_ids[::-1])
+            for table in record.tables:
+                self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
 
     def free_request(self, request: Request) -> None:
         for seq in request.sequences:
@@ -328,25 +424,24 @@ class KVCacheManager:
         """The request's device blocks (or, swapped out, its host copies), each once
         (siblings share), in table order."""
         records = [self._sequences.get(seq.seq_id) for seq in request.sequences]
-        tables = [(r.host_block_ids if on_host else r.block_ids) for r in records if r is not None]
-        return list(dict.fromkeys(b for table in tables for b in table))
+        return list(dict.fromkeys(b for r in records if r is not None for b in r.held(on_host)))
 
     def can_swap_out(self, request: Request) -> bool:
         return len(self._distinct_blocks(request)) <= len(self._free_host_blocks)
 
     def swap_out(self, request: Request) -> None:
         """Move the request's blocks to host memory; shared blocks are copied once."""
-        to_host: dict[int, int] = {}
+        to_host: dict[int, int] = {NULL_BLOCK: NULL_BLOCK}
         for seq in request.sequences:
             record = self._record(seq)
-            host_ids = []
-            for block_id in record.block_ids:
+            for block_id in record.held():
                 if block_id not in to_host:
                     to_host[block_id] = self._free_host_blocks.popleft()
                     self.pending.swap_out.append((block_id, to_host[block_id]))
-                host_ids.append(to_host[block_id])
-            self.pool.free(record.block_ids[::-1])
-            record.block_ids, record.host_block_ids = [], host_ids
+            for table in record.tables:
+                self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
+            record.host_tables = [[to_host[b] for b in table] for table in record.tables]
+            record.tables = [[] for _ in record.tables]
             record.num_registered_blocks = 0  # the device copies may be evicted meanwhile
 
     def swap_in_cost(self, request: Request) -> int:
@@ -360,14 +455,16 @@ class KVCacheManager:
         assert device_ids is not None, "swap_in without the free blocks swap_in_cost asked for"
         to_device = dict(zip(distinct, device_ids, strict=True))
         self.pending.swap_in.extend(to_device.items())
+        to_device[NULL_BLOCK] = NULL_BLOCK
         seen: set[int] = set()
         for seq in request.sequences:
             record = self._record(seq)
-            new_table = [to_device[b] for b in record.host_block_ids]
+            record.tables = [[to_device[b] for b in table] for table in record.host_tables]
+            record.host_tables = [[] for _ in record.tables]
             # try_allocate gave each block one reference; every further sharer adds one.
-            self.pool.incref([b for b in new_table if b in seen])
-            seen.update(new_table)
-            record.block_ids, record.host_block_ids = new_table, []
+            held = record.held()
+            self.pool.incref([b for b in held if b in seen])
+            seen.update(held)
         self._free_host_blocks.extend(distinct)
 
     def release_host_blocks(self, request: Request) -> None:

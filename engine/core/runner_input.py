@@ -1,5 +1,5 @@
 """The runner's view of a schedule plan (engine/worker/step_input.py): each chunk's tokens
-and block table, each sample's sampling state, grammar masks computed here, where the
+and block tables, each sample's sampling state, grammar masks computed here, where the
 matchers live. The plan itself, with its requests and sequences, stays with the engine for
 the step's update."""
 
@@ -30,7 +30,7 @@ def _chunk(chunk: ScheduledChunk, prompt_logprobs: bool) -> ChunkInput:
         request.lora_slot,
         chunk.start,
         chunk.input_token_ids,
-        chunk.block_table,
+        chunk.block_tables,
         len(chunk.draft_token_ids),
     )
     if prompt_logprobs:

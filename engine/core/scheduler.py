@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.core.kv_cache_manager import KVCacheManager, PendingCopies
+from pagefleet.engine.core.kv_cache_manager import KVCacheManager, PendingCopies, PrefixHit
 from pagefleet.engine.core.request import Request, RequestStatus, Sequence
 from pagefleet.engine.kv_connector.base import KVConnector
 from pagefleet.engine.kv_transfer.params import RemoteKV
@@ -28,15 +28,16 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledChunk:
     """`num_new_tokens` tokens of `seq` from position `start` (its computed-token count when
-    scheduled), to be written into `block_table`: all a forward pass needs to know. With
-    speculation, the last `len(draft_token_ids)` of them are drafts that follow the
-    sequence's own tokens (verified after the pass, kept only if accepted)."""
+    scheduled), to be written into `block_tables` (one per KV cache group): all a forward
+    pass needs to know. With speculation, the last `len(draft_token_ids)` of them are
+    drafts that follow the sequence's own tokens (verified after the pass, kept only if
+    accepted)."""
 
     request: Request
     seq: Sequence
     start: int
     num_new_tokens: int
-    block_table: list[int]
+    block_tables: list[list[int]]
     draft_token_ids: list[int] = field(default_factory=list)
 
     @property
@@ -204,14 +205,14 @@ class Scheduler:
                 break
             if not self._hold_adapter(request):
                 break  # every adapter slot is held by running requests of other adapters
-            starts_afresh = request.status == RequestStatus.WAITING and not self.kv_cache.block_table(
+            starts_afresh = request.status == RequestStatus.WAITING and not self.kv_cache.holds_blocks(
                 request.sequences[0]
             )
             if starts_afresh and self.kv_connector.is_loading(request):
                 self._release_adapter(request)
                 break  # strict FCFS: the head waits for its KV from outside
-            hits, cost = self._local_hits(request) if starts_afresh else ([], 0)
-            remote = self._external_prefix(request, hits) if starts_afresh else None
+            hit = self._local_hits(request) if starts_afresh else None
+            remote = self._external_prefix(request, hit) if starts_afresh else None
             if request.status == RequestStatus.SWAPPED:
                 if not self._try_swap_in(request):
                     self._release_adapter(request)
@@ -222,8 +223,8 @@ class Scheduler:
                     break
                 if remote.origin != "prefill":
                     self._count_prefix(request, remote.num_tokens, local_hit_tokens=0)
-            elif starts_afresh:
-                self._take_prefix_hits(request, hits, cost)
+            elif hit is not None:
+                self._take_prefix_hits(request, hit)
             scheduled = self._try_schedule_request(request, plan, budget)
             if scheduled is None:
                 if starts_afresh:
@@ -254,25 +255,22 @@ class Scheduler:
             self.lora.release(request.lora_slot)
             request.lora_slot = None
 
-    def _local_hits(self, request: Request) -> tuple[list[int], int]:
-        """The cached blocks the request's first sequence starts with, and how many free
-        blocks taking them consumes (`find_prefix_hits`); none with prompt logprobs (skipped
-        positions would have none). Hits stop short of the target: its last token is always
-        computed, so the step that reaches the fork point really runs."""
+    def _local_hits(self, request: Request) -> PrefixHit | None:
+        """What the prefix cache holds of the request's first sequence (`find_prefix_hits`);
+        None with prompt logprobs (skipped positions would have none). Hits stop short of
+        the target: its last token is always computed, so the step that reaches the fork
+        point really runs."""
         if request.prompt_logprobs is not None:
-            return [], 0
+            return None
         seq = request.sequences[0]
         return self.kv_cache.find_prefix_hits(seq, request.compute_target(seq))
 
-    def _take_prefix_hits(self, request: Request, hits: list[int], cost: int) -> None:
-        if request.prompt_logprobs is not None:
-            return
-        if hits and cost > self.kv_cache.num_free_blocks:
-            hits = []
-        hit_tokens = len(hits) * self.kv_cache.block_size
+    def _take_prefix_hits(self, request: Request, hit: PrefixHit) -> None:
+        usable = hit.num_blocks > 0 and hit.cost <= self.kv_cache.num_free_blocks
+        hit_tokens = hit.num_blocks * self.kv_cache.block_size if usable else 0
         self._count_prefix(request, hit_tokens, hit_tokens)
-        if hits:
-            self.kv_cache.take_cached_prefix(request.sequences[0], hits)
+        if usable:
+            self.kv_cache.take_cached_prefix(request.sequences[0], hit)
 
     def _count_prefix(self, request: Request, cached_tokens: int, local_hit_tokens: int) -> None:
         """Count a request's prompt once, not per retry: `cached_tokens` came from any
@@ -282,10 +280,11 @@ class Scheduler:
             request.num_cached_tokens = cached_tokens
             self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, local_hit_tokens)
 
-    def _external_prefix(self, request: Request, hits: list[int]) -> RemoteKV | None:
+    def _external_prefix(self, request: Request, hit: PrefixHit | None) -> RemoteKV | None:
         """The connectors' KV for the request's first tokens, if it covers more than the
-        local prefix cache's `hits` (a prefill replica's always)."""
-        return self.kv_connector.external_prefix(request, len(hits) * self.kv_cache.block_size)
+        local prefix cache's `hit` (a prefill replica's always)."""
+        local_tokens = hit.num_blocks * self.kv_cache.block_size if hit is not None else 0
+        return self.kv_connector.external_prefix(request, local_tokens)
 
     def _try_swap_in(self, request: Request) -> bool:
         needed = self.kv_cache.swap_in_cost(request) + len(request.active_sequences)
@@ -326,7 +325,7 @@ class Scheduler:
             start = self.kv_cache.num_computed_tokens(seq)
             allocated = self.kv_cache.allocate_slots(seq, num_new)
             assert allocated is not None, "blocks_needed said the slots were free"
-            plan.chunks.append(ScheduledChunk(request, seq, start, num_new, self.kv_cache.block_table(seq)))
+            plan.chunks.append(ScheduledChunk(request, seq, start, num_new, self.kv_cache.block_tables(seq)))
         return sum(n for _, n in wanted)
 
     def _try_speculate(self, request: Request, plan: SchedulePlan, budget: int) -> int:
@@ -342,7 +341,8 @@ class Scheduler:
             return 0
         allocated = self.kv_cache.allocate_slots(seq, 1 + len(drafts))
         assert allocated is not None, "blocks_needed said the slots were free"
-        plan.chunks.append(ScheduledChunk(request, seq, start, 1 + len(drafts), self.kv_cache.block_table(seq), drafts))
+        tables = self.kv_cache.block_tables(seq)
+        plan.chunks.append(ScheduledChunk(request, seq, start, 1 + len(drafts), tables, drafts))
         return 1 + len(drafts)
 
     def _preempt(self, request: Request, plan: SchedulePlan) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.core.host_memory import keep_freed_memory
 from pagefleet.engine.core.kv_cache_manager import KVCacheManager
+from pagefleet.engine.core.kv_groups import KVGroups
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.distributed.workers import Workers, init_group
 from pagefleet.engine.errors import InvalidParameterError
@@ -105,9 +106,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if workers is not None:
         workers.stepping = True
     model, model_config, num_blocks = device.model, device.model_config, device.num_blocks
-    max_model_len = _resolve_max_model_len(config, model_config, num_blocks)
+    groups = device.runner.groups
+    cache_limit = groups.admissible_tokens(num_blocks, config.block_size, model_config.max_position_embeddings)
+    max_model_len = _resolve_max_model_len(config, model_config, cache_limit)
     kv_cache = KVCacheManager(
-        num_blocks, config.block_size, config.enable_prefix_caching, device.num_host_blocks, config.enable_block_sharing
+        num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        device.num_host_blocks,
+        config.enable_block_sharing,
+        groups,
     )
     lora = device.lora
     speculative = config.speculative
@@ -124,7 +132,9 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     quantization = served_quantization(config, model_dir)
     gguf = gguf_file(config.model) if quantization == "gguf" else None
     model, model_config = load_model(model_dir, dtype, device, shard, gguf, int8=quantization == "compressed-tensors")
-    block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard)
+    windows = [model_config.layer_window(i) for i in range(model_config.num_layers)]
+    groups = KVGroups.of(windows, config.hybrid_kv_cache)
+    block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard, groups.num_tensors)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
     if shard.size > 1:
         least = torch.tensor([num_blocks], dtype=torch.int64)
@@ -136,12 +146,14 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
     if shard.rank == 0:
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB%s, %d tokens), swap blocks=%d",
+            "KV cache: %d blocks of %d tokens (%.1f MiB%s), %d group(s) of %d layers (windows %s), swap blocks=%d",
             num_blocks,
             config.block_size,
             num_blocks * block_bytes / 2**20,
             f" on each of {shard.size} ranks" if shard.size > 1 else "",
-            num_blocks * config.block_size,
+            groups.num_groups,
+            groups.num_tensors,
+            ",".join("full" if w is None else str(w) for w in groups.windows),
             num_host_blocks,
         )
     num_kv_heads = shard.kv_heads(model_config.num_heads, model_config.num_kv_heads)[1]
@@ -153,6 +165,7 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     runner = ModelRunner(
         model,
         model_config,
+        groups,
         backend,
         num_blocks,
         num_host_blocks,
@@ -202,9 +215,9 @@ def _lora_slots(config: EngineConfig, model: CausalLM) -> LoRAManager:
     return lora
 
 
-def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
+def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig, cache_limit: int) -> int:
+    """`cache_limit`: the longest context the whole cache holds (every group's blocks)."""
     model_limit = model_config.max_position_embeddings
-    cache_limit = num_blocks * config.block_size
     if config.max_model_len is None:
         return min(model_limit, cache_limit)
     if config.max_model_len > model_limit:

@@ -103,6 +103,8 @@ class LLMEngine:
             self.kv_cache.block_size,
             self.kv_cache.num_blocks,
             config.kv_role,
+            self.kv_cache.groups,
+            config.max_num_batched_tokens,
         )
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0
@@ -211,8 +213,8 @@ class LLMEngine:
             for seq in request.sequences:
                 seq.grammar = self.checks.matcher(checked.grammar)
         if remote_kv is None or remote_kv.origin != "prefill":
-            hits, _ = self.kv_cache.find_prefix_hits(request.sequences[0], len(token_ids))
-            known = max(len(hits) * self.kv_cache.block_size, remote_kv.num_tokens if remote_kv is not None else 0)
+            hit = self.kv_cache.find_prefix_hits(request.sequences[0], len(token_ids))
+            known = max(hit.num_blocks * self.kv_cache.block_size, remote_kv.num_tokens if remote_kv is not None else 0)
             request.num_expected_prefill_tokens = len(token_ids) - known
         return request
 
@@ -329,6 +331,7 @@ class LLMEngine:
         return EngineStats(
             num_total_blocks=usage.num_blocks,
             num_free_blocks=usage.num_free_blocks,
+            num_free_tokens=self.kv_cache.admissible_tokens(usage.num_free_blocks * self.kv_cache.block_size),
             num_cached_blocks=usage.num_cached_blocks,
             block_size=self.kv_cache.block_size,
             num_running_requests=len(scheduler.running),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pagefleet.engine.core.kv_groups import ONE_GROUP, KVGroups
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
 from pagefleet.engine.front.inputs import PreparedPrompt, PromptType, parse_prompt, prompt_cache_salt
 from pagefleet.engine.kv_transfer.params import RemoteKV, transfer_params
@@ -33,14 +34,32 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return variants
 
 
-def worst_case_blocks(num_prompt_tokens: int, max_tokens: int, num_sequences: int, block_size: int) -> int:
-    """The most KV blocks a request can ever hold at once: its prompt's blocks (shared by
-    every sample) plus, per sample, the blocks of `max_tokens` outputs and one copy of the
-    part-filled block the prompt ends in (copy-on-write). A lone sequence needs just the
-    blocks of prompt and output together. A request above the whole cache can never run."""
+def worst_case_blocks(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    num_sequences: int,
+    block_size: int,
+    groups: KVGroups = ONE_GROUP,
+    chunk_tokens: int = 0,
+) -> int:
+    """The most KV blocks a request can ever hold at once: in a full group, its prompt's
+    blocks (shared by every sample) plus, per sample, the blocks of `max_tokens` outputs
+    and one copy of the part-filled block the prompt ends in (copy-on-write); a lone
+    sequence needs just the blocks of prompt and output together. A sliding group holds at
+    most each sample's window and a prefill chunk of `chunk_tokens`. A request above the
+    whole cache can never run."""
     if num_sequences == 1:
-        return -(-(num_prompt_tokens + max_tokens) // block_size)
-    return -(-num_prompt_tokens // block_size) + num_sequences * (-(-max_tokens // block_size) + 1)
+        full = -(-(num_prompt_tokens + max_tokens) // block_size)
+    else:
+        full = -(-num_prompt_tokens // block_size) + num_sequences * (-(-max_tokens // block_size) + 1)
+    total = 0
+    for window in groups.windows:
+        if window is None:
+            total += full
+        else:
+            held = num_sequences * (-(-(window - 1) // block_size) + 2) + -(-chunk_tokens // block_size)
+            total += min(full, held)
+    return total
 
 
 class RequestChecks:
@@ -50,7 +69,8 @@ class RequestChecks:
         tokenizer: the model's (None with skip_tokenizer_init).
         vocab_size, eos_token_ids: the model's.
         max_model_len, max_logprobs: the engine's limits (`max_logprobs` -1 resolved).
-        block_size, num_blocks: the KV cache's, for the worst case a request may need.
+        block_size, num_blocks, groups: the KV cache's, for the worst case a request may
+            need (with `chunk_tokens`, the longest prefill chunk).
         kv_role: "prefill", "decode" or "both".
     """
 
@@ -64,10 +84,13 @@ class RequestChecks:
         block_size: int,
         num_blocks: int,
         kv_role: str,
+        groups: KVGroups = ONE_GROUP,
+        chunk_tokens: int = 0,
     ) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
         self.block_size, self.num_blocks, self.kv_role = block_size, num_blocks, kv_role
+        self.groups, self.chunk_tokens = groups, chunk_tokens
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
 
     def prompt_token_ids(self, prompt: PromptType, params: SamplingParams) -> list[int]:
@@ -165,6 +188,12 @@ class RequestChecks:
     def check_kv_role(self, params: SamplingParams, remote_kv: RemoteKV | None, token_ids: list[int]) -> None:
         role = self.kv_role
         transfer = transfer_params(params)
+        if (transfer is not None or remote_kv is not None) and self.groups.num_groups > 1:
+            raise InvalidParameterError(
+                "kv_transfer_params",
+                f"this model's KV cache has {self.groups.num_groups} groups (sliding-window layers); KV transfers "
+                "need one: start the replica with --disable-hybrid-kv-cache-manager",
+            )
         if transfer is not None and transfer.remote_decode and role == "decode":
             raise InvalidParameterError(
                 "kv_transfer_params", "this replica decodes (--role decode): send do_remote_decode to a prefill replica"
@@ -207,7 +236,9 @@ class RequestChecks:
             raise PromptTooLongError(
                 "prompt", f"the prompt fills the whole context window of {self.max_model_len} tokens"
             )
-        worst_case = worst_case_blocks(num_prompt, max_tokens, params.num_sequences, self.block_size)
+        worst_case = worst_case_blocks(
+            num_prompt, max_tokens, params.num_sequences, self.block_size, self.groups, self.chunk_tokens
+        )
         if worst_case > self.num_blocks:
             raise PromptTooLongError(
                 "max_tokens",

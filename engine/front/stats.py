@@ -35,6 +35,9 @@ class EngineStats:
     peak_used_blocks: int  # most blocks ever in use at once
     num_prompt_tokens: int
     num_generation_tokens: int
+    # The longest context a new request could be admitted with now, in every KV cache group
+    # (a sliding-window group needs only its window's blocks).
+    num_free_tokens: int = 0
     num_waiting_prompt_tokens: int = 0  # uncached prompt tokens of queued requests (prefill pressure)
     num_pinned_blocks: int = 0  # blocks of finished prompts waiting for a decode replica's pull
     num_pinned_requests: int = 0

@@ -207,7 +207,7 @@ class StepUpdate:
         if request.generation_ended:
             request.kv_transfer_params = self.kv_connector.request_finished(request, self._prompt_blocks(request))
         for seq in request.sequences:
-            if seq.is_finished and self.kv_cache.block_table(seq):
+            if seq.is_finished and self.kv_cache.holds_blocks(seq):
                 self.kv_cache.free(seq)  # siblings still running keep only what they share
         if request.generation_ended:
             self.scheduler.finish(request)
@@ -217,7 +217,7 @@ class StepUpdate:
 
     def _prompt_blocks(self, request: Request) -> list[int]:
         """The blocks of a finished request's computed prompt (before they are freed), or []."""
-        holder = next((seq for seq in request.sequences if self.kv_cache.block_table(seq)), None)
+        holder = next((seq for seq in request.sequences if self.kv_cache.holds_blocks(seq)), None)
         if holder is None or self.kv_cache.num_computed_tokens(holder) < request.num_prompt_tokens:
             return []
         return self.kv_cache.prompt_blocks(holder, request.num_prompt_tokens)

@@ -21,7 +21,9 @@ from pagefleet.engine.kv_transfer.params import RemoteKV
 
 class PeerConnector(KVConnector):
     """`store`: the file tier's, when it is on (what it holds needs no pull).
-    `read_blocks`: the worker side's copy of blocks, for held ones (any thread)."""
+    `read_blocks`: the worker side's copy of blocks, for held ones (any thread).
+    `enabled`: False for a cache of several KV groups (a pull moves one group's blocks),
+    which then neither pulls nor serves pulls."""
 
     def __init__(
         self,
@@ -29,7 +31,9 @@ class PeerConnector(KVConnector):
         block_size: int,
         read_blocks: Callable[[list[int]], KVCaches],
         store: FileStore | None = None,
+        enabled: bool = True,
     ) -> None:
+        self.enabled = enabled
         self.pool = pool
         self.read_blocks = read_blocks
         self.block_size = block_size
@@ -51,7 +55,10 @@ class PeerConnector(KVConnector):
 
     def count_available(self, hashes: list[int], token_ids: list[int]) -> int:
         """How many of a prompt's full blocks (`hashes`, of `token_ids`) this replica has
-        now, in its prefix cache or its file tier: a pull must bring more."""
+        now, in its prefix cache or its file tier: a pull must bring more (disabled: it
+        can use nothing more)."""
+        if not self.enabled:
+            return len(hashes)
         local = self.pool.count_cached(hashes, token_ids, self.block_size)
         return max(local, self.store.count_present(hashes)) if self.store is not None else local
 
@@ -60,7 +67,9 @@ class PeerConnector(KVConnector):
     def hold_prefix(self, hashes: list[int], token_ids: list[int]) -> list[int]:
         """The cached blocks of the longest prefix of `hashes`, each with a reference taken
         (`release` drops them once copied)."""
-        size, held = self.block_size, []
+        size, held = self.block_size, list[int]()
+        if not self.enabled:
+            return held
         for index, block_hash in enumerate(hashes):
             block_id = self.pool.try_lookup(block_hash, tuple(token_ids[index * size : (index + 1) * size]))
             if block_id is None or not self.pool.try_hold(block_id, block_hash):

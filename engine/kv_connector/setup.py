@@ -42,7 +42,8 @@ def build_connectors(
         logger.info("kv file tier: %s (up to %d bytes)", config.kv_cache_dir, max_bytes)
         tier = FileTier(store, pool, read, TierCost(prefill_tokens_per_s))
         connectors.append(FileTierConnector(tier, pool))
-    connectors.append(PeerConnector(pool, kv_cache.block_size, read, store))
+    one_group = kv_cache.groups.num_groups == 1
+    connectors.append(PeerConnector(pool, kv_cache.block_size, read, store, enabled=one_group))
     multi = MultiConnector(connectors, layout)
     kv_cache.collect_full_blocks = multi.wants_filled_blocks
     return multi

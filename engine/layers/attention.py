@@ -48,7 +48,7 @@ class PrefillSpan:
     row: int  # its first row
     num_new: int
     context_len: int  # cached prefix + this chunk
-    block_table: list[int]  # the blocks covering [0, context_len)
+    block_table: list[int]  # the blocks covering [0, context_len) (block 0 where a window freed one)
     context_slots: np.ndarray  # [context_len] cache slot of every context position
 
 
@@ -87,10 +87,11 @@ class BlockTables:
 
 
 def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Block tables as one int32 tensor [len(tables), longest], padded with block 0."""
+    """Block tables as one int32 tensor [len(tables), longest], padded with block 0 (which
+    also stands for the places a sliding window freed: never read unmasked)."""
     width = max((len(t) for t in tables), default=0)
     rows = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(tables), width)
+    return torch.tensor(rows, dtype=torch.int32).clamp_(min=0).view(len(tables), width).to(device)
 
 
 @dataclass(slots=True)
@@ -117,6 +118,9 @@ class PagedBatch(AttentionMetadata):
             prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
             max_prefill_len=max((p.num_new for p in prefills), default=0),
         )
+
+
+LayerMetadata = list[AttentionMetadata]  # per layer: its KV cache group's metadata for the step
 
 
 class AttentionBackend(Protocol):

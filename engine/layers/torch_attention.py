@@ -83,7 +83,7 @@ class TorchAttentionBackend:
     def _bucket(self, group: list[int], lengths: list[int], tables: list[list[int]]) -> DecodeBucket:
         spec = self.spec
         num_blocks = len(tables[group[0]])
-        padded = torch.tensor([tables[i] + [0] * (num_blocks - len(tables[i])) for i in group]).flatten()
+        padded = torch.tensor([tables[i] + [0] * (num_blocks - len(tables[i])) for i in group]).flatten().clamp_(min=0)
         heads = torch.arange(spec.num_kv_heads)[:, None] * spec.num_blocks
         return DecodeBucket(
             rows=torch.tensor(group, device=spec.device),

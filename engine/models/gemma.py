@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
@@ -82,7 +82,7 @@ class GemmaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: KVCache,
-        metadata: AttentionMetadata,
+        metadata: LayerMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
@@ -90,8 +90,8 @@ class GemmaForCausalLM(nn.Module):
         hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         rope = self.rotary.lookup(positions, hidden.dtype)
         local_rope = self.local_rotary.lookup(positions, hidden.dtype) if self.local_rotary is not None else rope
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, local_rope if layer.sliding else rope, kv_cache, metadata, backend)
+        for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
+            hidden = layer(hidden, local_rope if layer.sliding else rope, kv_cache, layer_metadata, backend)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache, LayerMetadata
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
 from pagefleet.engine.lora.adapter import LoRATarget
@@ -88,7 +88,7 @@ class GPT2LMHeadModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: KVCache,
-        metadata: AttentionMetadata,
+        metadata: LayerMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         if self.quantized_embedding is None:
@@ -96,8 +96,8 @@ class GPT2LMHeadModel(nn.Module):
         else:
             tokens = self.quantized_embedding.dequantize(input_ids).to(self.wpe.dtype)
         hidden = tokens + F.embedding(positions, self.wpe)
-        for block, kv_cache in zip(self.h, kv_caches, strict=True):
-            hidden = block(hidden, kv_cache, metadata, backend)
+        for block, kv_cache, layer_metadata in zip(self.h, kv_caches, metadata, strict=True):
+            hidden = block(hidden, kv_cache, layer_metadata, backend)
         return self.ln_f(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

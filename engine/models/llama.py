@@ -15,7 +15,7 @@ from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
 from pagefleet.engine.errors import UnsupportedModelError
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache, LayerMetadata
 from pagefleet.engine.layers.cpu_attention import CpuAttentionBackend, CpuMetadata
 from pagefleet.engine.layers.fused import gelu_tanh_and_mul, rotary, silu_and_mul
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
@@ -161,19 +161,22 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: KVCache,
-        metadata: AttentionMetadata,
+        metadata: LayerMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         hidden = self.embed(input_ids)
         rope = self.rotary.lookup(positions, hidden.dtype)
-        compiled = self._compiled_layers(backend) if isinstance(metadata, CpuMetadata) else None
+        first = metadata[0]
+        one_group = all(m is first for m in metadata)
+        compiled = self._compiled_layers(backend) if one_group and isinstance(first, CpuMetadata) else None
         if compiled is not None:
-            hidden, residual = run_compiled(compiled, hidden, rope, kv_caches, metadata)
+            assert isinstance(first, CpuMetadata)
+            hidden, residual = run_compiled(compiled, hidden, rope, kv_caches, first)
         else:
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, backend)
+            for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
+                hidden, residual = layer(hidden, residual, rope, kv_cache, layer_metadata, backend)
         return self.norm.add_and_norm(residual, hidden)[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.errors import ModelNotFoundError
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
 from pagefleet.engine.layers.linear import pack_linears
 from pagefleet.engine.loader.compressed_tensors import Int8Checkpoint, is_int8_checkpoint
 from pagefleet.engine.loader.gguf_weights import quantize_from_gguf
@@ -35,7 +35,7 @@ class CausalLM(Protocol):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: KVCache,
-        metadata: AttentionMetadata,
+        metadata: LayerMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor: ...
 

@@ -66,6 +66,7 @@ class CapacityPublisher:
             model=self.model_name,
             url=self.url,
             free_blocks=stats.num_free_blocks,
+            free_tokens=stats.num_free_tokens,
             total_blocks=stats.num_total_blocks,
             block_size=stats.block_size,
             running=stats.num_running_requests,

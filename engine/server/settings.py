@@ -30,6 +30,7 @@ ENGINE_FIELDS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "enable_prefix_caching",
+    "disable_hybrid_kv_cache_manager",
     "preemption_mode",
     "swap_space",
     "seed",
@@ -139,6 +140,10 @@ class ServerSettings(BaseSettings):
     max_num_seqs: int = _default("max_num_seqs")
     max_num_batched_tokens: int = _default("max_num_batched_tokens")
     enable_prefix_caching: bool = _default("enable_prefix_caching")
+    disable_hybrid_kv_cache_manager: bool = Field(
+        _default("disable_hybrid_kv_cache_manager"),
+        description="keep every block of sliding-window layers (one KV cache group), as vLLM's flag",
+    )
     preemption_mode: str = _default("preemption_mode")
     swap_space: int = _default("swap_space")
     seed: int = _default("seed")

@@ -1,7 +1,8 @@
 """Turns a schedule plan into one forward pass over a flat token batch and samples.
 
-Owns the device KV cache (per layer, K and V shaped [num_blocks, block_size, num_kv_heads,
-head_dim]) and the host pool used for swapping. With tensor parallelism, rank 0's runner
+Owns the device KV cache (K and V tensors shaped [num_blocks, block_size, num_kv_heads,
+head_dim], one pair per layer of a KV cache group, which the groups' layers share: see
+engine/core/kv_groups.py) and the host pool used for swapping. With tensor parallelism, rank 0's runner
 builds each step's `StepInputs` and sends them to the workers in one broadcast; every rank
 runs `forward` on its part of the model and KV heads, and rank 0 samples.
 """
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from pagefleet.engine.core.kv_cache_manager import PendingCopies
+from pagefleet.engine.core.kv_groups import KVGroups
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.kv_connector.worker import load_blocks
 from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, StepLayout, allocate_kv_cache
@@ -69,15 +71,19 @@ class StepInputs:
     copies: PendingCopies
     input_ids: torch.Tensor
     positions: torch.Tensor
-    layout: StepLayout
+    layouts: list[StepLayout]  # per KV cache group
     logit_rows: list[int]  # rows whose logits are computed: samples first, then prompt logprobs
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard | None = None) -> int:
-    """Bytes of one block on one rank (its KV heads only)."""
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard | None = None, num_layers: int | None = None
+) -> int:
+    """Bytes of one block on one rank (its KV heads only), in `num_layers` layers (default:
+    all; with KV cache groups, the layers of one group)."""
     element = torch.empty((), dtype=dtype).element_size()
     num_kv_heads = shard.kv_heads(config.num_heads, config.num_kv_heads)[1] if shard else config.num_kv_heads
-    return 2 * config.num_layers * block_size * num_kv_heads * config.head_dim * element
+    layers = config.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * num_kv_heads * config.head_dim * element
 
 
 class ModelRunner:
@@ -85,6 +91,7 @@ class ModelRunner:
         self,
         model: CausalLM,
         model_config: ModelConfig,
+        groups: KVGroups,
         backend: AttentionBackend,
         num_blocks: int,
         num_host_blocks: int,
@@ -96,7 +103,7 @@ class ModelRunner:
         lora: LoRAManager | None = None,
         workers: Workers | None = None,
     ) -> None:
-        self.model, self.model_config, self.backend = model, model_config, backend
+        self.model, self.model_config, self.groups, self.backend = model, model_config, groups, backend
         self.lora = lora  # with enable_lora
         self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
         self.block_size, self.device = block_size, device
@@ -106,18 +113,19 @@ class ModelRunner:
         def cache_pair(blocks: int, where: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
             return allocate_kv_cache(blocks, *shape, dtype, where), allocate_kv_cache(blocks, *shape, dtype, where)
 
-        self.kv_caches = [cache_pair(num_blocks, device) for _ in range(model_config.num_layers)]
-        self.host_caches = [
-            cache_pair(num_host_blocks, "cpu") for _ in range(model_config.num_layers if num_host_blocks else 0)
-        ]
+        # The distinct tensor pairs (copies run over these), and each layer's.
+        self.kv_tensors = [cache_pair(num_blocks, device) for _ in range(groups.num_tensors)]
+        self.kv_caches = [self.kv_tensors[t] for t in groups.layer_tensors]
+        num_host_tensors = groups.num_tensors if num_host_blocks else 0
+        self.host_tensors = [cache_pair(num_host_blocks, "cpu") for _ in range(num_host_tensors)]
         self.sampler = Sampler(model_config.eos_token_ids, seed)
 
     def run_copies(self, copies: PendingCopies) -> None:
         """Swap-outs first (their device blocks may be reused below), then swap-ins, then
         the connectors' loads (KV from outside), then copy-on-write copies."""
         for pairs, source, target in (
-            (copies.swap_out, self.kv_caches, self.host_caches),
-            (copies.swap_in, self.host_caches, self.kv_caches),
+            (copies.swap_out, self.kv_tensors, self.host_tensors),
+            (copies.swap_in, self.host_tensors, self.kv_tensors),
         ):
             if not pairs:
                 continue
@@ -129,7 +137,7 @@ class ModelRunner:
         load_blocks(self.kv_caches, copies.loads)
         if copies.device:
             mapping = torch.tensor(copies.device, dtype=torch.int64, device=self.device)
-            for key_cache, value_cache in self.kv_caches:
+            for key_cache, value_cache in self.kv_tensors:
                 self.backend.copy_blocks(key_cache, value_cache, mapping)
 
     @torch.inference_mode()
@@ -142,7 +150,7 @@ class ModelRunner:
         is that request's `error`.
         """
         chunks, samples = plan.chunks, plan.samples
-        input_ids, positions, layout, last_rows = self._build_batch(chunks)
+        input_ids, positions, layouts, last_rows = self._build_batch(chunks)
         own_rows = [last_rows[s.chunk_index] - len(s.draft_token_ids) for s in samples]
         logit_rows = list(own_rows)
         prompt_spans = {}  # chunk index -> its rows among the logits
@@ -155,7 +163,7 @@ class ModelRunner:
             if sample.draft_token_ids:
                 draft_spans[index] = len(logit_rows)
                 logit_rows.extend(range(row + 1, row + 1 + len(sample.draft_token_ids)))
-        step = StepInputs(plan.copies, input_ids, positions, layout, logit_rows)
+        step = StepInputs(plan.copies, input_ids, positions, layouts, logit_rows)
         if self.workers is not None:
             self.workers.send(step)
         if self.lora is not None:
@@ -186,7 +194,8 @@ class ModelRunner:
         """One step on this rank: the copies, the forward pass, and the float32 logits of
         `step.logit_rows` on the CPU (None on a tensor-parallel worker)."""
         self.run_copies(step.copies)
-        metadata = self.backend.prepare(step.layout)
+        group_metadata = [self.backend.prepare(layout) for layout in step.layouts]
+        metadata = [group_metadata[g] for g in self.groups.layer_groups]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.backend)
         if not step.logit_rows:
             return None
@@ -271,43 +280,51 @@ class ModelRunner:
                     still.append((index, verified))
             walking = still
 
-    def _build_batch(self, chunks: list[ChunkInput]) -> tuple[torch.Tensor, torch.Tensor, StepLayout, list[int]]:
-        """The flat batch of `chunks` and its attention layout."""
-        bs = self.block_size
+    def _build_batch(self, chunks: list[ChunkInput]) -> tuple[torch.Tensor, torch.Tensor, list[StepLayout], list[int]]:
+        """The flat batch of `chunks` and its attention layout in each KV cache group."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         last_rows: list[int] = []
+        for chunk in chunks:
+            last_rows.append(len(input_ids) + chunk.num_new_tokens - 1)
+            input_ids.extend(chunk.input_token_ids)
+            positions.extend(range(chunk.start, chunk.end))
+        layouts = [self._layout(chunks, group) for group in range(self.groups.num_groups)]
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            layouts,
+            last_rows,
+        )
+
+    def _layout(self, chunks: list[ChunkInput], group: int) -> StepLayout:
+        """Where every row of the step writes and reads in `group`'s blocks."""
+        bs = self.block_size
+        slots: list[int] = []
         decode_context, decode_tables = [], []
         prefills: list[PrefillSpan] = []
+        row = 0
         for chunk in chunks:
-            start, end, num_new = chunk.start, chunk.end, chunk.num_new_tokens
-            row = len(input_ids)
-            input_ids.extend(chunk.input_token_ids)
-            table = chunk.block_table[: (end + bs - 1) // bs]
+            start, end = chunk.start, chunk.end
+            # A sliding group's freed places (NULL_BLOCK, -1) are never read unmasked: the
+            # kernels' tables and the context slots take block 0 for them.
+            table = chunk.block_tables[group][: (end + bs - 1) // bs]
             if chunk.num_own_tokens == 1:
                 # A decode, and each of its drafts' rows a decode of its own: a verified
                 # position is attended exactly as it would be without speculation.
                 assert not prefills, "decode chunks must come before prefill chunks"
                 for position in range(start, end):
-                    positions.append(position)
                     slots.append(table[position // bs] * bs + position % bs)
                     decode_context.append(position + 1)
                     decode_tables.append(table)
             else:
                 pos = np.arange(end)
-                context_slots = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
-                positions.extend(range(start, end))
+                context_slots = np.maximum(np.asarray(table, dtype=np.int64), 0)[pos // bs] * bs + pos % bs
                 slots.extend(context_slots[start:end].tolist())
-                prefills.append(PrefillSpan(row, num_new, end, table, context_slots))
-            last_rows.append(row + num_new - 1)
+                prefills.append(PrefillSpan(row, chunk.num_new_tokens, end, table, context_slots))
+            row += chunk.num_new_tokens
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            StepLayout(slot_mapping, decode_context, decode_tables, prefills),
-            last_rows,
-        )
+        return StepLayout(slot_mapping, decode_context, decode_tables, prefills)
 
     @staticmethod
     def _prompt_rows(chunk: ChunkInput, last_row: int) -> tuple[int, int]:

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.core.kv_groups import KVGroups
+from pagefleet.engine.models.config import ModelConfig
 from tests.conftest import NEWER_FAMILIES, TINY_ARCHITECTURES, TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts
 
@@ -54,10 +56,21 @@ GREEDY_CASES = [
 ]
 
 
+def _same_memory(model_dir: Path, schedule: str) -> dict[str, Any]:
+    """The schedule's settings, its block count scaled to the same bytes of KV: with KV
+    cache groups a block holds one group's layers."""
+    settings = dict(SCHEDULES[schedule])
+    if "num_kv_blocks" in settings:
+        config = ModelConfig.from_dir(model_dir)
+        groups = KVGroups.of([config.layer_window(i) for i in range(config.num_layers)])
+        settings["num_kv_blocks"] *= groups.num_groups
+    return settings
+
+
 @pytest.mark.parametrize(("arch", "schedule", "backend"), GREEDY_CASES)
 def test_greedy_equals_transformers(tiny_models: dict[str, Path], arch: str, schedule: str, backend: str) -> None:
     model_dir = tiny_models[arch]
-    llm = LLM(str(model_dir), dtype="float32", attention_backend=backend, **SCHEDULES[schedule])
+    llm = LLM(str(model_dir), dtype="float32", attention_backend=backend, **_same_memory(model_dir, schedule))
     assert llm.engine.runner.backend.name == backend
     prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB)
     outputs = llm.generate(prompts, _greedy())

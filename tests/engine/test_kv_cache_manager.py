@@ -62,13 +62,13 @@ def test_prefix_hits_reuse_full_blocks_but_never_the_last_token() -> None:
     assert manager.pool.num_cached_blocks == 2
 
     same = _request(list(range(8))).sequences[0]
-    hits, cost = manager.find_prefix_hits(same, same.num_tokens)
-    assert len(hits) == 1, "the last token is always computed, so only block 0 hits"
-    assert cost == 1, "the hit block is evictable, so taking it uses a free block"
+    hit = manager.find_prefix_hits(same, same.num_tokens)
+    assert hit.num_blocks == 1, "the last token is always computed, so only block 0 hits"
+    assert hit.cost == 1, "the hit block is evictable, so taking it uses a free block"
     longer = _request(list(range(8)) + [42]).sequences[0]
-    hits, _ = manager.find_prefix_hits(longer, longer.num_tokens)
-    assert hits == first_blocks
-    manager.take_cached_prefix(longer, hits)
+    hit = manager.find_prefix_hits(longer, longer.num_tokens)
+    assert hit.tables == [first_blocks]
+    manager.take_cached_prefix(longer, hit)
     assert manager.num_computed_tokens(longer) == 8
     assert manager.stats.prefix_hits == 0  # counted by the scheduler, per request
     manager.free(longer)

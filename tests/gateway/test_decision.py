@@ -136,3 +136,13 @@ def test_the_ledger_remembers_prefixes_it_sent_for_the_requests_that_follow() ->
     inflight.record(_replica("b"), 1, 10, [11, 12, 99])
     assert inflight.matched_blocks([11, 12, 13, 14], ["a", "b", "c"]) == {"a": 3, "b": 2, "c": 0}
     assert inflight.matched_blocks([21, 12, 13], ["a", "b"]) == {"a": 0, "b": 0}, "matched from the first block on"
+
+
+def test_room_is_ranked_in_the_tokens_a_request_can_still_take() -> None:
+    """A replica of a sliding-window model publishes `free_tokens` beyond its raw blocks (its
+    sliding layers hold only their window): the gateway ranks room on that."""
+    raw = Candidate(_replica("a", free=120))
+    grouped_record = _replica("b", free=60).model_copy(update={"free_tokens": 60 * 16 * 3})
+    assert grouped_record.room_blocks == 180 and raw.replica.room_blocks == 120
+    decision = decide([raw, Candidate(grouped_record)], PROMPT, saturation_s=1.0)
+    assert decision.replica.replica_id == "b"
