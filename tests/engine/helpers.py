@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pagefleet.engine import LLM
+from pagefleet.engine.core.kv_groups import KVGroups
+from pagefleet.engine.models.config import ModelConfig
 
 
 @cache
@@ -55,3 +58,15 @@ def assert_no_block_leaked(llm: LLM) -> None:
     pool = llm.engine.kv_cache.pool
     assert all(block.ref_count == 0 for block in pool.blocks)
     assert llm.engine.kv_cache.num_free_host_blocks == llm.engine.kv_cache.num_host_blocks
+
+
+def same_kv_memory(model_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with its `num_kv_blocks` scaled to the same bytes of KV whatever the
+    model's KV cache groups: a block holds one group's layers, so a model with a sliding
+    and a global layer gets twice the blocks of half the size."""
+    scaled = dict(settings)
+    if "num_kv_blocks" in scaled:
+        config = ModelConfig.from_dir(model_dir)
+        groups = KVGroups.of([config.layer_window(i) for i in range(config.num_layers)])
+        scaled["num_kv_blocks"] *= groups.num_groups
+    return scaled

@@ -10,10 +10,8 @@ from typing import Any
 import pytest
 
 from pagefleet.engine import LLM, SamplingParams
-from pagefleet.engine.core.kv_groups import KVGroups
-from pagefleet.engine.models.config import ModelConfig
 from tests.conftest import NEWER_FAMILIES, TINY_ARCHITECTURES, TINY_VOCAB
-from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts
+from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts, same_kv_memory
 
 NEW_TOKENS = 12
 PROMPT_LENGTHS = [5, 17, 33, 1, 48]
@@ -56,21 +54,11 @@ GREEDY_CASES = [
 ]
 
 
-def _same_memory(model_dir: Path, schedule: str) -> dict[str, Any]:
-    """The schedule's settings, its block count scaled to the same bytes of KV: with KV
-    cache groups a block holds one group's layers."""
-    settings = dict(SCHEDULES[schedule])
-    if "num_kv_blocks" in settings:
-        config = ModelConfig.from_dir(model_dir)
-        groups = KVGroups.of([config.layer_window(i) for i in range(config.num_layers)])
-        settings["num_kv_blocks"] *= groups.num_groups
-    return settings
-
-
 @pytest.mark.parametrize(("arch", "schedule", "backend"), GREEDY_CASES)
 def test_greedy_equals_transformers(tiny_models: dict[str, Path], arch: str, schedule: str, backend: str) -> None:
     model_dir = tiny_models[arch]
-    llm = LLM(str(model_dir), dtype="float32", attention_backend=backend, **_same_memory(model_dir, schedule))
+    settings = same_kv_memory(model_dir, SCHEDULES[schedule])
+    llm = LLM(str(model_dir), dtype="float32", attention_backend=backend, **settings)
     assert llm.engine.runner.backend.name == backend
     prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB)
     outputs = llm.generate(prompts, _greedy())

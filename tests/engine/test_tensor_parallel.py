@@ -16,7 +16,7 @@ import torch
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.errors import EngineDeadError
 from tests.conftest import TINY_VOCAB, build_tiny_model
-from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts
+from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts, same_kv_memory
 
 NEW_TOKENS = 10
 PROMPT_LENGTHS = [5, 17, 33, 1, 48]
@@ -65,7 +65,7 @@ ARCH_SCHEDULES = [("llama_kv2", schedule) for schedule in SCHEDULES if schedule 
 @pytest.mark.parametrize(("arch", "schedule"), ARCH_SCHEDULES)
 def test_two_ranks_give_transformers_greedy_output(tp_models: dict[str, Path], arch: str, schedule: str) -> None:
     model_dir = tp_models[arch]
-    llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, **SCHEDULES[schedule])
+    llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, **same_kv_memory(model_dir, SCHEDULES[schedule]))
     try:
         prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB)
         outputs = llm.generate(prompts, GREEDY)
