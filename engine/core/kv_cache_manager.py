@@ -288,8 +288,8 @@ class KVCacheManager:
         max_blocks = (num_tokens - 1) // self.block_size
         record = self._record(seq)
         self._extend_hashes(seq, record, max_blocks)
-        cached = [self._cached_blocks(seq, record, group, max_blocks) for group in range(num_groups)]
-        num_blocks = self._longest_hit(cached, max_blocks)
+        cached = self._cached_blocks(seq, record, max_blocks)
+        num_blocks = self._longest_hit(cached)
         tables = []
         for group, blocks in enumerate(cached):
             first = self.groups.first_needed_block(group, num_blocks * self.block_size, self.block_size)
@@ -297,21 +297,25 @@ class KVCacheManager:
         cost = sum(1 for table in tables for b in table if b != NULL_BLOCK and self.pool.is_evictable(b))
         return PrefixHit(tables, num_blocks, cost)
 
-    def _cached_blocks(self, seq: Sequence, record: SequenceBlocks, group: int, max_blocks: int) -> list[int | None]:
-        """Per block of the prompt's first `max_blocks`, the group's cached copy or None;
-        a full group stops at its first miss (nothing after one can be used)."""
-        found: list[int | None] = []
+    def _cached_blocks(self, seq: Sequence, record: SequenceBlocks, max_blocks: int) -> list[list[int | None]]:
+        """Per group, per block of the prompt's first `max_blocks`, the group's cached copy
+        (None where a sliding group has none), up to the first block a full group misses:
+        nothing after it can be used."""
+        windows = self.groups.windows
+        cached: list[list[int | None]] = [[] for _ in windows]
         for index in range(max_blocks):
-            block_id = self.pool.try_lookup(record.block_hashes[index], self._block_tokens(seq, index), group)
-            if block_id is None and self.groups.windows[group] is None:
+            block_hash, tokens = record.block_hashes[index], self._block_tokens(seq, index)
+            found = [self.pool.try_lookup(block_hash, tokens, group) for group in range(len(windows))]
+            if any(block_id is None and window is None for block_id, window in zip(found, windows, strict=True)):
                 break
-            found.append(block_id)
-        return found
+            for blocks, block_id in zip(cached, found, strict=True):
+                blocks.append(block_id)
+        return cached
 
-    def _longest_hit(self, cached: list[list[int | None]], max_blocks: int) -> int:
+    def _longest_hit(self, cached: list[list[int | None]]) -> int:
         """The most blocks of the prompt that every group holds what it needs for."""
         groups, size = self.groups, self.block_size
-        num_blocks = min([max_blocks] + [len(c) for g, c in enumerate(cached) if groups.windows[g] is None])
+        num_blocks = len(cached[0])
         while num_blocks > 0:
             if all(
                 all(b is not None for b in blocks[groups.first_needed_block(g, num_blocks * size, size) : num_blocks])
@@ -408,11 +412,16 @@ class KVCacheManager:
         )
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of the sequence (each table tail first) and forget its progress."""
+        """Release every block of the sequence and forget its progress."""
         record = self._sequences.pop(seq.seq_id, None)
         if record is not None:
-            for table in record.tables:
-                self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
+            self._release(record.tables)
+
+    def _release(self, tables: list[list[int]]) -> None:
+        """Drop one reference from every block of `tables`, each table tail first (so a
+        prefix-cached chain is evicted from its end)."""
+        for table in tables:
+            self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
 
     def free_request(self, request: Request) -> None:
         for seq in request.sequences:
@@ -438,8 +447,7 @@ class KVCacheManager:
                 if block_id not in to_host:
                     to_host[block_id] = self._free_host_blocks.popleft()
                     self.pending.swap_out.append((block_id, to_host[block_id]))
-            for table in record.tables:
-                self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
+            self._release(record.tables)
             record.host_tables = [[to_host[b] for b in table] for table in record.tables]
             record.tables = [[] for _ in record.tables]
             record.num_registered_blocks = 0  # the device copies may be evicted meanwhile

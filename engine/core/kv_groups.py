@@ -68,11 +68,8 @@ class KVGroups:
     def blocks_for_tokens(self, num_tokens: int, block_size: int) -> int:
         """Blocks a sequence of `num_tokens` computed tokens holds at most while it decodes:
         every block in full groups, the window's in sliding ones."""
-        total = 0
-        for window in self.windows:
-            blocks = -(-num_tokens // block_size)
-            total += blocks if window is None else min(blocks, -(-(window - 1) // block_size) + 1)
-        return total
+        blocks = -(-num_tokens // block_size)
+        return sum(blocks if w is None else min(blocks, window_blocks(w, block_size)) for w in self.windows)
 
     def admissible_tokens(self, num_free_blocks: int, block_size: int, limit: int) -> int:
         """The longest context (at most `limit` tokens) that `num_free_blocks` hold."""
@@ -84,6 +81,11 @@ class KVGroups:
             else:
                 high = middle - 1
         return low
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks a query's window of `window` keys spans (it may start mid-block)."""
+    return -(-(window - 1) // block_size) + 1
 
 
 ONE_GROUP = KVGroups.of([None])  # one full group: a plain paged cache, as the manager's default

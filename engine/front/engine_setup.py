@@ -132,8 +132,7 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     quantization = served_quantization(config, model_dir)
     gguf = gguf_file(config.model) if quantization == "gguf" else None
     model, model_config = load_model(model_dir, dtype, device, shard, gguf, int8=quantization == "compressed-tensors")
-    windows = [model_config.layer_window(i) for i in range(model_config.num_layers)]
-    groups = KVGroups.of(windows, config.hybrid_kv_cache)
+    groups = KVGroups.of(model_config.layer_windows, config.hybrid_kv_cache)
     block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard, groups.num_tensors)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
     if shard.size > 1:

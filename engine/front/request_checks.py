@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pagefleet.engine.core.kv_groups import ONE_GROUP, KVGroups
+from pagefleet.engine.core.kv_groups import ONE_GROUP, KVGroups, window_blocks
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
 from pagefleet.engine.front.inputs import PreparedPrompt, PromptType, parse_prompt, prompt_cache_salt
 from pagefleet.engine.kv_transfer.params import RemoteKV, transfer_params
@@ -46,8 +46,8 @@ def worst_case_blocks(
     blocks (shared by every sample) plus, per sample, the blocks of `max_tokens` outputs
     and one copy of the part-filled block the prompt ends in (copy-on-write); a lone
     sequence needs just the blocks of prompt and output together. A sliding group holds at
-    most each sample's window and a prefill chunk of `chunk_tokens`. A request above the
-    whole cache can never run."""
+    most each sample's window (and its copy-on-write copy) and a prefill chunk of
+    `chunk_tokens`. A request above the whole cache can never run."""
     if num_sequences == 1:
         full = -(-(num_prompt_tokens + max_tokens) // block_size)
     else:
@@ -57,7 +57,7 @@ def worst_case_blocks(
         if window is None:
             total += full
         else:
-            held = num_sequences * (-(-(window - 1) // block_size) + 2) + -(-chunk_tokens // block_size)
+            held = num_sequences * (window_blocks(window, block_size) + 1) + -(-chunk_tokens // block_size)
             total += min(full, held)
     return total
 

@@ -67,7 +67,8 @@ class PeerConnector(KVConnector):
     def hold_prefix(self, hashes: list[int], token_ids: list[int]) -> list[int]:
         """The cached blocks of the longest prefix of `hashes`, each with a reference taken
         (`release` drops them once copied)."""
-        size, held = self.block_size, list[int]()
+        size = self.block_size
+        held: list[int] = []
         if not self.enabled:
             return held
         for index, block_hash in enumerate(hashes):

@@ -54,6 +54,11 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """`layer_window` of every layer, in order (how the KV cache groups its layers)."""
+        return [self.layer_window(i) for i in range(self.num_layers)]
+
     def layer_uses_rope(self, layer: int) -> bool:
         return not self.layer_rope or self.layer_rope[layer]
 

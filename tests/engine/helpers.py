@@ -66,7 +66,5 @@ def same_kv_memory(model_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
     and a global layer gets twice the blocks of half the size."""
     scaled = dict(settings)
     if "num_kv_blocks" in scaled:
-        config = ModelConfig.from_dir(model_dir)
-        groups = KVGroups.of([config.layer_window(i) for i in range(config.num_layers)])
-        scaled["num_kv_blocks"] *= groups.num_groups
+        scaled["num_kv_blocks"] *= KVGroups.of(ModelConfig.from_dir(model_dir).layer_windows).num_groups
     return scaled

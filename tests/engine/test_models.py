@@ -31,14 +31,14 @@ def _config(hf_config: tf.PretrainedConfig, architecture: str) -> ModelConfig:
 def test_gemma_layers_take_their_windows_scales_and_rope_bases_from_the_config() -> None:
     gemma3 = tf.Gemma3TextConfig(num_hidden_layers=7, sliding_window=512, head_dim=64, query_pre_attn_scalar=256)
     config = _config(gemma3, "Gemma3ForCausalLM")
-    assert [config.layer_window(i) for i in range(7)] == [512] * 5 + [None, 512]  # five local per global
+    assert config.layer_windows == [512] * 5 + [None, 512]  # five local per global
     assert (config.rope_theta, config.local_rope_theta) == (1_000_000.0, 10_000.0)
     assert config.attention_scale == 256**-0.5 and config.qk_norm and config.attn_softcap is None
     gemma2 = _config(tf.Gemma2Config(num_hidden_layers=4, sliding_window=4096), "Gemma2ForCausalLM")
-    assert [gemma2.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert gemma2.layer_windows == [4096, None, 4096, None]
     assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.local_rope_theta) == (50.0, 30.0, None)
     mistral = _config(tf.MistralConfig(num_hidden_layers=2, sliding_window=4096), "MistralForCausalLM")
-    assert [mistral.layer_window(i) for i in range(2)] == [4096, 4096]
+    assert mistral.layer_windows == [4096, 4096]
     assert SUPPORTED_ARCHITECTURES["Gemma3ForCausalLM"] == "gemma"
 
 

@@ -105,15 +105,7 @@ def test_prefill_attention_equals_the_reference_and_each_row_as_a_decode(
     num_blocks = sum(-(-(n + p) // block_size) for n, p in chunks) + 7
     layout = "head_major" if block_size == 16 else "contiguous"
     key_cache, value_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, layout)
-    order = torch.randperm(num_blocks, generator=generator)
-    tables = torch.zeros(len(chunks), max_blocks + 2, dtype=torch.int32)
-    used = 0
-    for row, (new, prefix) in enumerate(chunks):
-        count = -(-(new + prefix) // block_size)
-        tables[row, :count] = order[used : used + count]
-        used += count
-    cu_seqlens = torch.tensor([0, *torch.tensor([n for n, _ in chunks]).cumsum(0).tolist()], dtype=torch.int32)
-    context_lens = torch.tensor([n + p for n, p in chunks], dtype=torch.int32)
+    tables, cu_seqlens, context_lens = _scattered_tables(chunks, num_blocks, max_blocks + 2, block_size, generator)
     query = torch.randn(int(cu_seqlens[-1]), num_heads, head_dim, generator=generator).to(dtype)
     scale = head_dim**-0.5
     args = (query, key_cache, value_cache, tables, cu_seqlens, context_lens, scale)
@@ -136,6 +128,24 @@ def test_prefill_attention_equals_the_reference_and_each_row_as_a_decode(
         assert torch.equal(alone, actual[row : row + 1]), f"row {row}"
 
 
+def _scattered_tables(
+    chunks: list[tuple[int, int]], num_blocks: int, width: int, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block tables [len(chunks), width] whose blocks lie scattered over the cache, one
+    sequence per (new tokens, cached prefix) chunk; and the chunks' cu_seqlens and context
+    lengths, as the prefill operator takes them."""
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+    used = 0
+    for row, (new, prefix) in enumerate(chunks):
+        count = -(-(new + prefix) // block_size)
+        tables[row, :count] = order[used : used + count]
+        used += count
+    cu_seqlens = torch.tensor([0, *torch.tensor([n for n, _ in chunks]).cumsum(0).tolist()], dtype=torch.int32)
+    context_lens = torch.tensor([n + p for n, p in chunks], dtype=torch.int32)
+    return tables, cu_seqlens, context_lens
+
+
 SOFTCAP = 30.0  # Gemma 2's attn_logit_softcapping
 
 
@@ -150,15 +160,8 @@ def test_softcapped_attention_equals_the_reference(dtype: torch.dtype, head_dim:
     chunks = [(1, 0), (40, 0), (5, 300), (20, 700)]  # (new tokens, cached prefix)
     num_blocks = sum(-(-(n + p) // block_size) for n, p in chunks) + 3
     key_cache, value_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, "head_major")
-    order = torch.randperm(num_blocks, generator=generator)
-    tables = torch.zeros(len(chunks), -(-max(n + p for n, p in chunks) // block_size), dtype=torch.int32)
-    used = 0
-    for row, (new, prefix) in enumerate(chunks):
-        count = -(-(new + prefix) // block_size)
-        tables[row, :count] = order[used : used + count]
-        used += count
-    cu_seqlens = torch.tensor([0, *torch.tensor([n for n, _ in chunks]).cumsum(0).tolist()], dtype=torch.int32)
-    context_lens = torch.tensor([n + p for n, p in chunks], dtype=torch.int32)
+    width = -(-max(n + p for n, p in chunks) // block_size)
+    tables, cu_seqlens, context_lens = _scattered_tables(chunks, num_blocks, width, block_size, generator)
     query = (8 * torch.randn(int(cu_seqlens[-1]), num_heads, head_dim, generator=generator)).to(dtype)
     scale = head_dim**-0.5
     tolerance = dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
