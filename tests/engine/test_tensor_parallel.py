@@ -22,9 +22,7 @@ NEW_TOKENS = 10
 PROMPT_LENGTHS = [5, 17, 33, 1, 48]
 SCHEDULES: dict[str, dict[str, Any]] = {
     "plain": {},
-    "chunked_prefill": {"max_num_batched_tokens": 16},
     "preempt_recompute": {"num_kv_blocks": 10, "block_size": 8},
-    "preempt_swap": {"num_kv_blocks": 10, "block_size": 8, "preemption_mode": "swap"},
     "chunked_swap": {"max_num_batched_tokens": 16, "num_kv_blocks": 10, "block_size": 8, "preemption_mode": "swap"},
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -54,11 +52,11 @@ def _alive(pid: int) -> bool:
     return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
-# Every schedule on one architecture; each other sharding (KV heads split or replicated,
-# biases, GPT-2's fused projections) with chunked prefills and swapping in one run, which
-# runs every path of the workers' step.
-ARCH_SCHEDULES = [("llama_kv2", schedule) for schedule in SCHEDULES if schedule != "chunked_swap"] + [
-    (arch, "chunked_swap") for arch in ("llama_kv4", "llama_kv1", "qwen2", "gemma2", "phi3", "gpt2")
+# Every sharding (KV heads split or replicated, biases, soft-caps, fused checkpoint tensors,
+# GPT-2's fused projections) with chunked prefills and swapping in one run, which runs every
+# path of the workers' step; one architecture also plain and preempted by recompute.
+ARCH_SCHEDULES = [("llama_kv2", "plain"), ("llama_kv2", "preempt_recompute")] + [
+    (arch, "chunked_swap") for arch in ("llama_kv2", "llama_kv4", "llama_kv1", "qwen2", "gemma2", "phi3", "gpt2")
 ]
 
 
