@@ -60,11 +60,13 @@ def assert_no_block_leaked(llm: LLM) -> None:
     assert llm.engine.kv_cache.num_free_host_blocks == llm.engine.kv_cache.num_host_blocks
 
 
-def same_kv_memory(model_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+def same_kv_memory(model: Path | str, settings: dict[str, Any]) -> dict[str, Any]:
     """`settings` with its `num_kv_blocks` scaled to the same bytes of KV whatever the
     model's KV cache groups: a block holds one group's layers, so a model with a sliding
-    and a global layer gets twice the blocks of half the size."""
+    and a global layer gets twice the blocks of half the size. (A GGUF file or a built-in
+    name is a Llama or GPT-2 here: one group.)"""
     scaled = dict(settings)
-    if "num_kv_blocks" in scaled:
+    model_dir = Path(model)
+    if "num_kv_blocks" in scaled and (model_dir / "config.json").is_file():
         scaled["num_kv_blocks"] *= KVGroups.of(ModelConfig.from_dir(model_dir).layer_windows).num_groups
     return scaled

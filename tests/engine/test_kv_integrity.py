@@ -3,7 +3,8 @@ for token the prompt's cold answer (computed alone, nothing cached) whatever pat
 it or brought its KV: a prefix-cache hit, a batch with seven other prompts, 32-token prefill
 chunks, preemption by recompute and by swap, a prefill/decode transfer, a read from the KV
 file tier, ngram and suffix speculation. SmolLM2's own Q4_1 file (float32 activations, the
-default users get) and tiny models for the other formats; each format's engines are built
+default users get), tiny models for the other formats, and a tiny Gemma 3 whose cache has
+KV groups (a sliding-window group beside a full one); each format's engines are built
 once for all its paths."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.loader.int8_convert import convert
 from tests.conftest import TINY_VOCAB, build_tiny_model
-from tests.engine.helpers import assert_no_block_leaked, random_prompts
+from tests.engine.helpers import assert_no_block_leaked, random_prompts, same_kv_memory
 from tests.engine.test_gguf_files import write_gpt2_gguf, write_mixed_llama_gguf
 from tests.engine.test_kv_transfer import _pull
 
@@ -103,7 +104,7 @@ def _run_paths(model: str, settings: dict, prompts: list[list[int]], tier: Path)
     needed_blocks = (max(len(p) for p in prompts) + NEW_TOKENS) // 16 + 1  # the longest request fits alone
     cache = {k: v for k, v in settings.items() if k not in ("num_kv_blocks", "kv_cache_memory")}
     for mode in ("recompute", "swap"):
-        small = LLM(model, num_kv_blocks=needed_blocks + 2, preemption_mode=mode, **cache)
+        small = LLM(model, preemption_mode=mode, **same_kv_memory(model, {"num_kv_blocks": needed_blocks + 2}), **cache)
         answers[f"preempt_{mode}"] = _answers(small, prompts)
         stats = small.stats()
         preemptions = stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute
@@ -154,6 +155,9 @@ FORMATS: dict[str, Callable[[Path], tuple[str, dict]]] = {
     ),
     "Q4_K": lambda root: (str(_wide_gpt2_k_quants(root)), {"dtype": "float32"}),
     "W8A8": lambda root: (str(_w8a8(root)), {"dtype": "float32"}),
+    # KV cache groups: a sliding layer (window 8) beside a global one. Transfers run on one
+    # group (kv_role, kv_cache_dir turn the groups off), so they also check grouped = not.
+    "gemma3-kv-groups": lambda root: (str(build_tiny_model("gemma3", root / "gemma3")), {"dtype": "float32"}),
 }
 
 
