@@ -28,6 +28,7 @@ from pagefleet.engine.layers.backends import select_backend
 from pagefleet.engine.loader import resolve_model_dir
 from pagefleet.engine.loader.compressed_tensors import is_int8_checkpoint
 from pagefleet.engine.loader.source import gguf_file
+from pagefleet.engine.loader.tokenizer import load_tokenizer
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models import ModelConfig, load_model
 from pagefleet.engine.models.loading import CausalLM
@@ -64,8 +65,6 @@ class DeviceParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
-    from transformers import AutoTokenizer
-
     if config.torch_device.type == "cpu":
         keep_freed_memory()
         if "OMP_NUM_THREADS" not in os.environ:
@@ -76,7 +75,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if not config.skip_tokenizer_init:
         tokenizer_dir = resolve_model_dir(config.tokenizer) if config.tokenizer else model_dir
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+            tokenizer = load_tokenizer(tokenizer_dir)
         except (OSError, ValueError) as error:
             raise InvalidParameterError(
                 "tokenizer",

@@ -13,7 +13,8 @@ import torch
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.errors import ModelNotFoundError, UnsupportedModelError
-from pagefleet.engine.loader import builtins, gguf_cache
+from pagefleet.engine.loader import builtins, gguf_cache, resolve_model_dir
+from pagefleet.engine.loader.tokenizer import load_tokenizer
 from pagefleet.engine.worker.model_runner import kv_bytes_per_block
 from tests.engine.helpers import assert_no_block_leaked
 
@@ -78,3 +79,23 @@ def test_replicas_sharing_a_model_cache_convert_a_gguf_file_once(tmp_path: Path)
     assert len(set(targets)) == 1
     (log,) = list(cache.glob("gguf/conversions.log"))
     assert len(log.read_text().split()) == 1, "converted more than once"
+
+
+def test_the_tokenizer_is_the_one_autotokenizer_gives(tiny_llama: Path, tmp_path: Path) -> None:
+    """The generic tokenizers-backed class is loaded directly (no AutoTokenizer lookup), and
+    encodes and applies chat templates exactly as AutoTokenizer's choice; a model's own
+    tokenizer class still goes through AutoTokenizer."""
+    from transformers import AutoTokenizer, GPT2TokenizerFast
+
+    for directory in (tiny_llama, resolve_model_dir("smollm2-135m-instruct")):
+        ours, theirs = load_tokenizer(directory), AutoTokenizer.from_pretrained(str(directory))
+        assert type(ours) is type(theirs)
+        text = "Hello, world! <|endoftext|> numbers 12345"
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+        chat = [{"role": "user", "content": "hi"}]
+        assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+    own_class = tmp_path / "gpt2-tokenizer"
+    shutil.copytree(tiny_llama, own_class)
+    config = json.loads((own_class / "tokenizer_config.json").read_text())
+    (own_class / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    assert isinstance(load_tokenizer(own_class), GPT2TokenizerFast)
