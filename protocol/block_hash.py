@@ -4,7 +4,7 @@ The engine keys its prefix cache by these hashes, replicas publish them to the f
 index in Redis, and the gateway computes them for a request before it routes it: all three
 must agree bit for bit, so there is exactly one definition, here (docs/redis-protocol.md).
 
-    root    = blake2b-64("pagefleet-kv-v1" 0 adapter 0 cache_salt)
+    root    = blake2b-64("pagefleet-kv-v1" 0 adapter 0 cache_salt [0 "long-rope"])
     hash[0] = blake2b-64(root    as 8 bytes LE || token ids of block 0 as uint32 LE)
     hash[i] = blake2b-64(hash[i-1] as 8 bytes LE || token ids of block i as uint32 LE)
 
@@ -30,10 +30,13 @@ def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=HASH_BYTES).digest(), "little")
 
 
-def chain_root(adapter: str | None = None, cache_salt: str | None = None) -> int:
+def chain_root(adapter: str | None = None, cache_salt: str | None = None, long_rope: bool = False) -> int:
     """The first link of a request's chain: requests of different LoRA adapters, or with
-    different `cache_salt` values (vLLM's request field), never share a block."""
-    return _digest(b"\0".join((VERSION, (adapter or "").encode(), (cache_salt or "").encode())))
+    different `cache_salt` values (vLLM's request field), never share a block; nor do a
+    LongRoPE model's requests whose prompts are longer than its pretraining length, whose
+    keys rotate by other frequencies (engine/layers/rotary.py), with shorter ones."""
+    parts = [VERSION, (adapter or "").encode(), (cache_salt or "").encode()]
+    return _digest(b"\0".join(parts + [b"long-rope"] if long_rope else parts))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, root: int, parents: Sequence[int] = ()) -> list[int]:

@@ -83,8 +83,14 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
         return tf.GraniteConfig(**sizes, **multipliers, logits_scaling=2.0, **common)
     if arch == "olmo2":
         return tf.Olmo2Config(**sizes, **common)
-    if arch == "phi3":  # q/k/v and gate/up stored fused; RoPE on the first half of each head only
-        return tf.Phi3Config(**sizes, partial_rotary_factor=0.5, **common)
+    if arch == "phi3":  # q/k/v and gate/up stored fused; RoPE on the first half of each head only,
+        # LongRoPE's two sets of factors past 24 tokens (of the exactness tests' prompts, those of
+        # 33 and 48 tokens rotate by the long set, and one of 17 crosses over as it decodes).
+        factors = dict(short_factor=[1.0, 1.3, 2.0, 3.1], long_factor=[1.5, 4.0, 9.0, 17.0])
+        longrope = dict(rope_type="longrope", **factors, original_max_position_embeddings=24)
+        return tf.Phi3Config(
+            **sizes, partial_rotary_factor=0.5, original_max_position_embeddings=24, rope_scaling=longrope, **common
+        )
     # Gemma: a sliding layer (window 8, shorter than most test prompts) and a global one,
     # a scale from query_pre_attn_scalar unlike head_dim's.
     gemma = sizes | dict(

@@ -139,6 +139,11 @@ class Request:
     lora_request: LoRARequest | None = None  # the adapter it runs with
     lora_slot: int | None = None  # its adapter's slot while the scheduler holds one for it
     events: list[RequestEvent] = field(default_factory=list)  # appended by the scheduler, read by tracing
+    # LongRoPE (engine/layers/rotary.py): whether its keys rotate by the long factors, and
+    # the hash root its sequences take if they outgrow the pretraining length (None: no
+    # switch ahead of it).
+    rotates_long: bool = False
+    long_rope_root: int | None = None
 
     def __post_init__(self) -> None:
         num_prompt = len(self.prompt_token_ids)
@@ -158,6 +163,14 @@ class Request:
     def reset_fork(self) -> None:
         """Back to before the fork point (new, or preempted by recompute)."""
         self.is_forked = len(self.sequences) == 1 or not self.shares_prompt
+
+    def rotate_long(self) -> None:
+        """From now on its keys rotate by the long factors, in a prefix-cache chain of their own."""
+        root = self.long_rope_root
+        assert root is not None, "only a request with a switch ahead of it switches"
+        self.rotates_long, self.long_rope_root = True, None
+        for seq in self.sequences:
+            seq.hash_root = root
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,7 @@ def _chunk(chunk: ScheduledChunk, prompt_logprobs: bool) -> ChunkInput:
         chunk.start,
         chunk.input_token_ids,
         chunk.block_tables,
+        request.rotates_long,
         len(chunk.draft_token_ids),
     )
     if prompt_logprobs:

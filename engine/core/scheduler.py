@@ -110,7 +110,11 @@ class Scheduler:
       are admitted strictly in arrival order, and none in a step that preempted.
     - With a speculator, a decoding sequence's chunk may carry draft tokens after its last
       token, as many as the load switch allows this step and only if their slots are free
-      (drafts never preempt).
+      (drafts never preempt), and never past a LongRoPE model's pretraining length.
+    - A request of a LongRoPE model whose sequences outgrow the pretraining length is
+      computed again from its first token, rotated by the long factors (as transformers
+      does: engine/layers/rotary.py); it gives back its blocks and waits at its place in
+      the queue.
     - Invariant: at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences a step.
     """
 
@@ -121,8 +125,10 @@ class Scheduler:
         lora: LoRAManager | None = None,
         speculator: Speculator | None = None,
         kv_connector: KVConnector | None = None,
+        long_rope_after: int | None = None,
     ) -> None:
         self.config = config
+        self.long_rope_after = long_rope_after  # LongRoPE's pretraining length, if the model has one
         self.kv_cache = kv_cache
         self.kv_connector = kv_connector or KVConnector()
         self.lora = lora
@@ -185,6 +191,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._outgrew_short_rope(request):
+                self.running.remove(request)
+                self._rotate_long(request)
+                self.add(request)
+                continue
             scheduled = self._try_schedule_request(request, plan, budget)
             while scheduled is None:
                 victim = self.running[-1]
@@ -201,6 +212,8 @@ class Scheduler:
     def _schedule_waiting(self, plan: SchedulePlan, budget: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if self._outgrew_short_rope(request):  # it was preempted right after it outgrew them
+                self._rotate_long(request)
             if self.num_running_seqs + request.num_seq_slots > self.config.max_num_seqs:
                 break
             if not self._hold_adapter(request):
@@ -336,7 +349,10 @@ class Scheduler:
         start = self.kv_cache.num_computed_tokens(seq)
         if not self.speculator.can_speculate(request) or seq.num_tokens - start != 1:
             return 0
-        drafts = self.speculator.propose(request, seq, min(self._draft_length, budget - 1))
+        limit = min(self._draft_length, budget - 1)
+        if self.long_rope_after is not None and not request.rotates_long:
+            limit = min(limit, self.long_rope_after - seq.num_tokens)  # no draft past the switch
+        drafts = self.speculator.propose(request, seq, limit) if limit > 0 else []
         if not drafts or self.kv_cache.blocks_needed(seq, 1 + len(drafts)) > self.kv_cache.num_free_blocks:
             return 0
         allocated = self.kv_cache.allocate_slots(seq, 1 + len(drafts))
@@ -344,6 +360,30 @@ class Scheduler:
         tables = self.kv_cache.block_tables(seq)
         plan.chunks.append(ScheduledChunk(request, seq, start, 1 + len(drafts), tables, drafts))
         return 1 + len(drafts)
+
+    def _outgrew_short_rope(self, request: Request) -> bool:
+        """Whether the request's keys rotate by LongRoPE's short factors while a sequence
+        of it is now longer than the pretraining length."""
+        after = self.long_rope_after
+        return (
+            after is not None
+            and not request.rotates_long
+            and any(seq.num_tokens > after for seq in request.active_sequences)
+        )
+
+    def _rotate_long(self, request: Request) -> None:
+        """Give back every block of the request's (computed with the short factors) and
+        switch it to the long ones: it waits to be computed again from its first token."""
+        if request.status == RequestStatus.SWAPPED:
+            self.kv_cache.release_host_blocks(request)
+        else:
+            self.kv_cache.free_request(request)
+        self._release_adapter(request)
+        request.reset_fork()
+        request.status = RequestStatus.WAITING
+        request.rotate_long()
+        request.note("long_rope_recompute")
+        logger.info("request %s outgrew LongRoPE's short factors: computed again with the long", request.request_id)
 
     def _preempt(self, request: Request, plan: SchedulePlan) -> None:
         self.running.remove(request)

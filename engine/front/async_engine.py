@@ -222,6 +222,10 @@ class AsyncEngine:
         `add_request` does; it reads no engine state, so any thread may ask)."""
         return self._engine.prompt_token_ids(prompt, params)
 
+    def hash_root(self, token_ids: list[int], lora_request: LoRARequest | None, cache_salt: str | None) -> int:
+        """The first link of the prompt's prefix-cache hash chain, as `add_request` sets it."""
+        return self._engine.hash_root(token_ids, lora_request, cache_salt)
+
     def kv_layout(self) -> KVLayout:
         """What a KV transfer with this engine must agree on (never changes)."""
         return self._engine.kv_connector.layout

@@ -74,7 +74,8 @@ class PreparedPrompt:
     cache_salt: str | None
 
 
-def prefix_hash_root(lora_request: LoRARequest | None, cache_salt: str | None) -> int:
-    """The first link of a request's prefix-cache hash chain: an adapter's KV, or a salted
-    request's, is its own (protocol/block_hash.py; routers compute the same)."""
-    return chain_root(lora_request.lora_name if lora_request is not None else None, cache_salt)
+def prefix_hash_root(lora_request: LoRARequest | None, cache_salt: str | None, long_rope: bool = False) -> int:
+    """The first link of a request's prefix-cache hash chain: an adapter's KV, a salted
+    request's, or a LongRoPE model's long prompt's is its own (protocol/block_hash.py;
+    routers compute the same, but for `long_rope`)."""
+    return chain_root(lora_request.lora_name if lora_request is not None else None, cache_salt, long_rope)

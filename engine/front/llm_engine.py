@@ -89,7 +89,14 @@ class LLMEngine:
             lambda: counters.prefill_tokens_per_s,
             kv_transport,
         )
-        self.scheduler = Scheduler(config, self.kv_cache, self.lora, self.parts.speculator, self.kv_connector)
+        self.scheduler = Scheduler(
+            config,
+            self.kv_cache,
+            self.lora,
+            self.parts.speculator,
+            self.kv_connector,
+            long_rope_after=self.parts.model_config.long_rope_after,
+        )
         self.outputs = OutputProcessor(
             Detokenizer(self.tokenizer), self.parts.model_config.eos_token_ids, self.max_model_len
         )
@@ -185,6 +192,16 @@ class LLMEngine:
         max_tokens = checks.resolve_max_tokens(len(token_ids), params)
         return _CheckedRequest(prepared, params, remote_kv, grammar, max_tokens)
 
+    def hash_root(self, token_ids: list[int], lora_request: LoRARequest | None, cache_salt: str | None) -> int:
+        """The first link of the prompt's prefix-cache hash chain (it reads no engine state,
+        so any thread may ask)."""
+        return prefix_hash_root(lora_request, cache_salt, self._rotates_long(token_ids))
+
+    def _rotates_long(self, token_ids: list[int]) -> bool:
+        """Whether a prompt is longer than the model's LongRoPE pretraining length."""
+        long_after = self.parts.model_config.long_rope_after
+        return long_after is not None and len(token_ids) > long_after
+
     def _new_request(self, request_id: str, checked: _CheckedRequest, lora_request: LoRARequest | None) -> Request:
         prepared, params, remote_kv, max_tokens = (
             checked.prepared,
@@ -204,9 +221,11 @@ class LLMEngine:
         )
         if lora_request is not None:
             request.lora_request = lora_request
-        if lora_request is not None or cache_salt is not None:
-            for seq in request.sequences:
-                seq.hash_root = prefix_hash_root(lora_request, cache_salt)
+        request.rotates_long = self._rotates_long(token_ids)
+        for seq in request.sequences:
+            seq.hash_root = self.hash_root(token_ids, lora_request, cache_salt)
+        if self.parts.model_config.long_rope_after is not None and not request.rotates_long:
+            request.long_rope_root = prefix_hash_root(lora_request, cache_salt, long_rope=True)
         if params.use_beam_search:
             request.beam = BeamSearchState(params, max_tokens, self._stop_token_ids(params))
         if checked.grammar is not None:

@@ -1,5 +1,13 @@
 """Rotary position embeddings (the non-interleaved "rotate half" form used by HF Llama):
-the cos/sin tables; `layers.fused.rotary` applies them."""
+the cos/sin tables; `layers.fused.rotary` applies them.
+
+LongRoPE (Phi-3-128k, Phi-4-mini) has two sets of frequencies. transformers rotates a
+sequence by the long set once it is longer than the pretraining length, and when a sequence
+grows past it while it decodes, it computes the whole sequence again with the long set (its
+cache of keys rotated by the short one is dropped). Here the table holds the short rows then
+the long ones; a request rotates by one set at a time (`Request.rotates_long`), and the
+scheduler computes a request again when it outgrows the short one, as transformers does.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +17,12 @@ from typing import Any
 import torch
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], float32, with linear or llama3 scaling applied."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], float32, with linear, llama3 or LongRoPE scaling
+    applied (`long`: LongRoPE's long factors, else its short ones)."""
+    if scaling.get("rope_type") == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "linear":
@@ -35,20 +47,42 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_attention_factor(scaling: dict[str, Any], max_positions: int) -> float:
+    """LongRoPE's scale of cos and sin (both sets): the config's, else transformers' default
+    from the ratio of the context to the pretraining length."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_rows(start: int, end: int, long: bool, max_positions: int) -> range:
+    """The table rows of positions start..end-1: the positions, or with `long` the long
+    rows (offset by the short set's `max_positions`)."""
+    offset = max_positions if long else 0
+    return range(start + offset, end + offset)
+
+
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables indexed by position, applied to q and k in place of HF's."""
+    """Precomputed cos/sin tables indexed by position (LongRoPE: by `rope_rows`), applied to
+    q and k in place of HF's."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
+        freq_sets = [rope_inv_freq(head_dim, theta, scaling)]
+        attention_factor = 1.0
+        if scaling.get("rope_type") == "longrope":
+            freq_sets.append(rope_inv_freq(head_dim, theta, scaling, long=True))
+            attention_factor = _longrope_attention_factor(scaling, max_positions)
+        freqs = torch.cat([torch.outer(positions, inv_freq) for inv_freq in freq_sets])
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, [num_tokens, 1, head_dim]: once per step, shared

@@ -59,6 +59,14 @@ class ModelConfig:
         """`layer_window` of every layer, in order (how the KV cache groups its layers)."""
         return [self.layer_window(i) for i in range(self.num_layers)]
 
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's pretraining length (Phi-3-128k, Phi-4-mini): a sequence longer than
+        this rotates by the long factors (engine/layers/rotary.py); None without LongRoPE."""
+        if self.rope_scaling.get("rope_type") != "longrope":
+            return None
+        return int(self.rope_scaling["original_max_position_embeddings"])
+
     def layer_uses_rope(self, layer: int) -> bool:
         return not self.layer_rope or self.layer_rope[layer]
 
@@ -122,6 +130,9 @@ class ModelConfig:
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         # transformers 5 writes rope settings as `rope_parameters`; 4.x as rope_theta/rope_scaling.
         theta, rope = _rope(raw.get("rope_parameters") or raw.get("rope_scaling") or {}, raw.get("rope_theta", 10000.0))
+        if rope["rope_type"] == "longrope":  # transformers 4 keeps the pretraining length beside the factors
+            original = rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+            rope["original_max_position_embeddings"] = original or raw.get("max_position_embeddings", 2048)
         head_dim = raw.get("head_dim") or hidden // heads
         partial = rope.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
         window, layer_types = raw.get("sliding_window"), ()
@@ -213,8 +224,8 @@ def _rope(parameters: dict[str, Any], default_theta: float) -> tuple[float, dict
     rope = dict(parameters)
     theta = rope.pop("rope_theta", None) or default_theta
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type not in ("default", "linear", "llama3", "longrope"):
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3, longrope)")
     return float(theta), {**rope, "rope_type": rope_type}
 
 

@@ -2,8 +2,8 @@
 as one `qkv_proj` and gate/up as one `gate_up_proj`, a sliding window on every layer where
 the config sets one, and RoPE on part of each head (`partial_rotary_factor`, Phi-4-mini).
 The fused tensors are split into Llama's names as they are read, so loading (and a
-tensor-parallel rank's share of each) is Llama's. LongRoPE (`rope_type: longrope`) is not
-served yet: config.py refuses it by name."""
+tensor-parallel rank's share of each) is Llama's. LongRoPE (`rope_type: longrope`) is
+Llama's rotary table with a second set of rows (engine/layers/rotary.py)."""
 
 from __future__ import annotations
 

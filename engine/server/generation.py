@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from opentelemetry import context as otel_context
 
 from pagefleet.engine.front.async_engine import AsyncEngine
-from pagefleet.engine.front.inputs import TextPrompt, TokensPrompt, prefix_hash_root
+from pagefleet.engine.front.inputs import TextPrompt, TokensPrompt
 from pagefleet.engine.front.outputs import CompletionOutput, RequestOutput
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.sampling_params import RequestOutputKind, SamplingParams
@@ -64,7 +64,7 @@ async def generate(
         engine_prompt, remote_kv = await state.transfers.prepare(engine, prompt, params)
         if remote_kv is None and PEER_HINT.get() is not None and params.prompt_logprobs is None:
             engine_prompt = await asyncio.to_thread(engine.prompt_token_ids, engine_prompt, params)  # once
-            root = prefix_hash_root(lora_request, cache_salt)
+            root = engine.hash_root(engine_prompt, lora_request, cache_salt)
             remote_kv = await state.transfers.peers.pull(engine, engine_prompt, root)
         if cache_salt is not None:
             assert not isinstance(engine_prompt, dict), "prepare gives back the prompt or its token ids"

@@ -21,6 +21,7 @@ from pagefleet.engine.core.kv_groups import KVGroups
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.kv_connector.worker import load_blocks
 from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, StepLayout, allocate_kv_cache
+from pagefleet.engine.layers.rotary import rope_rows
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.loading import CausalLM
@@ -70,7 +71,7 @@ class StepInputs:
 
     copies: PendingCopies
     input_ids: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor  # each token's row of the position tables: its position, or LongRoPE's long row
     layouts: list[StepLayout]  # per KV cache group
     logit_rows: list[int]  # rows whose logits are computed: samples first, then prompt logprobs
 
@@ -285,10 +286,11 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
+        max_positions = self.model_config.max_position_embeddings
         for chunk in chunks:
             last_rows.append(len(input_ids) + chunk.num_new_tokens - 1)
             input_ids.extend(chunk.input_token_ids)
-            positions.extend(range(chunk.start, chunk.end))
+            positions.extend(rope_rows(chunk.start, chunk.end, chunk.long_rope, max_positions))
         layouts = [self._layout(chunks, group) for group in range(self.groups.num_groups)]
         return (
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -18,13 +18,15 @@ from pagefleet.engine.sample.sampling_params import SamplingParams
 @dataclass(slots=True)
 class ChunkInput:
     """`input_token_ids` (the sequence's own tokens, then `num_drafts` drafts) at positions
-    from `start`, written into `block_tables` (one per KV cache group)."""
+    from `start`, written into `block_tables` (one per KV cache group); `long_rope`: they
+    rotate by LongRoPE's long factors."""
 
     request_id: str
     lora_slot: int
     start: int
     input_token_ids: list[int]
     block_tables: list[list[int]]
+    long_rope: bool = False
     num_drafts: int = 0
     # With prompt logprobs: how many top tokens, and the prompt token each scoring
     # position of the chunk predicts (position p predicts token p + 1).

@@ -90,6 +90,21 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_models: dict[str, Path], arch: 
     assert_no_block_leaked(llm)
 
 
+def test_longrope_never_mixes_short_and_long_rotations(tiny_models: dict[str, Path]) -> None:
+    """The tiny Phi-3's LongRoPE switches to its long factors past 24 tokens. A 40-token
+    prompt must not hit an 8-token prompt's block (its keys rotated by the short factors);
+    a 16-token prompt hits it, then decodes past 24 tokens and is computed again whole with
+    the long factors, as transformers does; a second long prompt hits the first's blocks."""
+    model_dir = tiny_models["phi3"]
+    llm = LLM(str(model_dir), dtype="float32", block_size=8)
+    shared = random_prompts([40], TINY_VOCAB, seed=4)[0]
+    prompts = [shared[:8], shared, shared[:16], shared + [7, 8]]
+    outputs = [llm.generate([prompt], _greedy())[0] for prompt in prompts]
+    assert [o.usage.cached_prompt_tokens for o in outputs] == [0, 0, 8, 40]
+    _assert_matches_hf(model_dir, prompts, outputs)
+    assert_no_block_leaked(llm)
+
+
 def test_mixed_arrival_times(tiny_llama: Path, backend: str) -> None:
     """Requests that arrive while others decode join the running batch and stay exact."""
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=24, attention_backend=backend)

@@ -10,6 +10,7 @@ import pytest
 import transformers as tf
 
 from pagefleet.engine.errors import UnsupportedModelError
+from pagefleet.engine.layers.rotary import rope_rows
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.registry import FAMILIES, SUPPORTED_ARCHITECTURES, model_class
 
@@ -54,14 +55,18 @@ def test_smollm3_nope_layers_and_granite_multipliers_come_from_the_config() -> N
     assert olmo2.qk_norm and olmo2.attention_scale == olmo2.head_dim**-0.5
 
 
-def test_phi3_rotates_part_of_each_head_and_longrope_is_refused_by_name() -> None:
+def test_phi3_rotates_part_of_each_head_and_takes_longrope_factors_where_transformers_does() -> None:
     phi = _config(tf.Phi3Config(num_hidden_layers=2, partial_rotary_factor=0.75), "Phi3ForCausalLM")
-    assert (phi.head_dim, phi.rotary_dim) == (96, 72)
+    assert (phi.head_dim, phi.rotary_dim, phi.long_rope_after) == (96, 72, None)
     longrope = tf.Phi3Config(
         num_hidden_layers=2,
         original_max_position_embeddings=4096,
         max_position_embeddings=131072,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
     )
-    with pytest.raises(UnsupportedModelError, match="rope type 'longrope' is not supported"):
-        _config(longrope, "Phi3ForCausalLM")
+    config = _config(longrope, "Phi3ForCausalLM")
+    assert config.long_rope_after == 4096
+    assert list(rope_rows(4094, 4098, False, 131072)) == [4094, 4095, 4096, 4097]
+    assert list(rope_rows(0, 2, True, 131072)) == [131072, 131073]  # the long set follows the short one
+    with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported"):
+        _config(tf.LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "LlamaForCausalLM")
