@@ -20,6 +20,7 @@ from torch import nn
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
+from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
 from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
@@ -76,6 +77,12 @@ class GemmaForCausalLM(nn.Module):
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
+        self.quantized_embedding: QuantizedWeight | PackedWeight | None = None  # a GGUF's, looked up as stored
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The token embedding's float weight (the head's, when tied)."""
+        return self.embed_tokens
 
     def forward(
         self,
@@ -86,7 +93,10 @@ class GemmaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden = self.shard.embed(input_ids, self.embed_tokens)
+        if self.quantized_embedding is None:
+            hidden = self.shard.embed(input_ids, self.embed_tokens)
+        else:
+            hidden = self.quantized_embedding.dequantize(input_ids).to(self.norm.weight.dtype)
         hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         rope = self.rotary.lookup(positions, hidden.dtype)
         local_rope = self.local_rotary.lookup(positions, hidden.dtype) if self.local_rotary is not None else rope

@@ -1,14 +1,18 @@
 """GGUF files written here from tiny random models, as llama.cpp's converter lays them out,
 are served from their blocks as stored and generate as their dequantized float models do:
 GPT-2 (Conv1D weights stored [out, in], q/k/v fused; Q4_1, or the K formats Q4_K, Q5_K and
-Q6_K on a model 256 wide, as a Q4_K_M file mixes them) and a Llama whose fused layers mix
-types (q/k Q4_1 with v F16; gate Q4_1 with up Q8_0)."""
+Q6_K on a model 256 wide, as a Q4_K_M file mixes them), a Llama whose fused layers mix
+types (q/k Q4_1 with v F16; gate Q4_1 with up Q8_0), Gemma 3 and Gemma 2 (norms stored plus
+one, q/k not permuted, a tied head; sliding and global layers) and Phi-3 (q/k/v and gate/up
+stored fused, an untied head); the last three also as transformers generates on that float
+model."""
 
 from __future__ import annotations
 
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -20,7 +24,7 @@ from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight, StackedWeight
 from pagefleet.engine.models.loading import iter_weights
 from tests.conftest import TINY_VOCAB
-from tests.engine.helpers import assert_no_block_leaked, random_prompts
+from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts
 from tests.kernels.test_quantized import random_blocks
 
 _LAYER_TENSORS = {  # HF's GPT-2 names -> llama.cpp's
@@ -167,6 +171,96 @@ def write_mixed_llama_gguf(model_dir: Path, path: Path, uniform: str | None = No
     return path
 
 
+def _add_decoder_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    """The keys llama.cpp's converter writes for every Llama-shaped decoder."""
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def _add_decoder_tensors(
+    writer: gguf.GGUFWriter, model_dir: Path, arch: gguf.MODEL_ARCH, types: dict[str, str], norm_shift: float = 0.0
+) -> None:
+    """The checkpoint's tensors under llama.cpp's names (gguf's own map, which its converter
+    and transformers' reader use): a tensor in the type `types` gives for its kind (`attn_q`,
+    `ffn_up`, `output`, ...), float32 otherwise; every norm weight plus `norm_shift`. No q/k
+    row is permuted: llama.cpp does that for its "llama" architecture only."""
+    config = json.loads((model_dir / "config.json").read_text())
+    name_map = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    for name, tensor in iter_weights(model_dir):
+        stem, suffix = name.rsplit(".", 1)
+        target = name_map.get_name(stem)
+        assert target is not None, f"no llama.cpp name for {name}"
+        kind = target.rsplit(".", 1)[-1]
+        if kind.endswith("norm"):
+            tensor = tensor + norm_shift
+        ggml_type = gguf.GGMLQuantizationType[types[kind]] if kind in types else None
+        _add_tensor(writer, f"{target}.{suffix}", tensor, ggml_type)
+
+
+# Gemma's types: fused q/k/v and gate/up each of two runs, the tied head Q8_0.
+_GEMMA_TYPES = {
+    **dict.fromkeys(("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_down"), "Q4_1"),
+    **dict.fromkeys(("attn_v", "ffn_up", "token_embd"), "Q8_0"),
+}
+# Phi-3's: its fused attn_qkv and ffn_up (gate rows, then up) one type each; an untied head.
+_PHI3_TYPES = {"attn_qkv": "Q4_1", "attn_output": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+_PHI3_TYPES |= {"output": "Q4_1", "token_embd": "Q8_0"}
+
+
+def write_gemma_gguf(model_dir: Path, path: Path) -> Path:
+    """The HF Gemma 2 or Gemma 3 (text) in `model_dir` as llama.cpp's Gemma2Model and
+    Gemma3Model converters write it: every norm weight plus one (Gemma scales by 1 + w;
+    transformers subtracts it again), q/k as they are (NEOX rotary), no `output` (tied), head
+    dims and the window in the metadata. The layer pattern (Gemma 2 alternating, Gemma 3
+    five sliding layers then a global one) and Gemma 3's sliding RoPE base are fixed in
+    llama.cpp and transformers alike, so the file does not hold them."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    arch = gguf.MODEL_ARCH.GEMMA3 if config.model_type == "gemma3_text" else gguf.MODEL_ARCH.GEMMA2
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    _add_decoder_metadata(writer, config)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    if arch == gguf.MODEL_ARCH.GEMMA3:
+        writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    else:  # read by llama.cpp, not by transformers (which keeps Gemma 2's defaults)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_sliding_window(config.sliding_window)
+    _add_tokenizer(writer, model_dir)
+    _add_decoder_tensors(writer, model_dir, arch, _GEMMA_TYPES, norm_shift=1.0)
+    _finish(writer)
+    return path
+
+
+def write_phi3_gguf(model_dir: Path, path: Path) -> Path:
+    """The HF Phi-3 in `model_dir` as llama.cpp's Phi3MiniModel converter writes it: q/k/v in
+    one `attn_qkv`, gate and up in one `ffn_up`, q/k as they are (NEOX rotary), an `output`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    _add_decoder_metadata(writer, config)
+    writer.add_rope_dimension_count(int(config.rope_parameters.get("partial_rotary_factor", 1.0) * head_dim))
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if config.sliding_window is not None:
+        writer.add_sliding_window(config.sliding_window)
+    _add_tokenizer(writer, model_dir)
+    # Phi-3's files name a padding token; without one transformers keeps Phi3Config's 32000,
+    # past this vocabulary (an error building the embedding).
+    writer.add_pad_token_id(json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]["<|endoftext|>"])
+    _add_decoder_tensors(writer, model_dir, gguf.MODEL_ARCH.PHI3, _PHI3_TYPES)
+    _finish(writer)
+    return path
+
+
 @pytest.fixture(scope="module")
 def gpt2_gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gpt2_gguf(tiny_models["gpt2"], tmp_path_factory.mktemp("gguf") / "tiny-gpt2-Q4_1.gguf")
@@ -248,3 +342,141 @@ def test_fused_layers_of_mixed_types_run_each_part_as_stored(tiny_llama: Path, t
         assert np.isclose(a.outputs[0].logprobs[0][token].logprob, b.outputs[0].logprobs[0][token].logprob, atol=0.15)
     assert quantized.engine.parts.model.compiled is None  # a float part (v): the Python loop runs
     assert_no_block_leaked(quantized)
+
+
+def _build_random_model(config: Any, directory: Path) -> Path:
+    """A random HF model of `config` beside the tiny tokenizer, built as tests/conftest.py
+    builds its own (large weights, norms around 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import _build_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.3 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    _build_tokenizer().save_pretrained(directory)
+    return directory
+
+
+_SIZES: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+_NO_IDS: dict[str, Any] = dict(vocab_size=TINY_VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_windows(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Gemma 3 of six layers, which transformers reads back from GGUF as five
+    sliding layers (window 16) and a global one: the pattern it assumes for every such file."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(**_SIZES, **_NO_IDS, num_hidden_layers=6, head_dim=16, sliding_window=16)
+    return _build_random_model(config, tmp_path_factory.mktemp("gemma3-windows"))
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2_windows(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Gemma 2: a sliding layer (window 16), then a global one."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(**_SIZES, **_NO_IDS, num_hidden_layers=2, head_dim=16, sliding_window=16)
+    return _build_random_model(config, tmp_path_factory.mktemp("gemma2-windows"))
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Phi-3 as Phi-3-mini-4k is shaped (RoPE on whole heads, no LongRoPE: what
+    transformers' GGUF reader keeps of a Phi-3 file)."""
+    from transformers import Phi3Config
+
+    config = Phi3Config(**_SIZES, **_NO_IDS, num_hidden_layers=2, max_position_embeddings=512)
+    return _build_random_model(config, tmp_path_factory.mktemp("phi3"))
+
+
+def _served_types(llm: LLM) -> dict[str, list[str]]:
+    """Each quantized linear layer's GGML types, one per run of one type it stacks."""
+    types = {}
+    for name, module in llm.engine.parts.model.named_modules():
+        if isinstance(module, Linear) and module.quantized is not None:
+            weight = module.quantized
+            parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
+            assert all(isinstance(p, QuantizedWeight | PackedWeight) for p in parts), f"{name}: a float part"
+            types[name] = [gguf.GGMLQuantizationType(p.ggml_type).name for p in parts]  # type: ignore[union-attr]
+    return types
+
+
+def _assert_weights_are_the_float_models(quantized: LLM, dequantized: LLM) -> None:
+    """Every layer served as stored holds, dequantized, its float weight in the model that
+    transformers dequantized from the file, row for row: the parts in order, none permuted."""
+    reference = dict(dequantized.engine.parts.model.named_modules())
+    for name, module in quantized.engine.parts.model.named_modules():
+        if isinstance(module, Linear) and module.quantized is not None:
+            weight = module.quantized
+            parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
+            rows = torch.cat([p.dequantize() for p in parts])  # type: ignore[union-attr]
+            torch.testing.assert_close(rows, reference[name].weight, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _assert_generates_as_the_float_model_and_transformers(path: Path, quantized: LLM, lengths: list[int]) -> None:
+    """The engine as stored against itself on the float model transformers dequantized from
+    the file, and that against transformers' own greedy tokens on it. The int8 activations
+    (per block of 32, as llama.cpp) move these sharp random models' logprobs by 0.1 on
+    average and up to 1 at a few positions (Llama's Q4_1 file as much: measured), so later
+    greedy tokens may part at a near-tie: the first token must agree, and over a whole
+    sequence the logprobs stay within 0.2 on average (a misread block moves them by units)."""
+    from pagefleet.engine.loader.gguf_cache import converted_dir
+
+    dequantized = LLM(str(path), quantization="none", kv_cache_memory=16 << 20)
+    _assert_weights_are_the_float_models(quantized, dequantized)
+    prompts = random_prompts(lengths, TINY_VOCAB, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    ours = quantized.generate(prompts, params, use_tqdm=False)
+    reference = dequantized.generate(prompts, params, use_tqdm=False)
+    for prompt, a, b in zip(prompts, ours, reference, strict=True):
+        first_a, first_b = a.outputs[0], b.outputs[0]
+        assert first_b.token_ids == hf_greedy(converted_dir(path), prompt, 8)[0]
+        token = first_b.token_ids[0]
+        assert first_a.token_ids[0] == token
+        assert np.isclose(first_a.logprobs[0][token].logprob, first_b.logprobs[0][token].logprob, atol=0.15)
+    sequence = random_prompts([96], TINY_VOCAB, seed=6)[0]
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    scored = [llm.generate([sequence], scoring, use_tqdm=False)[0].prompt_logprobs for llm in (quantized, dequantized)]
+    deviations = [abs(a[t].logprob - b[t].logprob) for a, b, t in zip(*scored, sequence, strict=True) if a and b]
+    assert len(deviations) == len(sequence) - 1 and np.mean(deviations) < 0.2, np.mean(deviations)
+    assert_no_block_leaked(quantized)
+    assert_no_block_leaked(dequantized)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "layer_types"),
+    [
+        ("tiny_gemma3_windows", ("sliding_attention",) * 5 + ("full_attention",)),
+        ("tiny_gemma2_windows", ("sliding_attention", "full_attention")),
+    ],
+)
+def test_gemma_serves_its_gguf_blocks_as_stored(
+    fixture: str, layer_types: tuple[str, ...], request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    path = write_gemma_gguf(request.getfixturevalue(fixture), tmp_path / "tiny-gemma.gguf")
+    quantized = LLM(str(path), kv_cache_memory=16 << 20)
+    model = quantized.engine.parts.model
+    assert model.config.layer_types == layer_types and model.config.sliding_window == 16
+    layer = {"self_attn.qkv_proj": ["Q4_1", "Q8_0"], "self_attn.o_proj": ["Q4_1"]}
+    layer |= {"mlp.gate_up_proj": ["Q4_1", "Q8_0"], "mlp.down_proj": ["Q4_1"]}
+    expected = {f"layers.{i}.{name}": types for i in range(len(layer_types)) for name, types in layer.items()}
+    assert _served_types(quantized) == expected | {"lm_head": ["Q8_0"]}  # the tied head
+    assert model.quantized_embedding is not None and model.embed_tokens.numel() == 0  # looked up in the head's blocks
+    _assert_generates_as_the_float_model_and_transformers(path, quantized, [5, 23, 40])  # past the window
+
+
+def test_phi3_serves_its_fused_gguf_blocks_as_stored(tiny_phi3: Path, tmp_path: Path) -> None:
+    path = write_phi3_gguf(tiny_phi3, tmp_path / "tiny-phi3.gguf")
+    quantized = LLM(str(path), kv_cache_memory=16 << 20)
+    layer = {"self_attn.qkv_proj": ["Q4_1"], "self_attn.o_proj": ["Q8_0"]}
+    layer |= {"mlp.gate_up_proj": ["Q8_0"], "mlp.down_proj": ["Q4_1"]}
+    expected = {f"layers.{i}.{name}": types for i in range(2) for name, types in layer.items()}
+    assert _served_types(quantized) == expected | {"lm_head": ["Q4_1"]}  # the untied head
+    model = quantized.engine.parts.model
+    assert model.quantized_embedding is not None and model.embed_tokens.numel() == 0  # token_embd as stored
+    _assert_generates_as_the_float_model_and_transformers(path, quantized, [5, 23])
