@@ -1,8 +1,8 @@
 """GGUF files, dequantized once by transformers and cached as a Hugging Face directory.
 
 Dequantizing SmolLM2's GGUF takes ~30 s; the cached safetensors load in about a second.
-The cache key covers the file's path, size and modification time, so a new file is
-converted again. The cache may be shared by the replicas of a model (a volume every pod
+The cache key covers the conversion's version and the file's path, size and modification
+time, so a new file is converted again. The cache may be shared by the replicas of a model (a volume every pod
 mounts: the operator's `spec.modelCache`; the processes of `pagefleet up`): a lock file
 makes one of them convert while the others wait, then load what it wrote.
 """
@@ -18,9 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagefleet.engine.loader.gguf_config import complete_config
+
 logger = logging.getLogger(__name__)
 
 _DONE_MARKER = ".pagefleet-complete"
+_VERSION = 2  # of the conversion: a new one converts every file again (2: gguf_config.py's settings)
 
 
 def cache_root() -> Path:
@@ -34,7 +37,7 @@ def cache_root() -> Path:
 def converted_dir(gguf_path: Path) -> Path:
     """The HF directory holding `gguf_path` dequantized, converting it on first use."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    key = hashlib.sha256(f"{_VERSION}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
     if (target / _DONE_MARKER).exists():
         return target
@@ -70,6 +73,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         model.save_pretrained(staging)
+        complete_config(gguf_path, staging / "config.json")
         tokenizer.save_pretrained(staging)
         (staging / _DONE_MARKER).write_text(str(gguf_path.resolve()))
         if target.exists():

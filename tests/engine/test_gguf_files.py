@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight, StackedWeight
+from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.loading import iter_weights
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts
@@ -228,7 +230,11 @@ def write_gemma_gguf(model_dir: Path, path: Path) -> Path:
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     if arch == gguf.MODEL_ARCH.GEMMA3:
-        writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+        full_rope = config.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(full_rope["rope_theta"])
+        if full_rope["rope_type"] == "linear":  # Gemma 3 4B and larger: their global layers' scaling
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full_rope["factor"])
     else:  # read by llama.cpp, not by transformers (which keeps Gemma 2's defaults)
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -241,7 +247,9 @@ def write_gemma_gguf(model_dir: Path, path: Path) -> Path:
 
 def write_phi3_gguf(model_dir: Path, path: Path) -> Path:
     """The HF Phi-3 in `model_dir` as llama.cpp's Phi3MiniModel converter writes it: q/k/v in
-    one `attn_qkv`, gate and up in one `ffn_up`, q/k as they are (NEOX rotary), an `output`."""
+    one `attn_qkv`, gate and up in one `ffn_up`, q/k as they are (NEOX rotary), an `output`;
+    LongRoPE's factors as the tensors `rope_factors_long`/`short`, its pretraining length and
+    attention factor as metadata."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -252,6 +260,14 @@ def write_phi3_gguf(model_dir: Path, path: Path) -> Path:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     if config.sliding_window is not None:
         writer.add_sliding_window(config.sliding_window)
+    rope = config.rope_parameters
+    if rope["rope_type"] == "longrope":
+        original = rope["original_max_position_embeddings"]
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     _add_tokenizer(writer, model_dir)
     # Phi-3's files name a padding token; without one transformers keeps Phi3Config's 32000,
     # past this vocabulary (an error building the embedding).
@@ -368,10 +384,17 @@ _NO_IDS: dict[str, Any] = dict(vocab_size=TINY_VOCAB, bos_token_id=None, eos_tok
 @pytest.fixture(scope="module")
 def tiny_gemma3_windows(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Gemma 3 of six layers, which transformers reads back from GGUF as five
-    sliding layers (window 16) and a global one: the pattern it assumes for every such file."""
+    sliding layers (window 16) and a global one: the pattern it assumes for every such file;
+    its global layers' RoPE scaled linearly, as Gemma 3 4B's and larger."""
     from transformers import Gemma3TextConfig
 
-    config = Gemma3TextConfig(**_SIZES, **_NO_IDS, num_hidden_layers=6, head_dim=16, sliding_window=16)
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    config = Gemma3TextConfig(
+        **_SIZES, **_NO_IDS, num_hidden_layers=6, head_dim=16, sliding_window=16, rope_parameters=rope
+    )
     return _build_random_model(config, tmp_path_factory.mktemp("gemma3-windows"))
 
 
@@ -382,16 +405,6 @@ def tiny_gemma2_windows(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     config = Gemma2Config(**_SIZES, **_NO_IDS, num_hidden_layers=2, head_dim=16, sliding_window=16)
     return _build_random_model(config, tmp_path_factory.mktemp("gemma2-windows"))
-
-
-@pytest.fixture(scope="module")
-def tiny_phi3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Phi-3 as Phi-3-mini-4k is shaped (RoPE on whole heads, no LongRoPE: what
-    transformers' GGUF reader keeps of a Phi-3 file)."""
-    from transformers import Phi3Config
-
-    config = Phi3Config(**_SIZES, **_NO_IDS, num_hidden_layers=2, max_position_embeddings=512)
-    return _build_random_model(config, tmp_path_factory.mktemp("phi3"))
 
 
 def _served_types(llm: LLM) -> dict[str, list[str]]:
@@ -462,6 +475,8 @@ def test_gemma_serves_its_gguf_blocks_as_stored(
     quantized = LLM(str(path), kv_cache_memory=16 << 20)
     model = quantized.engine.parts.model
     assert model.config.layer_types == layer_types and model.config.sliding_window == 16
+    original = ModelConfig.from_dir(request.getfixturevalue(fixture))
+    assert model.config.rope_scaling == original.rope_scaling  # Gemma 3's linear scaling, read from the file
     layer = {"self_attn.qkv_proj": ["Q4_1", "Q8_0"], "self_attn.o_proj": ["Q4_1"]}
     layer |= {"mlp.gate_up_proj": ["Q4_1", "Q8_0"], "mlp.down_proj": ["Q4_1"]}
     expected = {f"layers.{i}.{name}": types for i in range(len(layer_types)) for name, types in layer.items()}
@@ -470,8 +485,15 @@ def test_gemma_serves_its_gguf_blocks_as_stored(
     _assert_generates_as_the_float_model_and_transformers(path, quantized, [5, 23, 40])  # past the window
 
 
-def test_phi3_serves_its_fused_gguf_blocks_as_stored(tiny_phi3: Path, tmp_path: Path) -> None:
-    path = write_phi3_gguf(tiny_phi3, tmp_path / "tiny-phi3.gguf")
+def test_phi3_serves_its_fused_gguf_blocks_as_stored_with_its_longrope(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The tiny Phi-3 (LongRoPE past 24 tokens, RoPE on half of each head): what
+    transformers' GGUF reader leaves out (the factors, the rotary dims) is read from the file,
+    so that the model runs as the checkpoint it was converted from."""
+    from pagefleet.engine.loader.gguf_cache import converted_dir
+
+    path = write_phi3_gguf(tiny_models["phi3"], tmp_path / "tiny-phi3.gguf")
     quantized = LLM(str(path), kv_cache_memory=16 << 20)
     layer = {"self_attn.qkv_proj": ["Q4_1"], "self_attn.o_proj": ["Q8_0"]}
     layer |= {"mlp.gate_up_proj": ["Q8_0"], "mlp.down_proj": ["Q4_1"]}
@@ -479,4 +501,10 @@ def test_phi3_serves_its_fused_gguf_blocks_as_stored(tiny_phi3: Path, tmp_path: 
     assert _served_types(quantized) == expected | {"lm_head": ["Q4_1"]}  # the untied head
     model = quantized.engine.parts.model
     assert model.quantized_embedding is not None and model.embed_tokens.numel() == 0  # token_embd as stored
-    _assert_generates_as_the_float_model_and_transformers(path, quantized, [5, 23])
+    original = ModelConfig.from_dir(tiny_models["phi3"])
+    converted = ModelConfig.from_dir(converted_dir(path))
+    assert (converted.long_rope_after, converted.rotary_dim) == (original.long_rope_after, original.rotary_dim)
+    assert (converted.long_rope_after, converted.rotary_dim) == (24, 8)
+    for factors in ("long_factor", "short_factor"):
+        assert converted.rope_scaling[factors] == pytest.approx(original.rope_scaling[factors])
+    _assert_generates_as_the_float_model_and_transformers(path, quantized, [5, 23, 40])
