@@ -8,8 +8,9 @@ building and loading them.
   sequence's block table once for all the query heads that share a kv head and all the
   rows of a prompt chunk, with one arithmetic for every row (path invariance); long
   contexts split over threads.
-- `rms_norm`, `silu_and_mul`, `rotary` (csrc/cpu_fused.cpp; wrappers and references in
-  pagefleet/engine/layers/fused.py): one pass where plain torch makes several.
+- `rms_norm`, `gemma_rms_norm`, `silu_and_mul`, `gelu_tanh_and_mul`, `rotary`
+  (csrc/cpu_fused.cpp; wrappers and references in pagefleet/engine/layers/fused.py): one
+  pass where plain torch makes several.
 - `lora_add` (csrc/cpu_lora.cpp; wrapper and reference in pagefleet/engine/lora/layer.py):
   every adapter's update to one projection of a multi-LoRA step in one call.
 - `quantized_linear`, `quantized_linear_packed` (csrc/cpu_quant.cpp; wrapper and reference

@@ -59,9 +59,28 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:], [T, I] (Gemma's MLP; plain torch)."""
+    """x: [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:], [T, I] (Gemma's MLP)."""
+    if _fused(x) and x.dim() == 2 and x.stride(1) == 1:
+        return torch.ops.pagefleet.gelu_tanh_and_mul(x)
+    return gelu_tanh_and_mul_torch(x)
+
+
+def gelu_tanh_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x RMS-normalised and scaled by (1 + weight), in float32, rounded once (Gemma's norm:
+    the checkpoint stores the weight around 0)."""
+    if _fused(x) and x.stride(-1) == 1 and weight.dtype == x.dtype:
+        return torch.ops.pagefleet.gemma_rms_norm(x, weight, eps)
+    return gemma_rms_norm_torch(x, weight, eps)
+
+
+def gemma_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

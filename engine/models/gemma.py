@@ -19,6 +19,7 @@ from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
+from pagefleet.engine.layers.fused import gemma_rms_norm
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
 from pagefleet.engine.layers.rotary import RotaryEmbedding
@@ -39,8 +40,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return gemma_rms_norm(x, self.weight, self.eps)
 
 
 class GemmaDecoderLayer(nn.Module):

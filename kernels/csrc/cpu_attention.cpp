@@ -39,7 +39,7 @@ using namespace pagefleet;
 constexpr int64_t kPartition = 256;  // tokens per work item
 constexpr int64_t kRowBlock = 16;    // query rows of one sequence sharing each key read
 #if defined(__AVX512F__)
-constexpr bool kAvx512 = true;  // head sizes 64 and 128 take the AVX-512 kernels below
+constexpr bool kAvx512 = true;  // head sizes 64, 128 and 256 take the AVX-512 kernels below
 #else
 constexpr bool kAvx512 = false;
 #endif
@@ -130,13 +130,22 @@ inline void prefetch_row(const T* row) {
 
 // value_offset (bytes from a key row to its value row), when not 0: the value rows are
 // asked for too, into L2, so that both streams are in flight during the scoring.
+// Up to head size 128 the queries stay in registers; at 256 (Gemma 3) a key row alone fills
+// half of them, and the queries are read from L1 instead (the same arithmetic either way).
 template <int C, int H, typename T>
 void score_heads(const float* q, const T* const* rows, int64_t count, int64_t count_stride, float* scores,
                  std::ptrdiff_t value_offset) {
-  __m512 qh[H][C];
-  for (int h = 0; h < H; ++h) {
-    for (int c = 0; c < C; ++c) qh[h][c] = _mm512_loadu_ps(q + h * C * 16 + c * 16);
+  constexpr bool kHeld = C <= 8;
+  __m512 qh[kHeld ? H : 1][kHeld ? C : 1];
+  if constexpr (kHeld) {
+    for (int h = 0; h < H; ++h) {
+      for (int c = 0; c < C; ++c) qh[h][c] = _mm512_loadu_ps(q + h * C * 16 + c * 16);
+    }
   }
+  const auto query = [&](int h, int c) {
+    if constexpr (kHeld) return qh[h][c];
+    else return _mm512_loadu_ps(q + h * C * 16 + c * 16);
+  };
   alignas(64) __m512 dots[H][16];
   int64_t t = 0;
   for (; t + 16 <= count; t += 16) {
@@ -150,8 +159,8 @@ void score_heads(const float* q, const T* const* rows, int64_t count, int64_t co
       __m512 r[C];
       for (int c = 0; c < C; ++c) r[c] = load16(row + c * 16);
       for (int h = 0; h < H; ++h) {
-        __m512 dot = _mm512_mul_ps(qh[h][0], r[0]);
-        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qh[h][c], r[c], dot);
+        __m512 dot = _mm512_mul_ps(query(h, 0), r[0]);
+        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query(h, c), r[c], dot);
         dots[h][k] = dot;
       }
     }
@@ -160,8 +169,8 @@ void score_heads(const float* q, const T* const* rows, int64_t count, int64_t co
   for (; t < count; ++t) {
     const T* row = rows[t];
     for (int h = 0; h < H; ++h) {
-      __m512 dot = _mm512_mul_ps(qh[h][0], load16(row));
-      for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qh[h][c], load16(row + c * 16), dot);
+      __m512 dot = _mm512_mul_ps(query(h, 0), load16(row));
+      for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query(h, c), load16(row + c * 16), dot);
       scores[h * count_stride + t] = _mm512_reduce_add_ps(dot);
     }
   }
@@ -188,12 +197,11 @@ void accumulate_heads(const float* weights, const T* const* rows, int64_t count,
   }
 }
 
-// The group's heads in chunks whose accumulators stay in registers: 4 heads (2 at head
-// size 128) a chunk, and the rest as one chunk (a group of 3, as SmolLM2's, is one pass over
-// the rows, not three). Only the first chunk asks for the value rows.
-template <int C, typename Run>
+// The group's heads in chunks of kHeads whose accumulators stay in registers, and the rest
+// as one chunk (a group of 3, as SmolLM2's, is one pass over the rows, not three). Only the
+// first chunk asks for the value rows.
+template <int kHeads, typename Run>
 void by_head_chunks(int64_t group, const Run& run) {
-  constexpr int kHeads = C <= 4 ? 4 : 2;
   for (int64_t h = 0; h < group;) {
     const int64_t heads = std::min<int64_t>(kHeads, group - h);
     if (heads == 4) run(h, std::integral_constant<int, 4>{});
@@ -204,18 +212,21 @@ void by_head_chunks(int64_t group, const Run& run) {
   }
 }
 
+// Scoring: 4 heads a pass (2 at head size 128, whose queries fill the registers).
 template <int C, typename T>
 void score_rows(const float* q, const T* const* rows, int64_t count, int64_t group, float* scores,
                 std::ptrdiff_t value_offset) {
-  by_head_chunks<C>(group, [&](int64_t h, auto heads) {
+  by_head_chunks<C == 8 ? 2 : 4>(group, [&](int64_t h, auto heads) {
     score_heads<C, decltype(heads)::value>(q + h * C * 16, rows, count, count, scores + h * count,
                                            h == 0 ? value_offset : 0);
   });
 }
 
+// Accumulating: 4 heads a pass, 2 at head size 128, 1 at 256 (a head's sums fill half the
+// registers).
 template <int C, typename T>
 void accumulate_rows(const float* weights, const T* const* rows, int64_t count, int64_t group, float* acc) {
-  by_head_chunks<C>(group, [&](int64_t h, auto heads) {
+  by_head_chunks<C <= 4 ? 4 : C == 8 ? 2 : 1>(group, [&](int64_t h, auto heads) {
     accumulate_heads<C, decltype(heads)::value>(weights + h * count, rows, count, count, acc + h * C * 16);
   });
 }
@@ -324,7 +335,7 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
   float* scores = s.scores.data();
   row_pointers(key_cache);
 #if defined(__AVX2__)
-  if (head_dim % 8 == 0 && !(kAvx512 && (head_dim == 64 || head_dim == 128))) {
+  if (head_dim % 8 == 0 && !(kAvx512 && (head_dim == 64 || head_dim == 128 || head_dim == 256))) {
     // The partition's key (then value) rows as float rows: in place, or widened once.
     const auto float_rows = [&]() {
       for (int64_t t = 0; t < longest; ++t) {
@@ -357,13 +368,14 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
 #if defined(__AVX512F__)
   // The caches share strides: a token's value row lies this many bytes from its key row.
   const std::ptrdiff_t value_offset = reinterpret_cast<std::intptr_t>(value_cache) - reinterpret_cast<std::intptr_t>(key_cache);
-  const bool wide = head_dim == 64 || head_dim == 128;
+  const bool wide = head_dim == 64 || head_dim == 128 || head_dim == 256;
   if (wide) {  // row by row, each row's scores at stride counts[r] in its own region
     for (int64_t r = 0; r < n; ++r) {
       float* row_scores = scores + r * group * kPartition;
       const float* q = s.q.data() + r * group * head_dim;
       if (head_dim == 64) score_rows<4>(q, s.pointers.data(), counts[r], group, row_scores, value_offset);
-      else score_rows<8>(q, s.pointers.data(), counts[r], group, row_scores, value_offset);
+      else if (head_dim == 128) score_rows<8>(q, s.pointers.data(), counts[r], group, row_scores, value_offset);
+      else score_rows<16>(q, s.pointers.data(), counts[r], group, row_scores, value_offset);
     }
   } else
 #endif
@@ -386,8 +398,10 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
   if (wide) {
     for (int64_t r = 0; r < n; ++r) {
       const float* weights = scores + r * group * kPartition;
-      if (head_dim == 64) accumulate_rows<4>(weights, s.pointers.data(), counts[r], group, acc + r * group * head_dim);
-      else accumulate_rows<8>(weights, s.pointers.data(), counts[r], group, acc + r * group * head_dim);
+      float* row_acc = acc + r * group * head_dim;
+      if (head_dim == 64) accumulate_rows<4>(weights, s.pointers.data(), counts[r], group, row_acc);
+      else if (head_dim == 128) accumulate_rows<8>(weights, s.pointers.data(), counts[r], group, row_acc);
+      else accumulate_rows<16>(weights, s.pointers.data(), counts[r], group, row_acc);
     }
   } else
 #endif

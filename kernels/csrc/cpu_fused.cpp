@@ -3,7 +3,9 @@
 //
 //   rms_norm(x [T, H], weight [H], eps)      weight * (x * rsqrt(mean(x^2) + eps)), in float32
 //   add_rms_norm(x, delta, weight, eps)      (x + delta, rms_norm(x + delta)): residual add and norm
+//   gemma_rms_norm(x [T, H], weight [H], eps) x * rsqrt(mean(x^2) + eps) * (1 + weight), in float32
 //   silu_and_mul(x [T, 2I])                  silu(x[:, :I]) * x[:, I:]
+//   gelu_tanh_and_mul(x [T, 2I])             gelu_tanh(x[:, :I]) * x[:, I:]  (Gemma's MLP)
 //   rotary(x [T, N, D], cos [T, D], sin)     x * cos + rotate_half(x) * sin  (HF Llama's form)
 //
 // Each computes in float32 whatever the dtype (as torch's references do for bf16: the
@@ -73,8 +75,38 @@ void rms_norm_rows(const T* x, const T* delta, T* sum, const T* weight, T* out, 
   });
 }
 
+// Gemma's RMSNorm: x normalised, then scaled by (1 + weight), all in float32 and rounded
+// once (transformers' Gemma3RMSNorm).
 template <typename T>
-void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t size, int64_t stride) {
+void gemma_rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t size, int64_t stride, float eps) {
+  at::parallel_for(0, rows, grain(size), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * stride;
+      T* target = out + r * size;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < size; ++i) squares += widen(row[i]) * widen(row[i]);
+      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 scale = _mm512_set1_ps(inverse), one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= size; i += 16) {
+        const __m512 normalised = _mm512_mul_ps(load16(row + i), scale);
+        store16(target + i, _mm512_mul_ps(normalised, _mm512_add_ps(one, load16(weight + i))));
+      }
+#endif
+      for (; i < size; ++i) narrow(widen(row[i]) * inverse * (1.f + widen(weight[i])), target + i);
+    }
+  });
+}
+
+// act(gate) * up with act = silu (kGelu false) or GELU's tanh form (true), both as
+// g / (1 + exp(-a)): a = g for silu; for GELU a = 2 sqrt(2/pi) (g + 0.044715 g^3), since
+// 0.5 (1 + tanh(u)) = sigmoid(2u).
+template <typename T, bool kGelu>
+void act_and_mul_rows(const T* x, T* out, int64_t rows, int64_t size, int64_t stride) {
+  constexpr float kBeta = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
   at::parallel_for(0, rows, grain(2 * size), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * stride;
@@ -82,19 +114,22 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t size, int64_t s
       T* target = out + r * size;
       int64_t i = 0;
 #if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f);
+      const __m512 one = _mm512_set1_ps(1.f), beta = _mm512_set1_ps(kBeta), kappa = _mm512_set1_ps(kKappa);
       for (; i + 16 <= size; i += 16) {
         const __m512 g = load16(gate + i);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        // As torch: silu is rounded to the dtype before the product.
-        store16(target + i, _mm512_mul_ps(round_as(static_cast<T*>(nullptr), silu), load16(up + i)));
+        __m512 a = g;
+        if constexpr (kGelu) a = _mm512_mul_ps(beta, _mm512_fmadd_ps(_mm512_mul_ps(kappa, g), _mm512_mul_ps(g, g), g));
+        const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+        // As torch: the activation is rounded to the dtype before the product.
+        store16(target + i, _mm512_mul_ps(round_as(static_cast<T*>(nullptr), act), load16(up + i)));
       }
 #endif
       for (; i < size; ++i) {
         const float g = widen(gate[i]);
-        T silu;
-        narrow(g / (1.f + std::exp(-g)), &silu);
-        narrow(widen(silu) * widen(up[i]), target + i);
+        const float a = kGelu ? kBeta * std::fma(kKappa * g, g * g, g) : g;
+        T act;
+        narrow(g / (1.f + std::exp(-a)), &act);
+        narrow(widen(act) * widen(up[i]), target + i);
       }
     }
   });
@@ -166,13 +201,27 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.stride(-1) == 1 && weight.is_contiguous(), "CPU, last dim contiguous");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1), "weight: [H], x's dtype");
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  dispatch_float(x, [&](auto tag) {
+    using T = decltype(tag);
+    gemma_rms_norm_rows<T>(rows.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(), rows.size(0), rows.size(1),
+                           rows.stride(0), static_cast<float>(eps));
+  });
+  return out;
+}
+
+template <bool kGelu>
+at::Tensor act_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x: [T, 2I]");
   const int64_t size = x.size(1) / 2;
   at::Tensor out = at::empty({x.size(0), size}, x.options());
   dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
-    silu_and_mul_rows<T>(x.data_ptr<T>(), out.data_ptr<T>(), x.size(0), size, x.stride(0));
+    act_and_mul_rows<T, kGelu>(x.data_ptr<T>(), out.data_ptr<T>(), x.size(0), size, x.stride(0));
   });
   return out;
 }
@@ -197,13 +246,17 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("gemma_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gemma_rms_norm", &gemma_rms_norm);
+  m.impl("silu_and_mul", &act_and_mul<false>);
+  m.impl("gelu_tanh_and_mul", &act_and_mul<true>);
   m.impl("rotary", &rotary);
 }

@@ -44,7 +44,7 @@ def _caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
-@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("window", [None, 100])
 def test_decode_attention_equals_the_reference(
@@ -91,7 +91,7 @@ def test_cache_write_equals_the_reference(dtype: torch.dtype, layout: str) -> No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
-@pytest.mark.parametrize("head_dim", [64, 128, 80, 16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80, 16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("window", [None, 100])
 def test_prefill_attention_equals_the_reference_and_each_row_as_a_decode(
@@ -218,6 +218,11 @@ def test_fused_element_wise_ops_equal_their_references(dtype: torch.dtype) -> No
     )
     gate_up = (torch.randn(37, 2 * 1536, generator=generator) * 4).to(dtype)
     torch.testing.assert_close(fused.silu_and_mul(gate_up), fused.silu_and_mul_torch(gate_up), **tolerance)
+    torch.testing.assert_close(fused.gelu_tanh_and_mul(gate_up), fused.gelu_tanh_and_mul_torch(gate_up), **tolerance)
+    heads = hidden[:, :512].reshape(37, 2, 256)  # Gemma's q/k norms: per head
+    for x in (hidden, heads):
+        gemma = fused.gemma_rms_norm(x, weight[: x.shape[-1]], 1e-6)
+        torch.testing.assert_close(gemma, fused.gemma_rms_norm_torch(x, weight[: x.shape[-1]], 1e-6), **tolerance)
     qkv = torch.randn(37, 9 * 64 + 6 * 64, generator=generator).to(dtype)
     query = qkv[:, : 9 * 64].view(37, 9, 64)  # a strided view, as the models pass it
     cos = torch.randn(37, 1, 64, generator=generator).to(dtype)
