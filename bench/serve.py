@@ -188,12 +188,12 @@ def main() -> None:
         return
 
     import torch
-    from throughput import run_engine
+    from throughput import SMOLLM2, run_engine
 
     torch.set_num_threads(args.threads)
     workload = fixed_workload(num_requests=args.requests)
     progress(f"offline: {len(workload.prompts)} requests through LLM")
-    offline = run_engine(workload, "float32")
+    offline = run_engine(workload, SMOLLM2, "float32")
     progress("HTTP: starting pagefleet serve")
     process, url = start_server(args.threads)
     try:

