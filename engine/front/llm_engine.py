@@ -222,8 +222,9 @@ class LLMEngine:
         if lora_request is not None:
             request.lora_request = lora_request
         request.rotates_long = self._rotates_long(token_ids)
+        root = prefix_hash_root(lora_request, cache_salt, request.rotates_long)
         for seq in request.sequences:
-            seq.hash_root = self.hash_root(token_ids, lora_request, cache_salt)
+            seq.hash_root = root
         if self.parts.model_config.long_rope_after is not None and not request.rotates_long:
             request.long_rope_root = prefix_hash_root(lora_request, cache_salt, long_rope=True)
         if params.use_beam_search:
