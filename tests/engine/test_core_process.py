@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,9 +53,12 @@ def test_a_script_that_imports_torch_first_gets_the_engine_in_its_own_process(
 ) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
     env.pop("GOMP_SPINCOUNT", None)
+    # Ctrl-C as a terminal delivers it: a shell that started the suite in the background left
+    # SIGINT ignored, which Python would keep (no KeyboardInterrupt at all).
     run = subprocess.run(
         [sys.executable, "-c", USERS_SCRIPT, str(tiny_llama), json.dumps(PROMPTS)],
         env=env, capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     answer = json.loads(run.stdout.splitlines()[-1])
