@@ -110,4 +110,7 @@ def test_a_new_request_starts_within_a_step_or_two_of_a_running_one(engine: Asyn
         return before, after
 
     before, after = asyncio.run(run())
-    assert after - before <= 4, f"the running request took {after - before} steps before the new one finished"
+    # The count is of tokens the long stream had received, so it includes the event loop's
+    # delay in waking this coroutine: up to 7 steps when the CI's three workers share two
+    # cores. The lock this guards against kept a new request waiting for dozens.
+    assert after - before <= 10, f"the running request took {after - before} steps before the new one finished"
