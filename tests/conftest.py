@@ -123,15 +123,21 @@ def _build_tokenizer():  # type: ignore[no-untyped-def]
 
 
 def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
+    # GPT-2 keeps transformers' own init (std 0.3 from the config); random LayerNorm and
+    # bias values make it collapse to one token.
+    return build_random_model(_tiny_config(arch), directory, seed, randomise=arch != "gpt2")
+
+
+def build_random_model(config, directory: Path, seed: int = 0, randomise: bool = True) -> Path:  # type: ignore[no-untyped-def]
+    """A model of `config` with large random weights, norms around 1 (and random biases,
+    so that Qwen2's qkv bias and Qwen3's q/k norms are really exercised), saved to
+    `directory` beside the tiny tokenizer."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_tiny_config(arch), attn_implementation="eager")
-    # GPT-2 keeps transformers' own init (std 0.3 from the config); random LayerNorm and
-    # bias values make it collapse to one token. The others get random norms and biases
-    # too, so that Qwen2's qkv bias and Qwen3's q/k norms are really exercised.
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
-        for name, param in model.named_parameters() if arch != "gpt2" else []:
+        for name, param in model.named_parameters() if randomise else []:
             if "norm" in name or ".ln_" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:

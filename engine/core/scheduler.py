@@ -151,13 +151,17 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._free_blocks(request)
+        self._release_adapter(request)
+        self.kv_connector.drop_staged(request)
+        request.status = RequestStatus.FINISHED
+
+    def _free_blocks(self, request: Request) -> None:
+        """Every block the request holds, on the device or (swapped out) on the host."""
         if request.status == RequestStatus.SWAPPED:
             self.kv_cache.release_host_blocks(request)
         else:
             self.kv_cache.free_request(request)
-        self._release_adapter(request)
-        self.kv_connector.drop_staged(request)
-        request.status = RequestStatus.FINISHED
 
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
@@ -374,10 +378,7 @@ class Scheduler:
     def _rotate_long(self, request: Request) -> None:
         """Give back every block of the request's (computed with the short factors) and
         switch it to the long ones: it waits to be computed again from its first token."""
-        if request.status == RequestStatus.SWAPPED:
-            self.kv_cache.release_host_blocks(request)
-        else:
-            self.kv_cache.free_request(request)
+        self._free_blocks(request)
         self._release_adapter(request)
         request.reset_fork()
         request.status = RequestStatus.WAITING

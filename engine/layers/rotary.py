@@ -20,11 +20,12 @@ import torch
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], long: bool = False) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], float32, with linear, llama3 or LongRoPE scaling
     applied (`long`: LongRoPE's long factors, else its short ones)."""
-    if scaling.get("rope_type") == "longrope":
-        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
-        return 1.0 / (factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    wavelengths = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     rope_type = scaling.get("rope_type", "default")
+    if rope_type == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * wavelengths)
+    inv_freq = 1.0 / wavelengths
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":

@@ -44,6 +44,17 @@ constexpr bool kAvx512 = true;  // head sizes 64, 128 and 256 take the AVX-512 k
 constexpr bool kAvx512 = false;
 #endif
 
+// The head sizes the AVX-512 register kernels take (16 * C dims, C known at compile time).
+inline bool register_head(int64_t head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
+
+// run(std::integral_constant<int, C>) for a head size `register_head` takes.
+template <typename Run>
+void by_head_size(int64_t head_dim, const Run& run) {
+  if (head_dim == 64) run(std::integral_constant<int, 4>{});
+  else if (head_dim == 128) run(std::integral_constant<int, 8>{});
+  else run(std::integral_constant<int, 16>{});
+}
+
 template <typename T>
 inline void load_row(const T* source, float* row, int64_t head_dim) {
 #pragma omp simd
@@ -335,7 +346,7 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
   float* scores = s.scores.data();
   row_pointers(key_cache);
 #if defined(__AVX2__)
-  if (head_dim % 8 == 0 && !(kAvx512 && (head_dim == 64 || head_dim == 128 || head_dim == 256))) {
+  if (head_dim % 8 == 0 && !(kAvx512 && register_head(head_dim))) {
     // The partition's key (then value) rows as float rows: in place, or widened once.
     const auto float_rows = [&]() {
       for (int64_t t = 0; t < longest; ++t) {
@@ -368,15 +379,14 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
 #if defined(__AVX512F__)
   // The caches share strides: a token's value row lies this many bytes from its key row.
   const std::ptrdiff_t value_offset = reinterpret_cast<std::intptr_t>(value_cache) - reinterpret_cast<std::intptr_t>(key_cache);
-  const bool wide = head_dim == 64 || head_dim == 128 || head_dim == 256;
+  const bool wide = register_head(head_dim);
   if (wide) {  // row by row, each row's scores at stride counts[r] in its own region
-    for (int64_t r = 0; r < n; ++r) {
-      float* row_scores = scores + r * group * kPartition;
-      const float* q = s.q.data() + r * group * head_dim;
-      if (head_dim == 64) score_rows<4>(q, s.pointers.data(), counts[r], group, row_scores, value_offset);
-      else if (head_dim == 128) score_rows<8>(q, s.pointers.data(), counts[r], group, row_scores, value_offset);
-      else score_rows<16>(q, s.pointers.data(), counts[r], group, row_scores, value_offset);
-    }
+    by_head_size(head_dim, [&](auto c) {
+      for (int64_t r = 0; r < n; ++r) {
+        score_rows<decltype(c)::value>(s.q.data() + r * group * head_dim, s.pointers.data(), counts[r], group,
+                                       scores + r * group * kPartition, value_offset);
+      }
+    });
   } else
 #endif
     score_rows_any(s.q.data(), s.pointers.data(), counts, n, group, head_dim, s.buffer.data(), scores);
@@ -396,13 +406,12 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
   float* acc = s.acc.data();
 #if defined(__AVX512F__)
   if (wide) {
-    for (int64_t r = 0; r < n; ++r) {
-      const float* weights = scores + r * group * kPartition;
-      float* row_acc = acc + r * group * head_dim;
-      if (head_dim == 64) accumulate_rows<4>(weights, s.pointers.data(), counts[r], group, row_acc);
-      else if (head_dim == 128) accumulate_rows<8>(weights, s.pointers.data(), counts[r], group, row_acc);
-      else accumulate_rows<16>(weights, s.pointers.data(), counts[r], group, row_acc);
-    }
+    by_head_size(head_dim, [&](auto c) {
+      for (int64_t r = 0; r < n; ++r) {
+        accumulate_rows<decltype(c)::value>(scores + r * group * kPartition, s.pointers.data(), counts[r], group,
+                                            acc + r * group * head_dim);
+      }
+    });
   } else
 #endif
     accumulate_rows_any(scores, s.pointers.data(), counts, n, group, head_dim, s.buffer.data(), acc);

@@ -34,6 +34,15 @@ constexpr int64_t kSerialElements = 1 << 16;
 
 inline int64_t grain(int64_t elements_per_item) { return std::max<int64_t>(1, kSerialElements / elements_per_item); }
 
+// 1 / sqrt(mean(row^2) + eps), in float32.
+template <typename T>
+inline float inverse_rms(const T* row, int64_t size, float eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < size; ++i) squares += widen(row[i]) * widen(row[i]);
+  return 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+}
+
 // With `delta` (and `sum`): sum = x + delta (rounded to T, as torch's add), and the norm is
 // of the sum: the residual add of a decoder layer and its next norm in one pass.
 template <typename T>
@@ -53,10 +62,7 @@ void rms_norm_rows(const T* x, const T* delta, T* sum, const T* weight, T* out, 
         for (; i < size; ++i) narrow(widen(row[i]) + widen(d[i]), added + i);
         row = added;
       }
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < size; ++i) squares += widen(row[i]) * widen(row[i]);
-      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+      const float inverse = inverse_rms(row, size, eps);
       // As HF: normalise in float32, round to the dtype, then scale by the weight.
       int64_t i = 0;
 #if defined(__AVX512F__)
@@ -83,10 +89,7 @@ void gemma_rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int6
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * stride;
       T* target = out + r * size;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < size; ++i) squares += widen(row[i]) * widen(row[i]);
-      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+      const float inverse = inverse_rms(row, size, eps);
       int64_t i = 0;
 #if defined(__AVX512F__)
       const __m512 scale = _mm512_set1_ps(inverse), one = _mm512_set1_ps(1.f);
@@ -172,15 +175,23 @@ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens,
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// rms_norm (kGemma false) or gemma_rms_norm (true) over the last dim of x, any leading shape.
+template <bool kGemma>
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.stride(-1) == 1 && weight.is_contiguous(), "CPU, last dim contiguous");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1), "weight: [H], x's dtype");
   const at::Tensor rows = x.reshape({-1, x.size(-1)});
   at::Tensor out = at::empty(x.sizes(), x.options());
   dispatch_float(x, [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_rows<T>(rows.data_ptr<T>(), nullptr, nullptr, weight.data_ptr<T>(), out.data_ptr<T>(), rows.size(0),
-                     rows.size(1), rows.stride(0), 0, static_cast<float>(eps));
+    const T *source = rows.data_ptr<T>(), *scale = weight.data_ptr<T>();
+    const float epsilon = static_cast<float>(eps);
+    if constexpr (kGemma) {
+      gemma_rms_norm_rows<T>(source, scale, out.data_ptr<T>(), rows.size(0), rows.size(1), rows.stride(0), epsilon);
+    } else {
+      rms_norm_rows<T>(source, nullptr, nullptr, scale, out.data_ptr<T>(), rows.size(0), rows.size(1), rows.stride(0),
+                       0, epsilon);
+    }
   });
   return out;
 }
@@ -199,19 +210,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                      x.size(0), x.size(1), x.stride(0), delta.stride(0), static_cast<float>(eps));
   });
   return {sum, out};
-}
-
-at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.device().is_cpu() && x.stride(-1) == 1 && weight.is_contiguous(), "CPU, last dim contiguous");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1), "weight: [H], x's dtype");
-  const at::Tensor rows = x.reshape({-1, x.size(-1)});
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  dispatch_float(x, [&](auto tag) {
-    using T = decltype(tag);
-    gemma_rms_norm_rows<T>(rows.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(), rows.size(0), rows.size(1),
-                           rows.stride(0), static_cast<float>(eps));
-  });
-  return out;
 }
 
 template <bool kGelu>
@@ -253,9 +251,9 @@ TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm", &norm<false>);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("gemma_rms_norm", &gemma_rms_norm);
+  m.impl("gemma_rms_norm", &norm<true>);
   m.impl("silu_and_mul", &act_and_mul<false>);
   m.impl("gelu_tanh_and_mul", &act_and_mul<true>);
   m.impl("rotary", &rotary);

@@ -25,7 +25,7 @@ from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight, StackedWeight
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.loading import iter_weights
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, build_random_model
 from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts
 from tests.kernels.test_quantized import random_blocks
 
@@ -360,23 +360,6 @@ def test_fused_layers_of_mixed_types_run_each_part_as_stored(tiny_llama: Path, t
     assert_no_block_leaked(quantized)
 
 
-def _build_random_model(config: Any, directory: Path) -> Path:
-    """A random HF model of `config` beside the tiny tokenizer, built as tests/conftest.py
-    builds its own (large weights, norms around 1)."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import _build_tokenizer
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.3 * torch.randn_like(param))
-    model.save_pretrained(directory)
-    _build_tokenizer().save_pretrained(directory)
-    return directory
-
-
 _SIZES: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 _NO_IDS: dict[str, Any] = dict(vocab_size=TINY_VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
@@ -395,7 +378,7 @@ def tiny_gemma3_windows(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = Gemma3TextConfig(
         **_SIZES, **_NO_IDS, num_hidden_layers=6, head_dim=16, sliding_window=16, rope_parameters=rope
     )
-    return _build_random_model(config, tmp_path_factory.mktemp("gemma3-windows"))
+    return build_random_model(config, tmp_path_factory.mktemp("gemma3-windows"))
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +387,12 @@ def tiny_gemma2_windows(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import Gemma2Config
 
     config = Gemma2Config(**_SIZES, **_NO_IDS, num_hidden_layers=2, head_dim=16, sliding_window=16)
-    return _build_random_model(config, tmp_path_factory.mktemp("gemma2-windows"))
+    return build_random_model(config, tmp_path_factory.mktemp("gemma2-windows"))
+
+
+def _parts(weight: Any) -> tuple[Any, ...]:
+    """A quantized layer's weights, one per run of one type it stacks."""
+    return weight.parts if isinstance(weight, StackedWeight) else (weight,)
 
 
 def _served_types(llm: LLM) -> dict[str, list[str]]:
@@ -412,8 +400,7 @@ def _served_types(llm: LLM) -> dict[str, list[str]]:
     types = {}
     for name, module in llm.engine.parts.model.named_modules():
         if isinstance(module, Linear) and module.quantized is not None:
-            weight = module.quantized
-            parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
+            parts = _parts(module.quantized)
             assert all(isinstance(p, QuantizedWeight | PackedWeight) for p in parts), f"{name}: a float part"
             types[name] = [gguf.GGMLQuantizationType(p.ggml_type).name for p in parts]  # type: ignore[union-attr]
     return types
@@ -425,8 +412,7 @@ def _assert_weights_are_the_float_models(quantized: LLM, dequantized: LLM) -> No
     reference = dict(dequantized.engine.parts.model.named_modules())
     for name, module in quantized.engine.parts.model.named_modules():
         if isinstance(module, Linear) and module.quantized is not None:
-            weight = module.quantized
-            parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
+            parts = _parts(module.quantized)
             rows = torch.cat([p.dequantize() for p in parts])  # type: ignore[union-attr]
             torch.testing.assert_close(rows, reference[name].weight, rtol=1e-6, atol=1e-6, msg=name)
 
