@@ -105,6 +105,28 @@ def test_longrope_never_mixes_short_and_long_rotations(tiny_models: dict[str, Pa
     assert_no_block_leaked(llm)
 
 
+def test_gemma3s_head_size_256_equals_transformers_batched_chunked_and_cached(tmp_path: Path) -> None:
+    """Gemma 3's real head size (256) takes its own AVX-512 attention kernels; a tiny model
+    of that head size, its prompts batched, in 16-token chunks, then over a cached prefix."""
+    from transformers import Gemma3TextConfig
+
+    from tests.conftest import build_random_model
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = Gemma3TextConfig(
+        **sizes, num_key_value_heads=1, head_dim=256, sliding_window=8, vocab_size=TINY_VOCAB,
+        layer_types=["sliding_attention", "full_attention"], bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    model_dir = build_random_model(config, tmp_path / "gemma3-256")
+    llm = LLM(str(model_dir), dtype="float32", block_size=8, max_num_batched_tokens=16)
+    prompts = random_prompts([17, 33, 5], TINY_VOCAB, seed=12)
+    outputs = llm.generate(prompts, _greedy())
+    cached = llm.generate([prompts[1] + [3, 4]], _greedy())
+    assert cached[0].usage.cached_prompt_tokens == 32
+    _assert_matches_hf(model_dir, prompts + [prompts[1] + [3, 4]], outputs + cached)
+    assert_no_block_leaked(llm)
+
+
 def test_mixed_arrival_times(tiny_llama: Path, backend: str) -> None:
     """Requests that arrive while others decode join the running batch and stay exact."""
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=24, attention_backend=backend)
