@@ -61,7 +61,7 @@ def gemma3_config(hidden_size: int = 640, head_dim: int = 256) -> dict:
 def sequences_that_fit(config: ModelConfig, hybrid: bool, budget_bytes: int, prompt_tokens: int) -> tuple[int, int]:
     """(sequences of `prompt_tokens` the budget holds at once, the pool's block count)."""
     groups = KVGroups.of(config.layer_windows, hybrid)
-    block_bytes = kv_bytes_per_block(config, BLOCK_SIZE, torch.bfloat16, None, groups.num_tensors)
+    block_bytes = kv_bytes_per_block(config, BLOCK_SIZE, torch.bfloat16, None, groups)
     num_blocks = budget_bytes // block_bytes
     manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True, groups=groups)
     fitted = 0

@@ -29,12 +29,12 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 TINY_VOCAB = 384
 TINY_ARCHITECTURES = [
     *("llama", "mistral", "qwen2", "qwen3"),
-    *("gemma2", "gemma3", "smollm3", "granite", "olmo2", "phi3"),
+    *("gemma2", "gemma3", "gemma4", "smollm3", "granite", "olmo2", "phi3"),
     "gpt2",
 ]
 # The families of issue 53: their own code is the model, so the scheduler's and the memory
 # paths, which the first families cover in full, run for them in fewer variants.
-NEWER_FAMILIES = ("gemma2", "gemma3", "smollm3", "granite", "olmo2", "phi3")
+NEWER_FAMILIES = ("gemma2", "gemma3", "gemma4", "smollm3", "granite", "olmo2", "phi3")
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks.",
     "Hello world! How are you today? I am fine, thank you. Paris is the capital of France.",
@@ -100,6 +100,22 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
         return tf.Gemma2Config(**gemma, attn_logit_softcapping=5.0, final_logit_softcapping=8.0, **common)
     if arch == "gemma3":  # q/k norms; sliding layers on their own RoPE base
         return tf.Gemma3TextConfig(**gemma, **common)
+    if arch == "gemma4":  # global layers of another head size and fewer KV heads, keys as values,
+        # proportional RoPE; the last two layers read the first two's KV; per-layer embeddings,
+        # double-wide MLPs, routed experts beside them
+        global_layers = dict(global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True)
+        shared = dict(num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8)
+        experts = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+        return tf.Gemma4TextConfig(
+            **gemma | dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2),
+            **global_layers,
+            **shared,
+            **experts,
+            vocab_size_per_layer_input=TINY_VOCAB,
+            final_logit_softcapping=8.0,
+            architectures=["Gemma4ForCausalLM"],
+            **common,
+        )
     return tf.Qwen3Config(**sizes, head_dim=32, **common)  # head_dim != hidden / heads
 
 
@@ -125,13 +141,15 @@ def _build_tokenizer():  # type: ignore[no-untyped-def]
 def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
     # GPT-2 keeps transformers' own init (std 0.3 from the config); random LayerNorm and
     # bias values make it collapse to one token.
-    return build_random_model(_tiny_config(arch), directory, seed, randomise=arch != "gpt2")
+    # Gemma 4's many branches saturate at the others' scale: every prompt would repeat one token.
+    std = 0.1 if arch.startswith("gemma4") else 0.3
+    return build_random_model(_tiny_config(arch), directory, seed, randomise=arch != "gpt2", std=std)
 
 
-def build_random_model(config, directory: Path, seed: int = 0, randomise: bool = True) -> Path:  # type: ignore[no-untyped-def]
-    """A model of `config` with large random weights, norms around 1 (and random biases,
-    so that Qwen2's qkv bias and Qwen3's q/k norms are really exercised), saved to
-    `directory` beside the tiny tokenizer."""
+def build_random_model(config, directory: Path, seed: int = 0, randomise: bool = True, std: float = 0.3) -> Path:  # type: ignore[no-untyped-def]
+    """A model of `config` with large random weights, norms and Gemma 4's layer scalars
+    around 1 (and random biases, so that Qwen2's qkv bias and Qwen3's q/k norms are really
+    exercised), saved to `directory` beside the tiny tokenizer."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -141,7 +159,10 @@ def build_random_model(config, directory: Path, seed: int = 0, randomise: bool =
             if "norm" in name or ".ln_" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
-                param.normal_(0.0, 0.3)
+                param.normal_(0.0, std)
+        for name, buffer in model.named_buffers() if randomise else []:
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(directory)
     _build_tokenizer().save_pretrained(directory)
     return directory

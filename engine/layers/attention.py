@@ -35,7 +35,7 @@ class CacheSpec:
 
     num_blocks: int
     block_size: int
-    num_kv_heads: int
+    num_kv_heads: int  # the most of any layer (Gemma 4's layers differ)
     head_dim: int
     dtype: torch.dtype
     device: torch.device

@@ -18,10 +18,15 @@ import torch
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], long: bool = False) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], float32, with linear, llama3 or LongRoPE scaling
-    applied (`long`: LongRoPE's long factors, else its short ones)."""
+    """Inverse frequencies [head_dim // 2], float32, with linear, llama3, LongRoPE (`long`:
+    its long factors, else its short ones) or proportional scaling applied."""
     wavelengths = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     rope_type = scaling.get("rope_type", "default")
+    if rope_type == "proportional":  # Gemma 4's global layers: the first angles turn, the rest stay
+        turning = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq = torch.zeros(head_dim // 2)
+        inv_freq[:turning] = 1.0 / wavelengths[:turning]
+        return inv_freq / scaling.get("factor", 1.0)
     if rope_type == "longrope":
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * wavelengths)

@@ -173,17 +173,20 @@ class TorchAttentionBackend:
         num_kv_heads, _, block_size, head_dim = keys.shape
         num_rows = bucket.rows.numel()
         length = bucket.num_blocks * block_size
-        # One gather per cache: rows of storage [kv_heads * num_blocks, block_size * D].
-        gathered_shape = (bucket.head_block_ids.numel(), block_size * head_dim)
+        # One gather per cache: rows of storage [kv_heads * num_blocks, block_size * D]. The
+        # ids are head-major for the most KV heads any layer has; a layer with fewer (Gemma
+        # 4's global ones) reads the first heads' part.
+        head_block_ids = bucket.head_block_ids[: num_kv_heads * num_rows * bucket.num_blocks]
+        gathered_shape = (head_block_ids.numel(), block_size * head_dim)
         gathered_keys = self._buffer("keys", gathered_shape, keys)
         gathered_values = self._buffer("values", gathered_shape, values)
-        torch.index_select(keys.view(-1, block_size * head_dim), 0, bucket.head_block_ids, out=gathered_keys)
-        torch.index_select(values.view(-1, block_size * head_dim), 0, bucket.head_block_ids, out=gathered_values)
+        torch.index_select(keys.view(-1, block_size * head_dim), 0, head_block_ids, out=gathered_keys)
+        torch.index_select(values.view(-1, block_size * head_dim), 0, head_block_ids, out=gathered_values)
         # Batch over (kv head, row): [kv*b, group, D] @ [kv*b, D, L] -> [kv*b, group, L].
         q = query.index_select(0, bucket.rows).view(num_rows, num_kv_heads, -1, head_dim)
         q = q.transpose(0, 1).reshape(num_kv_heads * num_rows, -1, head_dim)
         batch_keys = gathered_keys.view(num_kv_heads * num_rows, length, head_dim)
-        bias = self._bias(bucket, shape.window)
+        bias = self._bias(bucket, shape.window)[: num_kv_heads * num_rows]
         if shape.softcap is None:
             scores = torch.baddbmm(bias, q, batch_keys.transpose(1, 2), alpha=shape.scale)
         else:  # capped before the mask, as transformers does

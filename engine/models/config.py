@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pagefleet.engine.errors import UnsupportedModelError
-from pagefleet.engine.models.registry import SUPPORTED_ARCHITECTURES
+from pagefleet.engine.models.registry import LANGUAGE_MODEL_OF, SUPPORTED_ARCHITECTURES
 
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional")
 SLIDING = "sliding_attention"  # a `layer_types` entry: the layer sees the last `sliding_window` keys
+
+
+@dataclass(slots=True, frozen=True)
+class Gemma4Options:
+    """What only Gemma 4 has (engine/models/gemma4.py)."""
+
+    per_layer_input_size: int  # the per-layer embeddings' width per layer (0: none)
+    per_layer_vocab_size: int  # their vocabulary
+    attention_k_eq_v: bool  # global layers take their values from the key projection
+    double_wide_mlp: bool  # the KV-shared layers' MLPs are twice intermediate_size wide
+    num_experts: int = 0  # a routed mixture of experts beside each layer's MLP (0: none)
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +61,14 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores capped as cap * tanh(score / cap) (Gemma 2)
     final_softcap: float | None = None  # logits capped the same way (Gemma 2)
     local_rope_theta: float | None = None  # the RoPE base of sliding layers, where it differs (Gemma 3)
+    # Per layer (KV heads, head dim), where global layers differ from sliding ones (Gemma 4);
+    # empty: (num_kv_heads, head_dim) everywhere.
+    layer_kv_shapes: tuple[tuple[int, int], ...] = ()
+    # Per layer, the layer whose keys and values it attends over: itself, or for Gemma 4's
+    # KV-shared layers an earlier layer of its type, whose cache it reads; empty: itself.
+    kv_sources: tuple[int, ...] = ()
+    gemma4: Gemma4Options | None = None
+    language_model_of: str | None = None  # the image checkpoint's architecture whose text model this is
 
     def layer_window(self, layer: int) -> int | None:
         """The keys layer `layer` sees: the last `sliding_window` of them, or all (None)."""
@@ -66,6 +88,14 @@ class ModelConfig:
         if self.rope_scaling.get("rope_type") != "longrope":
             return None
         return int(self.rope_scaling["original_max_position_embeddings"])
+
+    def layer_kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head dim) of layer `layer`'s keys and values."""
+        return self.layer_kv_shapes[layer] if self.layer_kv_shapes else (self.num_kv_heads, self.head_dim)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cache layer `layer` reads (itself unless it shares another's)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
 
     def layer_uses_rope(self, layer: int) -> bool:
         return not self.layer_rope or self.layer_rope[layer]
@@ -90,6 +120,8 @@ class ModelConfig:
                 f"unsupported architecture {architectures or raw.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if architecture in LANGUAGE_MODEL_OF:
+            return replace(cls._language_model(raw, architecture, extra_eos), language_model_of=architecture)
         eos = _as_ids(raw.get("eos_token_id")) + _as_ids(extra_eos)
         common = dict(
             architecture=architecture,
@@ -100,9 +132,23 @@ class ModelConfig:
         )
         if architecture == "GPT2LMHeadModel":
             return cls._gpt2(raw, common)
-        if SUPPORTED_ARCHITECTURES[architecture] == "gemma":
+        if SUPPORTED_ARCHITECTURES[architecture] in ("gemma", "gemma4"):
             return cls._gemma(raw, architecture, common)
         return cls._llama(raw, architecture, common)
+
+    @classmethod
+    def _language_model(cls, raw: dict[str, Any], architecture: str, extra_eos: int | list[int] | None) -> ModelConfig:
+        """The text model of an image checkpoint, its `text_config` completed with
+        transformers' defaults (released configs leave out what equals them); whether the
+        head is tied is the whole model's setting."""
+        from transformers import CONFIG_MAPPING  # heavy: only for these checkpoints
+
+        whole = CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+        text = whole.text_config.to_dict() | {"architectures": [LANGUAGE_MODEL_OF[architecture]]}
+        text["tie_word_embeddings"] = raw.get("tie_word_embeddings", True)
+        if text.get("eos_token_id") is None:
+            text["eos_token_id"] = raw.get("eos_token_id")
+        return cls.from_hf(text, extra_eos)
 
     @classmethod
     def _gpt2(cls, raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
@@ -177,7 +223,7 @@ class ModelConfig:
     @classmethod
     def _gemma(cls, raw: dict[str, Any], architecture: str, common: dict[str, Any]) -> ModelConfig:
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-        if raw.get("use_bidirectional_attention"):
+        if raw.get("use_bidirectional_attention") not in (None, False, "vision"):  # "vision": images only
             raise UnsupportedModelError("Gemma use_bidirectional_attention=true (an encoder) is not supported")
         layers = raw["num_hidden_layers"]
         layer_types = tuple(raw.get("layer_types") or ())
@@ -194,6 +240,8 @@ class ModelConfig:
         else:
             theta, scaling = _rope(rope or raw.get("rope_scaling") or {}, raw.get("rope_theta", 10000.0))
             local_theta = raw.get("rope_local_base_freq")
+        gemma4 = _gemma4_parts(raw, layer_types) if architecture == "Gemma4ForCausalLM" else {}
+        scalar = raw.get("query_pre_attn_scalar")
         return cls(
             **common,
             hidden_size=hidden,
@@ -207,16 +255,57 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", True),
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
             qkv_bias=bool(raw.get("attention_bias", False)),
-            qk_norm=architecture == "Gemma3ForCausalLM",
+            qk_norm=architecture in ("Gemma3ForCausalLM", "Gemma4ForCausalLM"),
             sliding_window=raw.get("sliding_window"),
             rope_theta=theta,
             rope_scaling=scaling,
             layer_types=layer_types,
-            attn_scale=raw["query_pre_attn_scalar"] ** -0.5 if raw.get("query_pre_attn_scalar") else None,
+            attn_scale=1.0 if gemma4 else scalar**-0.5 if scalar else None,  # Gemma 4: q and k are normed
             attn_softcap=raw.get("attn_logit_softcapping"),
             final_softcap=raw.get("final_logit_softcapping"),
             local_rope_theta=float(local_theta) if local_theta is not None else None,
+            **gemma4,
         )
+
+
+def _gemma4_parts(raw: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, Any]:
+    """Gemma 4's fields, as transformers' Gemma4TextConfig resolves them: global layers'
+    head size and KV heads (`per_layer_config`, or `global_head_dim`, default 512, and
+    `num_global_key_value_heads` where keys are values), the KV-shared last layers, each
+    reading the last unshared layer of its type."""
+    num_layers = len(layer_types)
+    kv_heads, head_dim = raw.get("num_key_value_heads") or raw["num_attention_heads"], raw.get("head_dim") or 256
+    overrides = {int(k): v for k, v in (raw.get("per_layer_config") or {}).items() if str(k).isdigit()}
+    if not overrides:
+        global_shape = {"head_dim": raw.get("global_head_dim", 512)}
+        if raw.get("attention_k_eq_v") and raw.get("num_global_key_value_heads"):
+            global_shape["num_key_value_heads"] = raw["num_global_key_value_heads"]
+        overrides = {i: global_shape for i, kind in enumerate(layer_types) if kind != SLIDING}
+    shapes = tuple(
+        (overrides.get(i, {}).get("num_key_value_heads", kv_heads), overrides.get(i, {}).get("head_dim", head_dim))
+        for i in range(num_layers)
+    )
+    num_shared = raw.get("num_kv_shared_layers") or 0
+    first_shared = num_layers - num_shared
+    if num_shared and first_shared < 1:
+        raise UnsupportedModelError("Gemma 4 with num_kv_shared_layers = num_hidden_layers is not supported")
+    sources = list(range(num_layers))
+    for layer in range(first_shared, num_layers):
+        producers = [i for i in range(first_shared) if layer_types[i] == layer_types[layer]]
+        if not producers:
+            raise UnsupportedModelError(f"Gemma 4 layer {layer} shares the KV of a {layer_types[layer]} layer it lacks")
+        sources[layer] = producers[-1]
+    experts = raw.get("num_experts") or 0 if raw.get("enable_moe_block") else 0
+    options = Gemma4Options(
+        per_layer_input_size=raw.get("hidden_size_per_layer_input") or 0,
+        per_layer_vocab_size=raw.get("vocab_size_per_layer_input") or raw["vocab_size"],
+        attention_k_eq_v=bool(raw.get("attention_k_eq_v")),
+        double_wide_mlp=bool(raw.get("use_double_wide_mlp")),
+        num_experts=experts,
+        top_k_experts=raw.get("top_k_experts") or 0 if experts else 0,
+        moe_intermediate_size=raw.get("moe_intermediate_size") or 0 if experts else 0,
+    )
+    return dict(layer_kv_shapes=shapes, kv_sources=tuple(sources), gemma4=options)
 
 
 def _rope(parameters: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any]]:
@@ -224,8 +313,8 @@ def _rope(parameters: dict[str, Any], default_theta: float) -> tuple[float, dict
     rope = dict(parameters)
     theta = rope.pop("rope_theta", None) or default_theta
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3", "longrope"):
-        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (default, linear, llama3, longrope)")
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
     return float(theta), {**rope, "rope_type": rope_type}
 
 

@@ -93,7 +93,7 @@ GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mu
 class LlamaMLP(nn.Module):
     """Column-parallel gate/up, row-parallel down (one all-reduce)."""
 
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act not in GATED_ACTIVATIONS:
             raise UnsupportedModelError(
@@ -101,7 +101,7 @@ class LlamaMLP(nn.Module):
             )
         self.activation = GATED_ACTIVATIONS[config.hidden_act]
         self.shard = shard
-        start, end = shard.split(config.intermediate_size, "intermediate_size")
+        start, end = shard.split(intermediate_size or config.intermediate_size, "intermediate_size")
         self.intermediate_size = end - start
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size)
         self.down_proj = Linear(self.intermediate_size, config.hidden_size)

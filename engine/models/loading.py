@@ -61,6 +61,8 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     module = model_class(config.family)(config, shard or Shard())  # parameters start uninitialised (torch.empty)
     weights = iter_weights(model_dir)
+    if config.language_model_of is not None:
+        weights = language_model_weights(weights)
     checkpoint = None
     if is_int8_checkpoint(model_dir):
         checkpoint = Int8Checkpoint(iter_weights(model_dir, select=Int8Checkpoint.wants))
@@ -84,6 +86,21 @@ def load_model(
         time.monotonic() - started,
     )
     return model, config
+
+
+# Where image checkpoints keep their language model: transformers 5's names and 4's.
+_LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
+def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An image checkpoint's language model under a text model's names; the vision and
+    audio towers and their projections are skipped (only text is served)."""
+    for name, tensor in weights:
+        prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            yield "model." + name[len(prefix) :], tensor
+        elif name in ("lm_head.weight", "language_model.lm_head.weight"):
+            yield "lm_head.weight", tensor
 
 
 def iter_weights(model_dir: Path, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:

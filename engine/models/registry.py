@@ -29,9 +29,17 @@ FAMILIES = (
     Family("granite", "GraniteForCausalLM", ("GraniteForCausalLM",)),
     Family("olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",)),
     Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
-    Family("gemma", "GemmaForCausalLM", ("Gemma2ForCausalLM", "Gemma3ForCausalLM")),
+    Family("gemma", "GemmaForCausalLM", ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
+    Family("gemma4", "Gemma4ForCausalLM", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")),
     Family("gpt2", "GPT2LMHeadModel", ("GPT2LMHeadModel",)),
 )
+
+# Image (and audio) checkpoints whose language model is served, text in and text out: the
+# text model's architecture (their towers' weights are skipped, engine/models/loading.py).
+LANGUAGE_MODEL_OF = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+}
 
 # HF architecture name -> our model family.
 SUPPORTED_ARCHITECTURES = {architecture: family.name for family in FAMILIES for architecture in family.architectures}

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+KVPair = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass(slots=True)
 class PromptLogprobs:
@@ -76,15 +78,29 @@ class StepInputs:
     logit_rows: list[int]  # rows whose logits are computed: samples first, then prompt logprobs
 
 
+def layer_cache_shapes(config: ModelConfig, shard: Shard | None = None) -> list[tuple[int, int]]:
+    """Per layer, (KV heads on this rank, head dim) of the cache it writes."""
+    shard = shard or Shard()
+    shapes = (config.layer_kv_shape(layer) for layer in range(config.num_layers))
+    return [(shard.kv_heads(config.num_heads, heads)[1], head_dim) for heads, head_dim in shapes]
+
+
+def cache_tensor_keys(config: ModelConfig, groups: KVGroups, shard: Shard | None = None) -> list[tuple[int, int, int]]:
+    """The distinct cache tensor pairs, as (tensor index, KV heads, head dim): layers of a
+    tensor index share a pair where their shapes agree (engine/core/kv_groups.py)."""
+    shapes = layer_cache_shapes(config, shard)
+    return list(dict.fromkeys((groups.layer_tensors[layer], *shapes[layer]) for layer in range(config.num_layers)))
+
+
 def kv_bytes_per_block(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard | None = None, num_layers: int | None = None
+    config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard | None = None, groups: KVGroups | None = None
 ) -> int:
-    """Bytes of one block on one rank (its KV heads only), in `num_layers` layers (default:
-    all; with KV cache groups, the layers of one group)."""
+    """Bytes of one block id on one rank (its KV heads only): a page in every cache tensor
+    pair of `groups` (default: every layer's own, as without KV cache groups)."""
     element = torch.empty((), dtype=dtype).element_size()
-    num_kv_heads = shard.kv_heads(config.num_heads, config.num_kv_heads)[1] if shard else config.num_kv_heads
-    layers = config.num_layers if num_layers is None else num_layers
-    return 2 * layers * block_size * num_kv_heads * config.head_dim * element
+    groups = groups or KVGroups.of(config.layer_windows, hybrid=False, kv_sources=config.kv_sources)
+    keys = cache_tensor_keys(config, groups, shard)
+    return sum(2 * block_size * heads * head_dim * element for _, heads, head_dim in keys)
 
 
 class ModelRunner:
@@ -108,17 +124,18 @@ class ModelRunner:
         self.lora = lora  # with enable_lora
         self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
         self.block_size, self.device = block_size, device
-        num_kv_heads = shard.kv_heads(model_config.num_heads, model_config.num_kv_heads)[1]
-        shape = (block_size, num_kv_heads, model_config.head_dim)
 
-        def cache_pair(blocks: int, where: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        def cache_pair(blocks: int, heads: int, head_dim: int, where: torch.device | str) -> KVPair:
+            shape = (block_size, heads, head_dim)
             return allocate_kv_cache(blocks, *shape, dtype, where), allocate_kv_cache(blocks, *shape, dtype, where)
 
         # The distinct tensor pairs (copies run over these), and each layer's.
-        self.kv_tensors = [cache_pair(num_blocks, device) for _ in range(groups.num_tensors)]
-        self.kv_caches = [self.kv_tensors[t] for t in groups.layer_tensors]
-        num_host_tensors = groups.num_tensors if num_host_blocks else 0
-        self.host_tensors = [cache_pair(num_host_blocks, "cpu") for _ in range(num_host_tensors)]
+        keys = cache_tensor_keys(model_config, groups, shard)
+        pairs = {key: cache_pair(num_blocks, *key[1:], device) for key in keys}
+        self.kv_tensors = list(pairs.values())
+        shapes = layer_cache_shapes(model_config, shard)
+        self.kv_caches = [pairs[(groups.layer_tensors[i], *shapes[i])] for i in range(model_config.num_layers)]
+        self.host_tensors = [cache_pair(num_host_blocks, *key[1:], "cpu") for key in keys] if num_host_blocks else []
         self.sampler = Sampler(model_config.eos_token_ids, seed)
 
     def run_copies(self, copies: PendingCopies) -> None:

@@ -127,6 +127,35 @@ def test_gemma3s_head_size_256_equals_transformers_batched_chunked_and_cached(tm
     assert_no_block_leaked(llm)
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
+def test_the_language_model_of_an_image_checkpoint_equals_transformers(
+    tiny_models: dict[str, Path], tmp_path: Path, arch: str
+) -> None:
+    """Gemma 3 (4B and up) and Gemma 4 are released as image (and audio) checkpoints: their
+    text model is served from them, the towers' weights skipped, head tied as the whole
+    model says."""
+    import torch
+    import transformers as tf
+
+    text = tf.AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32)
+    text_config = text.config.to_dict() | {"pad_token_id": 0}
+    tiny_tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    if arch == "gemma3":
+        vision = tf.SiglipVisionConfig(**tiny_tower, image_size=28, patch_size=14)
+        config: tf.PretrainedConfig = tf.Gemma3Config(text_config=text_config, vision_config=vision.to_dict())
+        model: torch.nn.Module = tf.Gemma3ForConditionalGeneration(config)
+    else:
+        vision = tf.Gemma4VisionConfig(**tiny_tower, num_key_value_heads=2, head_dim=16)
+        config = tf.Gemma4Config(text_config=text_config, vision_config=vision.to_dict(), audio_config=None)
+        model = tf.Gemma4ForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.save_pretrained(tmp_path)
+    tf.AutoTokenizer.from_pretrained(tiny_models[arch]).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=8)
+    prompts = random_prompts([17, 33], TINY_VOCAB, seed=13)
+    _assert_matches_hf(tmp_path, prompts, llm.generate(prompts, _greedy()))
+
+
 def test_mixed_arrival_times(tiny_llama: Path, backend: str) -> None:
     """Requests that arrive while others decode join the running batch and stay exact."""
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=24, attention_backend=backend)

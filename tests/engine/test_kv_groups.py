@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagefleet.engine import LLM
 from pagefleet.engine.core.kv_cache_manager import KVCacheManager
@@ -15,6 +16,7 @@ from pagefleet.engine.core.request import Request
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.front.request_checks import worst_case_blocks
 from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.worker.model_runner import kv_bytes_per_block
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, random_prompts
 
@@ -175,3 +177,21 @@ def test_a_gemma_engine_publishes_free_tokens_and_answers_alike_without_groups(t
     transfer = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     with pytest.raises(InvalidParameterError, match="disable-hybrid-kv-cache-manager"):
         grouped.generate([prompts[0]], transfer)
+
+
+def test_gemma4s_shared_layers_read_their_sources_cache_and_each_shape_has_its_pages(
+    tiny_models: dict[str, Path],
+) -> None:
+    """Gemma 4: the last two layers attend over the first two's KV, so only two layers hold
+    a cache; the global layer's keys (1 head of 64) and the sliding one's (2 heads of 16)
+    each get a tensor pair of their shape, and a block id a page in both."""
+    groups = KVGroups.of([WINDOW, None, WINDOW, None], kv_sources=(0, 1, 0, 1))
+    assert groups.windows == (None, WINDOW) and groups.num_tensors == 1
+    assert groups.layer_groups == (1, 0, 1, 0) and groups.layer_tensors == (0, 0, 0, 0)
+    llm = LLM(str(tiny_models["gemma4"]), dtype="float32", kv_cache_memory=1 << 20, separate_process=False)
+    runner = llm.engine.runner
+    assert runner.kv_caches[2] is runner.kv_caches[0] and runner.kv_caches[3] is runner.kv_caches[1]
+    assert [tuple(keys.shape[2:]) for keys, _ in runner.kv_tensors] == [(2, 16), (1, 64)]
+    page_bytes = 2 * 16 * (2 * 16 + 1 * 64) * 4  # keys and values, 16 tokens, float32
+    assert llm.stats().num_free_blocks == (1 << 20) // page_bytes
+    assert kv_bytes_per_block(llm.engine.parts.model_config, 16, torch.float32) == page_bytes

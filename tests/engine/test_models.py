@@ -29,6 +29,29 @@ def _config(hf_config: tf.PretrainedConfig, architecture: str) -> ModelConfig:
     return ModelConfig.from_hf({**hf_config.to_dict(), "architectures": [architecture]})
 
 
+def test_gemma4s_global_shapes_and_kv_sharing_come_from_either_spelling_of_the_config() -> None:
+    """As transformers 5.24 writes it (`per_layer_config`) and as released checkpoints do
+    (`global_head_dim`, `num_global_key_value_heads`): global layers' head size and KV heads,
+    and each KV-shared layer reading the last unshared layer of its type."""
+    gemma4 = tf.Gemma4TextConfig(
+        num_hidden_layers=12,
+        num_kv_shared_layers=4,
+        num_key_value_heads=4,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=2,
+        global_head_dim=512,
+    )
+    written = {**gemma4.to_dict(), "architectures": ["Gemma4ForCausalLM"]}
+    released = {k: v for k, v in written.items() if k != "per_layer_config"}
+    released |= {"global_head_dim": 512, "num_global_key_value_heads": 2}
+    for raw in (written, released):
+        config = ModelConfig.from_hf(raw)
+        assert config.layer_windows == ([512] * 5 + [None]) * 2
+        assert [config.layer_kv_shape(i) for i in (0, 5, 11)] == [(4, 256), (2, 512), (2, 512)]
+        assert config.kv_sources == (*range(8), 7, 7, 7, 5)
+        assert config.attention_scale == 1.0 and config.rope_scaling["rope_type"] == "proportional"
+
+
 def test_gemma_layers_take_their_windows_scales_and_rope_bases_from_the_config() -> None:
     gemma3 = tf.Gemma3TextConfig(num_hidden_layers=7, sliding_window=512, head_dim=64, query_pre_attn_scalar=256)
     config = _config(gemma3, "Gemma3ForCausalLM")
