@@ -200,9 +200,9 @@ class EngineConfig:
 
     @property
     def hybrid_kv_cache(self) -> bool:
-        """Whether layers of different windows get KV cache groups of their own."""
-        transfers = self.kv_cache_dir is not None or self.kv_role != "both"
-        return not self.disable_hybrid_kv_cache_manager and not transfers
+        """Whether layers of different windows get KV cache groups of their own (the KV
+        connectors move blocks per group)."""
+        return not self.disable_hybrid_kv_cache_manager
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

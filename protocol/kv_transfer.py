@@ -5,13 +5,16 @@ A request to a prefill replica carries `{"do_remote_decode": true}`; its answer 
 a decode replica needs to pull the prompt's KV: `do_remote_prefill`, the prefill replica's
 `remote_engine_id`, `remote_host` and `remote_port`, the `remote_block_ids` and the
 `remote_request_id` (the fields of vLLM's NixlConnector). The decode replica's request
-carries those back.
+carries those back. With KV cache groups (sliding-window layers), `remote_block_ids` is one
+list per group; with one group, a flat list.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+BlockIds = list[int] | list[list[int]]  # flat (one KV cache group) or one list per group
 
 FIELD = "kv_transfer_params"
 
@@ -27,8 +30,12 @@ class RemotePrefill:
     engine_id: str
     host: str
     port: int
-    block_ids: list[int]
+    block_ids: BlockIds
     request_id: str
+
+    @property
+    def group_block_ids(self) -> list[list[int]]:
+        return per_group(self.block_ids)
 
     @classmethod
     def parse(cls, params: dict[str, Any]) -> RemotePrefill:
@@ -42,8 +49,8 @@ class RemotePrefill:
         if missing:
             raise KVTransferParamsError(f"do_remote_prefill needs {', '.join(missing)} (a prefill replica's answer)")
         block_ids, port = params["remote_block_ids"], params["remote_port"]
-        if not isinstance(block_ids, list) or not all(isinstance(b, int) and b >= 0 for b in block_ids):
-            raise KVTransferParamsError("remote_block_ids must be a list of block ids")
+        if not is_block_ids(block_ids):
+            raise KVTransferParamsError("remote_block_ids must be a list of block ids, or one per KV cache group")
         if not isinstance(port, int) or not 0 < port < 65536:
             raise KVTransferParamsError("remote_port must be a TCP port")
         return cls(
@@ -86,6 +93,22 @@ class KVTransferParams:
         return cls.parse((extra_args or {}).get(FIELD))
 
 
+def is_block_ids(value: Any) -> bool:
+    """Whether `value` is a `BlockIds`: a list of block ids, or a list of such lists."""
+
+    def ids(items: Any) -> bool:
+        return isinstance(items, list) and all(isinstance(b, int) and b >= 0 for b in items)
+
+    return ids(value) or (isinstance(value, list) and bool(value) and all(ids(items) for items in value))
+
+
+def per_group(block_ids: BlockIds) -> list[list[int]]:
+    """`block_ids` as one list per KV cache group (a flat list is one group's)."""
+    if block_ids and isinstance(block_ids[0], list):
+        return [list(group) for group in block_ids]  # type: ignore[arg-type]
+    return [list(block_ids)]  # type: ignore[arg-type]
+
+
 def for_prefill() -> dict[str, Any]:
     """What a request to a prefill replica carries."""
     return {"do_remote_decode": True}
@@ -93,7 +116,7 @@ def for_prefill() -> dict[str, Any]:
 
 def prefill_answer(
     request_id: str,
-    block_ids: list[int],
+    block_ids: BlockIds,
     engine_id: str | None = None,
     host: str | None = None,
     port: int | None = None,

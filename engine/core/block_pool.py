@@ -142,23 +142,15 @@ class BlockPool:
             return None
         return block_id
 
-    def count_cached(self, hashes: list[int], token_ids: list[int], block_size: int) -> int:
-        """How many blocks of the chain `hashes` (of `token_ids`), from the first, are cached.
-        Only reads: other threads may use it as a peek at this moment's cache."""
-        for index, block_hash in enumerate(hashes):
-            if self.try_lookup(block_hash, tuple(token_ids[index * block_size : (index + 1) * block_size])) is None:
-                return index
-        return len(hashes)
-
-    def try_hold(self, block_id: int, block_hash: int) -> bool:
-        """A reference on a block that still holds `block_hash`'s contents: in use, or cached
-        and free (its request finished in the step that filled it). False for a block freed
-        uncached (a copy of a block cached elsewhere)."""
+    def try_hold(self, block_id: int, block_hash: int, group: int = 0) -> bool:
+        """A reference on a block that still holds `block_hash`'s contents for `group`: in
+        use, or cached and free (its request finished in the step that filled it). False
+        for a block freed uncached (a copy of a block cached elsewhere)."""
         block = self.blocks[block_id]
         if block.ref_count > 0:
             self._add_ref(block)
             return True
-        if block.block_hash == block_hash and block.group == 0 and block_id in self._evictable:
+        if block.block_hash == block_hash and block.group == group and block_id in self._evictable:
             self.touch(block_id)
             return True
         return False

@@ -13,11 +13,12 @@ forward pass writes anything.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagefleet.engine.core.block_pool import BlockPool
-from pagefleet.engine.core.kv_groups import NULL_BLOCK, ONE_GROUP, KVGroups
+from pagefleet.engine.core.kv_groups import NULL_BLOCK, ONE_GROUP, KVGroups, longest_prefix, needed_blocks
 from pagefleet.engine.core.request import Request, Sequence
 from pagefleet.engine.kv_transfer.params import KVLoad, RemoteKV
 from pagefleet.protocol.block_hash import block_hashes
@@ -47,11 +48,13 @@ class SequenceBlocks:
 
 
 class FullBlock(NamedTuple):
-    """A block a step made full and published: where it is, its chain hash, its tokens."""
+    """A block a step made full and published: where it is, its chain hash, its tokens,
+    the KV cache group whose layers it holds."""
 
     block_id: int
     block_hash: int
     token_ids: tuple[int, ...]
+    group: int = 0
 
 
 class PrefixHit(NamedTuple):
@@ -254,19 +257,21 @@ class KVCacheManager:
         shared = index < len(table) and table[index] != NULL_BLOCK and self.pool.ref_count(table[index]) > 1
         return [index] if shared and start % self.block_size != 0 else []
 
-    def commit(self, seq: Sequence, num_new_tokens: int) -> int:
+    def commit(self, seq: Sequence, num_new_tokens: int, keep_last_query: bool = False) -> int:
         """The forward pass wrote `num_new_tokens` more of the sequence's tokens; returns its
         computed-token count. Blocks that became full join the prefix cache; blocks behind
-        a sliding window are freed."""
+        a sliding window are freed. `keep_last_query`: keep too the window of the last
+        computed token's query (a prefill replica's prompt: its decode replica computes
+        that token again, on the blocks it pulls)."""
         record = self._record(seq)
         record.num_computed_tokens += num_new_tokens
         self._register_full_blocks(seq, record)
-        self._free_behind_windows(record)
+        self._free_behind_windows(record, record.num_computed_tokens - keep_last_query)
         return record.num_computed_tokens
 
-    def _free_behind_windows(self, record: SequenceBlocks) -> None:
-        """Free the blocks that the next query (at the computed-token count) cannot see."""
-        groups, position = self.groups, record.num_computed_tokens
+    def _free_behind_windows(self, record: SequenceBlocks, position: int) -> None:
+        """Free the blocks that a query at `position` (or later) cannot see."""
+        groups = self.groups
         for group, table in enumerate(record.tables):
             # Freed places form a prefix of the table: walk back from the window to it.
             index = min(groups.first_needed_block(group, position, self.block_size), len(table)) - 1
@@ -288,7 +293,7 @@ class KVCacheManager:
         max_blocks = (num_tokens - 1) // self.block_size
         record = self._record(seq)
         self._extend_hashes(seq, record, max_blocks)
-        cached = self._cached_blocks(seq, record, max_blocks)
+        cached = self._cached_blocks(record.block_hashes[:max_blocks], lambda index: self._block_tokens(seq, index))
         num_blocks = self._longest_hit(cached)
         tables = []
         for group, blocks in enumerate(cached):
@@ -297,14 +302,29 @@ class KVCacheManager:
         cost = sum(1 for table in tables for b in table if b != NULL_BLOCK and self.pool.is_evictable(b))
         return PrefixHit(tables, num_blocks, cost)
 
-    def _cached_blocks(self, seq: Sequence, record: SequenceBlocks, max_blocks: int) -> list[list[int | None]]:
-        """Per group, per block of the prompt's first `max_blocks`, the group's cached copy
-        (None where a sliding group has none), up to the first block a full group misses:
-        nothing after it can be used."""
+    def longest_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> tuple[int, list[list[int]]]:
+        """How many blocks of the chain `hashes` (of `token_ids`) the prefix cache can serve
+        in every group, and per group its cached blocks of them that a sequence going on
+        from there needs (`needed_blocks`). Only reads."""
+        size = self.block_size
+        cached = self._cached_blocks(hashes, lambda index: tuple(token_ids[index * size : (index + 1) * size]))
+        num_blocks = self._longest_hit(cached)
+        ranges = needed_blocks(self.groups, num_blocks * size, size)
+        tables = [
+            [b for b in blocks[r.start : r.stop] if b is not None] for blocks, r in zip(cached, ranges, strict=True)
+        ]
+        return num_blocks, tables
+
+    def _cached_blocks(
+        self, hashes: list[int], block_tokens: Callable[[int], tuple[int, ...]]
+    ) -> list[list[int | None]]:
+        """Per group, per block of the chain `hashes`, the group's cached copy (None where a
+        sliding group has none), up to the first block a full group misses: nothing after
+        it can be used. `block_tokens(index)`: the tokens of block `index`."""
         windows = self.groups.windows
         cached: list[list[int | None]] = [[] for _ in windows]
-        for index in range(max_blocks):
-            block_hash, tokens = record.block_hashes[index], self._block_tokens(seq, index)
+        for index, block_hash in enumerate(hashes):
+            tokens = block_tokens(index)
             found = [self.pool.try_lookup(block_hash, tokens, group) for group in range(len(windows))]
             if any(block_id is None and window is None for block_id, window in zip(found, windows, strict=True)):
                 break
@@ -314,16 +334,7 @@ class KVCacheManager:
 
     def _longest_hit(self, cached: list[list[int | None]]) -> int:
         """The most blocks of the prompt that every group holds what it needs for."""
-        groups, size = self.groups, self.block_size
-        num_blocks = len(cached[0])
-        while num_blocks > 0:
-            if all(
-                all(b is not None for b in blocks[groups.first_needed_block(g, num_blocks * size, size) : num_blocks])
-                for g, blocks in enumerate(cached)
-            ):
-                return num_blocks
-            num_blocks -= 1
-        return 0
+        return longest_prefix(self.groups, len(cached[0]), self.block_size, lambda g, i: cached[g][i] is not None)
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count one request's prompt in the prefix-cache statistics (once per request)."""
@@ -343,27 +354,44 @@ class KVCacheManager:
         record.num_registered_blocks = hit.num_blocks
 
     def take_remote_prefix(self, seq: Sequence, remote: RemoteKV) -> bool:
-        """Start an empty sequence on fresh blocks for the `remote.num_tokens` tokens a
-        prefill replica computed; their KV is loaded by `queue_load` once the request is
-        scheduled. False (nothing changed) if too few blocks are free. (Connectors run
-        with one KV cache group.)"""
+        """Start an empty sequence on fresh blocks for the `remote.num_tokens` tokens another
+        replica or a tier computed: in each group, the blocks it needs to go on from there
+        (`needed_blocks`: a sliding group's last window), `NULL_BLOCK` before them. Their
+        KV is loaded by `queue_load` once the request is scheduled. False (nothing changed)
+        if too few blocks are free."""
         record = self._record(seq)
         assert not any(record.tables) and record.num_computed_tokens == 0, "a remote prefix needs a fresh sequence"
-        assert self.groups.num_groups == 1, "KV connectors serve a cache of one group"
-        blocks = self.pool.try_allocate(remote.num_blocks)
+        ranges = needed_blocks(self.groups, remote.num_tokens, self.block_size)
+        blocks = self.pool.try_allocate(sum(len(r) for r in ranges))
         if blocks is None:
             return False
-        record.tables = [blocks]
+        record.tables = []
+        for blocks_needed in ranges:
+            record.tables.append([NULL_BLOCK] * blocks_needed.start + blocks[: len(blocks_needed)])
+            blocks = blocks[len(blocks_needed) :]
         record.num_computed_tokens = remote.num_tokens
         return True
 
-    def queue_load(self, load: KVLoad) -> None:
-        """Copy KV from outside into fresh blocks before the next forward pass."""
+    def queue_load(self, seq: Sequence, remote: RemoteKV) -> None:
+        """Copy `remote` into the blocks `take_remote_prefix` gave the sequence, before the
+        next forward pass: each layer the rows of its group's blocks."""
+        tables = self.block_tables(seq)
+        ranges = needed_blocks(self.groups, remote.num_tokens, self.block_size)
+        load = KVLoad([], [], [])
+        for layer, group in enumerate(self.groups.layer_groups):
+            blocks = ranges[group]
+            first = blocks.start - remote.first_block(layer)  # the remote's row of the first block
+            assert first >= 0, "the remote KV lacks blocks this group needs (request_checks let it through)"
+            load.block_ids.append(tables[group][blocks.start : blocks.stop])
+            load.keys.append(remote.keys[layer][first : first + len(blocks)])
+            load.values.append(remote.values[layer][first : first + len(blocks)])
         self.pending.loads.append(load)
 
-    def prompt_blocks(self, seq: Sequence, num_prompt_tokens: int) -> list[int]:
-        """The blocks holding the sequence's prompt (a connector may keep them)."""
-        return list(self.block_table(seq)[: -(-num_prompt_tokens // self.block_size)])
+    def prompt_blocks(self, seq: Sequence, num_prompt_tokens: int) -> list[list[int]]:
+        """Per group, the blocks holding the sequence's prompt (a connector may keep them),
+        `NULL_BLOCK` where a sliding group freed them."""
+        num_blocks = -(-num_prompt_tokens // self.block_size)
+        return [list(table[:num_blocks]) for table in self.block_tables(seq)]
 
     def _register_full_blocks(self, seq: Sequence, record: SequenceBlocks) -> None:
         """Publish blocks whose every slot is now computed."""
@@ -376,8 +404,8 @@ class KVCacheManager:
             for group, table in enumerate(record.tables):
                 if table[index] == NULL_BLOCK:
                     continue
-                block = FullBlock(table[index], record.block_hashes[index], tokens)
-                self.pool.register(*block, group=group)
+                block = FullBlock(table[index], record.block_hashes[index], tokens, group)
+                self.pool.register(*block)
                 if self.collect_full_blocks:
                     self._full_blocks.append(block)
         record.num_registered_blocks = max(record.num_registered_blocks, num_full)

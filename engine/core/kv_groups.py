@@ -22,6 +22,7 @@ layers) has no cache of its own: it takes its source's group and tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NULL_BLOCK = -1  # a table entry whose block was freed: behind a sliding window, never read
@@ -103,3 +104,43 @@ def window_blocks(window: int, block_size: int) -> int:
 
 
 ONE_GROUP = KVGroups.of([None])  # one full group: a plain paged cache, as the manager's default
+
+
+def needed_blocks(groups: KVGroups, num_tokens: int, block_size: int) -> list[range]:
+    """Per group, the blocks of a `num_tokens`-token prefix that a sequence going on from it
+    reads: every block in a full group, the last window's in a sliding one. What a transfer,
+    a tier load or a peer pull moves for the prefix, and all it moves."""
+    num_blocks = -(-num_tokens // block_size)
+    first = [min(groups.first_needed_block(g, num_tokens, block_size), num_blocks) for g in range(groups.num_groups)]
+    return [range(start, num_blocks) for start in first]
+
+
+def longest_prefix(groups: KVGroups, limit: int, block_size: int, has: Callable[[int, int], bool]) -> int:
+    """The most blocks (at most `limit`) of a prefix that every group can serve: each has
+    the blocks `needed_blocks` names for it. `has(group, index)`: whether it holds one."""
+    full = [g for g, window in enumerate(groups.windows) if window is None]
+    for index in range(limit):  # nothing past a full group's first miss can be served
+        if not all(has(g, index) for g in full):
+            limit = index
+            break
+    for num_blocks in range(limit, 0, -1):
+        ranges = needed_blocks(groups, num_blocks * block_size, block_size)
+        if all(has(g, index) for g, blocks in enumerate(ranges) for index in blocks):
+            return num_blocks
+    return 0
+
+
+def groups_from(windows: tuple[int | None, ...], layer_groups: tuple[int, ...]) -> KVGroups:
+    """The grouping another replica describes by its windows and each layer's group (its
+    `KVLayout`): layer j of a group writes tensor j, as `KVGroups.of` lays them out."""
+    seen: dict[int, int] = {}
+    tensors = []
+    for group in layer_groups:
+        tensors.append(seen.get(group, 0))
+        seen[group] = tensors[-1] + 1
+    return KVGroups(windows, layer_groups, tuple(tensors), max(seen.values(), default=0))
+
+
+def group_layers(groups: KVGroups, group: int) -> list[int]:
+    """The layers of `group`, in order (layer j writes the group's tensor j)."""
+    return [layer for layer, g in enumerate(groups.layer_groups) if g == group]

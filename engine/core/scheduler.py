@@ -249,10 +249,10 @@ class Scheduler:
                 self._release_adapter(request)
                 break  # strict FCFS: a later request may not overtake the head of the queue
             if remote is not None:
-                blocks = self.kv_cache.block_table(request.sequences[0])
-                self.kv_cache.queue_load(self.kv_connector.after_allocate(request, blocks, remote))
-            elif starts_afresh:
-                self.kv_connector.drop_staged(request)  # the local cache had as much: a recompute computes it
+                self.kv_cache.queue_load(request.sequences[0], remote)
+            if starts_afresh:
+                # Loaded once, or the local cache had as much: a recompute computes it here.
+                self.kv_connector.drop_staged(request)
             self.waiting.pop(0)
             resumed = any(event.name == "preempted" for event in request.events)
             request.note("scheduled", cached_tokens=request.num_cached_tokens, resumed=resumed)

@@ -267,9 +267,10 @@ class AsyncEngine:
         return add.result()
 
     async def read_pinned(
-        self, request_id: str, block_ids: list[int]
+        self, request_id: str, block_ids: list[list[int]]
     ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The prompt tokens and the KV of `block_ids` pinned for `request_id`, read without
+        """The prompt tokens and the KV of `block_ids` (per KV cache group) pinned for
+        `request_id`, each layer's of its group's blocks, read without
         stalling the steps; the blocks stay pinned until `release_pinned` (after a
         successful send) or `checkin_pinned` (a send that failed: another pull may come).
 
@@ -292,19 +293,21 @@ class AsyncEngine:
     async def read_cached_prefix(
         self, hashes: list[int], token_ids: list[int]
     ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Copies of the KV of the longest prefix of `hashes` this replica caches (for a
-        peer's pull): its block count and each layer's keys and values. The blocks are held
-        between two steps (a reference each, so no step evicts or rewrites them), copied
-        beside the running steps, and released before the next step after the copy."""
-        blocks: list[int] = await asyncio.wrap_future(self._on_engine_thread(self._peer.hold_prefix, hashes, token_ids))
-        if not blocks:
+        """Copies of the KV of the longest prefix of `hashes` this replica caches in every
+        KV cache group (for a peer's pull): its block count and each layer's keys and values
+        of the blocks its group needs (`needed_blocks`). The blocks are held between two
+        steps (a reference each, so no step evicts or rewrites them), copied beside the
+        running steps, and released before the next step after the copy."""
+        held = await asyncio.wrap_future(self._on_engine_thread(self._peer.hold_prefix, hashes, token_ids))
+        num_blocks, blocks = held
+        if num_blocks == 0:
             return 0, []
         try:
             copied = await asyncio.to_thread(self._peer.read_blocks, blocks)
         finally:
             self._releases.append(functools.partial(self._peer.release, blocks))
             self._wake.set()
-        return len(blocks), copied
+        return num_blocks, copied
 
     def release_pinned(self, request_id: str) -> None:
         """Free a pulled prompt's blocks before the next step (from any thread, no wait)."""

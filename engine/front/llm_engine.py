@@ -122,6 +122,7 @@ class LLMEngine:
     def _kv_layout(self) -> KVLayout:
         """What a KV transfer with this replica must agree on."""
         model = self.parts.model_config
+        groups = self.kv_cache.groups
         return KVLayout(
             model=self.config.model,
             num_layers=model.num_layers,
@@ -129,6 +130,8 @@ class LLMEngine:
             head_dim=model.head_dim,
             block_size=self.kv_cache.block_size,
             dtype=str(self.config.torch_dtype).removeprefix("torch."),
+            group_windows=groups.windows,
+            layer_groups=groups.layer_groups,
         )
 
     # --- requests -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pagefleet.engine.core.kv_groups import ONE_GROUP, KVGroups, window_blocks
+from pagefleet.engine.core.kv_groups import ONE_GROUP, KVGroups, needed_blocks, window_blocks
 from pagefleet.engine.errors import InvalidParameterError, PromptTooLongError
 from pagefleet.engine.front.inputs import PreparedPrompt, PromptType, parse_prompt, prompt_cache_salt
 from pagefleet.engine.kv_transfer.params import RemoteKV, transfer_params
@@ -188,12 +188,6 @@ class RequestChecks:
     def check_kv_role(self, params: SamplingParams, remote_kv: RemoteKV | None, token_ids: list[int]) -> None:
         role = self.kv_role
         transfer = transfer_params(params)
-        if (transfer is not None or remote_kv is not None) and self.groups.num_groups > 1:
-            raise InvalidParameterError(
-                "kv_transfer_params",
-                f"this model's KV cache has {self.groups.num_groups} groups (sliding-window layers); KV transfers "
-                "need one: start the replica with --disable-hybrid-kv-cache-manager",
-            )
         if transfer is not None and transfer.remote_decode and role == "decode":
             raise InvalidParameterError(
                 "kv_transfer_params", "this replica decodes (--role decode): send do_remote_decode to a prefill replica"
@@ -204,8 +198,20 @@ class RequestChecks:
                     "kv_transfer_params",
                     "this replica prefills (--role prefill): send do_remote_prefill to a decode replica",
                 )
-            if remote_kv.num_tokens >= len(token_ids) or remote_kv.num_blocks * self.block_size < remote_kv.num_tokens:
+            if remote_kv.num_tokens >= len(token_ids) or not self._fits(remote_kv):
                 raise InvalidParameterError("kv_transfer_params", "the pulled KV does not fit this prompt")
+
+    def _fits(self, remote_kv: RemoteKV) -> bool:
+        """Whether `remote_kv` carries, for each layer, every block its KV cache group needs
+        to go on from its tokens (`needed_blocks`)."""
+        ranges = needed_blocks(self.groups, remote_kv.num_tokens, self.block_size)
+        if len(remote_kv.keys) != self.groups.num_layers:
+            return False
+        return all(
+            remote_kv.first_block(layer) <= ranges[group].start
+            and remote_kv.first_block(layer) + len(remote_kv.keys[layer]) >= ranges[group].stop
+            for layer, group in enumerate(self.groups.layer_groups)
+        )
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

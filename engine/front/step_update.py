@@ -117,7 +117,8 @@ class StepUpdate:
         point, the siblings share the blocks."""
         touched: dict[str, Request] = {}
         for chunk in plan.chunks:
-            self.kv_cache.commit(chunk.seq, chunk.num_own_tokens)
+            # A prefill replica's prompt keeps the window its decode replica's last query reads.
+            self.kv_cache.commit(chunk.seq, chunk.num_own_tokens, chunk.request.wants_remote_decode)
             touched[chunk.request.request_id] = chunk.request
         for chunk in plan.forks:
             for sibling in chunk.request.sequences[1:]:
@@ -215,8 +216,9 @@ class StepUpdate:
                 self.speculator.remember(request)
         return self.outputs.make_output(request)
 
-    def _prompt_blocks(self, request: Request) -> list[int]:
-        """The blocks of a finished request's computed prompt (before they are freed), or []."""
+    def _prompt_blocks(self, request: Request) -> list[list[int]]:
+        """Per KV cache group, the blocks of a finished request's computed prompt (before
+        they are freed), or []."""
         holder = next((seq for seq in request.sequences if self.kv_cache.holds_blocks(seq)), None)
         if holder is None or self.kv_cache.num_computed_tokens(holder) < request.num_prompt_tokens:
             return []

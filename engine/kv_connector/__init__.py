@@ -2,10 +2,12 @@
 
 One interface, `KVConnector` (base.py), in the spirit of vLLM's `KVConnectorBase_V1`: a
 scheduler side the scheduler and the step's update call at fixed points (how many prompt
-tokens a request can have from outside; what to load into the blocks just allocated; what to
-keep when a request finishes; what to save of the blocks a step filled) and a worker side
-(worker.py: load a step's blocks before its forward pass, copy blocks out for a save or a
-pull). Its implementations:
+tokens a request can have from outside; what to keep when a request finishes; what to save
+of the blocks a step filled) and a worker side (worker.py: load a step's blocks before its
+forward pass, copy blocks out for a save or a pull). Everything moves per KV cache group:
+a block is one group's, and a prefix moves, per group, the blocks a sequence going on from
+it needs (`needed_blocks` in engine/core/kv_groups.py: a sliding group's last window); the
+KV cache manager allocates and loads an offer's blocks group by group. Its implementations:
 
 - `prefill_decode.PrefillDecodeConnector`: prefill/decode disaggregation. A prefill
   replica's finished prompts stay pinned for a decode replica's pull; a decode replica's

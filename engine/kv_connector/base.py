@@ -12,7 +12,7 @@ from typing import Any
 
 from pagefleet.engine.core.kv_cache_manager import FullBlock
 from pagefleet.engine.core.request import Request
-from pagefleet.engine.kv_transfer.params import KVLoad, RemoteKV
+from pagefleet.engine.kv_transfer.params import RemoteKV
 
 
 @dataclass(slots=True)
@@ -48,21 +48,17 @@ class KVConnector:
         """Block until the KV on its way for `request` came, or `timeout` seconds (an
         engine with nothing else to run)."""
 
-    def after_allocate(self, request: Request, block_ids: list[int], kv: RemoteKV) -> KVLoad:
-        """The scheduler gave `kv` (from `external_prefix`) fresh blocks: the load to run
-        before the next forward pass. The connector forgets `kv` (loaded once: a recompute
-        preemption computes the prompt here)."""
-        return KVLoad(block_ids[: kv.num_blocks], kv)
-
-    def request_finished(self, request: Request, prompt_block_ids: list[int]) -> dict[str, Any] | None:
-        """`request` finished (`prompt_block_ids`: the blocks of its computed prompt, or []).
-        A connector that keeps them takes its own reference and returns the
-        `kv_transfer_params` that say how to fetch them."""
+    def request_finished(self, request: Request, prompt_blocks: list[list[int]]) -> dict[str, Any] | None:
+        """`request` finished (`prompt_blocks`: per KV cache group, the blocks of its computed
+        prompt, `NULL_BLOCK` where a sliding group freed them; or []). A connector that
+        keeps them takes its own reference and returns the `kv_transfer_params` that say
+        how to fetch them."""
         return None
 
     def drop_staged(self, request: Request) -> None:
-        """Forget the KV kept for `request` that was not loaded: another connector's was, or
-        the request ended. (What `request_finished` kept stays.)"""
+        """Forget the KV kept for `request`: the scheduler loaded it (once: a recompute
+        preemption computes the prompt here), another connector's or the local cache's
+        was taken instead, or the request ended. (What `request_finished` kept stays.)"""
 
     # --- scheduler side: the steps (engine thread) ----------------------------------------
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from pagefleet.engine.core.block_pool import BlockPool
-from pagefleet.engine.core.kv_cache_manager import FullBlock
+from pagefleet.engine.core.kv_cache_manager import FullBlock, KVCacheManager
 from pagefleet.engine.core.request import Request
 from pagefleet.engine.kv_connector.base import ConnectorStats, KVConnector
 from pagefleet.engine.kv_tiers.file_tier import FileTier
@@ -24,9 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 class FileTierConnector(KVConnector):
-    def __init__(self, tier: FileTier, pool: BlockPool) -> None:
+    def __init__(self, tier: FileTier, kv_cache: KVCacheManager) -> None:
         self.tier = tier
-        self.pool = pool
+        self.kv_cache = kv_cache
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagefleet-kv-reader")
         self._reads: dict[str, Future[RemoteKV | None]] = {}  # each request's lookup, until loaded
 
@@ -42,7 +41,7 @@ class FileTierConnector(KVConnector):
         full, hashes = reusable_prefix(request.prompt_token_ids, self.block_size, request.sequences[0].hash_root)
         if not hashes:
             return
-        local = self.pool.count_cached(hashes, full, self.block_size)
+        local, _ = self.kv_cache.longest_cached_prefix(hashes, full)
         self._reads[request.request_id] = self._reader.submit(self._read, hashes, full, local)
 
     def _read(self, hashes: list[int], full: list[int], local: int) -> RemoteKV | None:

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 from pagefleet.engine.core.kv_cache_manager import FullBlock
 from pagefleet.engine.core.request import Request
 from pagefleet.engine.kv_connector.base import ConnectorStats, KVConnector
-from pagefleet.engine.kv_transfer.params import KVLayout, KVLoad, RemoteKV
+from pagefleet.engine.kv_transfer.params import KVLayout, RemoteKV
 
 C = TypeVar("C", bound=KVConnector)
 
@@ -20,7 +20,6 @@ class MultiConnector(KVConnector):
     def __init__(self, connectors: list[KVConnector], layout: KVLayout) -> None:
         self.connectors = connectors
         self.layout = layout
-        self._chosen: dict[str, KVConnector] = {}  # whose offer each request starts on
 
     def member(self, kind: type[C]) -> C | None:
         """The connector of that class, if this engine has one."""
@@ -38,7 +37,6 @@ class MultiConnector(KVConnector):
                 continue
             if offer.origin == "prefill" or best is None or offer.num_tokens > best.num_tokens:
                 best = offer
-                self._chosen[request.request_id] = connector
             if offer.origin == "prefill":
                 break
         return best
@@ -50,17 +48,11 @@ class MultiConnector(KVConnector):
         for connector in self.connectors:
             connector.wait_for_load(request, timeout)
 
-    def after_allocate(self, request: Request, block_ids: list[int], kv: RemoteKV) -> KVLoad:
-        load = self._chosen.pop(request.request_id).after_allocate(request, block_ids, kv)
-        self.drop_staged(request)  # loaded once: a recompute preemption computes it here
-        return load
-
-    def request_finished(self, request: Request, prompt_block_ids: list[int]) -> dict[str, Any] | None:
-        answers = [connector.request_finished(request, prompt_block_ids) for connector in self.connectors]
+    def request_finished(self, request: Request, prompt_blocks: list[list[int]]) -> dict[str, Any] | None:
+        answers = [connector.request_finished(request, prompt_blocks) for connector in self.connectors]
         return next((answer for answer in answers if answer is not None), None)
 
     def drop_staged(self, request: Request) -> None:
-        self._chosen.pop(request.request_id, None)
         for connector in self.connectors:
             connector.drop_staged(request)
 

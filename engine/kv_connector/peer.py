@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagefleet.engine.core.block_pool import BlockPool
+from pagefleet.engine.core.kv_cache_manager import KVCacheManager
+from pagefleet.engine.core.kv_groups import needed_blocks
 from pagefleet.engine.core.request import Request
 from pagefleet.engine.kv_connector.base import KVConnector
 from pagefleet.engine.kv_connector.worker import KVCaches
@@ -20,23 +21,22 @@ from pagefleet.engine.kv_transfer.params import RemoteKV
 
 
 class PeerConnector(KVConnector):
-    """`store`: the file tier's, when it is on (what it holds needs no pull).
-    `read_blocks`: the worker side's copy of blocks, for held ones (any thread).
-    `enabled`: False for a cache of several KV groups (a pull moves one group's blocks),
-    which then neither pulls nor serves pulls."""
+    """`kv_cache`: whose prefix cache a pull is measured against and served from.
+    `store`: the file tier's, when it is on (what it holds needs no pull).
+    `read_blocks`: the worker side's copy of blocks per KV cache group, for held ones (any
+    thread). A prefix counts, and is served, as far as every group can serve it: a sliding
+    group sends only the blocks of the last window before the prefix end."""
 
     def __init__(
         self,
-        pool: BlockPool,
-        block_size: int,
-        read_blocks: Callable[[list[int]], KVCaches],
+        kv_cache: KVCacheManager,
+        read_blocks: Callable[[list[list[int]]], KVCaches],
         store: FileStore | None = None,
-        enabled: bool = True,
     ) -> None:
-        self.enabled = enabled
-        self.pool = pool
+        self.kv_cache = kv_cache
+        self.pool = kv_cache.pool
         self.read_blocks = read_blocks
-        self.block_size = block_size
+        self.block_size = kv_cache.block_size
         self.store = store
         self._pulled: dict[str, RemoteKV] = {}  # each request's pulled prefix, until loaded
 
@@ -55,29 +55,29 @@ class PeerConnector(KVConnector):
 
     def count_available(self, hashes: list[int], token_ids: list[int]) -> int:
         """How many of a prompt's full blocks (`hashes`, of `token_ids`) this replica has
-        now, in its prefix cache or its file tier: a pull must bring more (disabled: it
-        can use nothing more)."""
-        if not self.enabled:
-            return len(hashes)
-        local = self.pool.count_cached(hashes, token_ids, self.block_size)
-        return max(local, self.store.count_present(hashes)) if self.store is not None else local
+        now, in its prefix cache or its file tier: a pull must bring more."""
+        local, _ = self.kv_cache.longest_cached_prefix(hashes, token_ids)
+        return max(local, self.store.longest_prefix(hashes)) if self.store is not None else local
 
     # --- serving side -----------------------------------------------------------------------
 
-    def hold_prefix(self, hashes: list[int], token_ids: list[int]) -> list[int]:
-        """The cached blocks of the longest prefix of `hashes`, each with a reference taken
-        (`release` drops them once copied)."""
-        size = self.block_size
-        held: list[int] = []
-        if not self.enabled:
-            return held
-        for index, block_hash in enumerate(hashes):
-            block_id = self.pool.try_lookup(block_hash, tuple(token_ids[index * size : (index + 1) * size]))
-            if block_id is None or not self.pool.try_hold(block_id, block_hash):
-                break
-            held.append(block_id)
-        return held
+    def hold_prefix(self, hashes: list[int], token_ids: list[int]) -> tuple[int, list[list[int]]]:
+        """The longest prefix of `hashes` the prefix cache serves in every group: its block
+        count and per group the cached blocks it needs (`needed_blocks`), each with a
+        reference taken (`release` drops them once copied); (0, []) if none."""
+        num_blocks, tables = self.kv_cache.longest_cached_prefix(hashes, token_ids)
+        ranges = needed_blocks(self.kv_cache.groups, num_blocks * self.block_size, self.block_size)
+        held: list[list[int]] = []
+        for group, (table, blocks) in enumerate(zip(tables, ranges, strict=True)):
+            held.append([])
+            for block_id, index in zip(table, blocks, strict=True):
+                if not self.pool.try_hold(block_id, hashes[index], group):
+                    self.release(held)
+                    return 0, []
+                held[-1].append(block_id)
+        return num_blocks, held
 
-    def release(self, block_ids: list[int]) -> None:
+    def release(self, block_ids: list[list[int]]) -> None:
         """Drop the references `hold_prefix` took."""
-        self.pool.free(block_ids[::-1])
+        for blocks in block_ids:
+            self.pool.free(blocks[::-1])

@@ -1,9 +1,10 @@
 """The prefill side's prompts whose KV waits for a decode replica to pull it.
 
 When a request with `do_remote_decode` finishes, its prompt's blocks are pinned (one
-reference each) instead of freed. They are released when a decode replica has pulled them,
-or when nobody has after `timeout` seconds, so a decode replica that never comes leaks
-nothing. Used only on the engine's thread (the prefill-decode connector's state).
+reference each; per KV cache group, the blocks a decode replica needs) instead of freed.
+They are released when a decode replica has pulled them, or when nobody has after
+`timeout` seconds, so a decode replica that never comes leaks nothing. Used only on the
+engine's thread (the prefill-decode connector's state).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class PinnedPrompt:
     request_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     token_ids: list[int]  # the prompt whose KV the blocks hold
     deadline: float  # monotonic time after which the blocks are freed unpulled
     reading: bool = False  # a pull is copying the blocks now: they must not be freed under it
@@ -34,12 +35,12 @@ class PinnedPrompts:
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(p.block_ids) for p in self._pinned.values())
+        return sum(len(blocks) for p in self._pinned.values() for blocks in p.block_ids)
 
     def __len__(self) -> int:
         return len(self._pinned)
 
-    def pin(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> None:
+    def pin(self, request_id: str, block_ids: list[list[int]], token_ids: list[int]) -> None:
         """Keep `block_ids` (the caller has taken a reference on each) for a pull."""
         self._pinned[request_id] = PinnedPrompt(request_id, block_ids, token_ids, time.monotonic() + self.timeout)
 
@@ -63,7 +64,8 @@ class PinnedPrompts:
         pinned = self._pinned.pop(request_id, None)
         if pinned is None:
             return False
-        self._free_blocks(pinned.block_ids[::-1])
+        for blocks in pinned.block_ids:
+            self._free_blocks(blocks[::-1])
         return True
 
     def expire(self, now: float | None = None) -> int:

@@ -3,39 +3,51 @@
 - Prefill side: a request with `do_remote_decode` keeps its prompt's blocks when it
   finishes (pinned, one reference each) and answers with the `kv_transfer_params` a decode
   replica pulls them with; a pull checks them out, then releases them (or checks them back
-  in when it was cut short); nobody pulling in `timeout` seconds frees them.
+  in when it was cut short); nobody pulling in `timeout` seconds frees them. Per KV cache
+  group it keeps what the decode replica needs to compute the prompt's last token: every
+  prompt block of a full group, the blocks from that token's window on in a sliding one
+  (`remote_block_ids` is one list per group then; a flat list with one group, as vLLM's).
 - Decode side: the prompt's KV, pulled by the server before the request was added, is the
   request's start whatever the local prefix cache holds.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from pagefleet.engine.core.block_pool import BlockPool
+from pagefleet.engine.core.kv_groups import NULL_BLOCK, ONE_GROUP, KVGroups, needed_blocks
 from pagefleet.engine.core.request import Request
 from pagefleet.engine.kv_connector.base import ConnectorStats, KVConnector
 from pagefleet.engine.kv_connector.pins import PinnedPrompt, PinnedPrompts
 from pagefleet.engine.kv_connector.worker import KVCaches
 from pagefleet.engine.kv_transfer.params import KVTransferError, RemoteKV
-from pagefleet.engine.kv_transfer.transport import KVTransport
+from pagefleet.engine.kv_transfer.transport import KVTransport, tokens_to_pull
 from pagefleet.protocol.kv_transfer import prefill_answer
+
+logger = logging.getLogger(__name__)
 
 
 class PrefillDecodeConnector(KVConnector):
     """`transport`: how the answers say where to pull from (the server's; without one,
     they name no address). `read_blocks`: the worker side's copy of blocks, for a pull of a
-    checked-out prompt (any thread: a pinned block is never rewritten)."""
+    checked-out prompt (any thread: a pinned block is never rewritten), per group.
+    `groups`, `block_size`: the KV cache's."""
 
     def __init__(
         self,
         pool: BlockPool,
-        read_blocks: Callable[[list[int]], KVCaches],
+        read_blocks: Callable[[list[list[int]]], KVCaches],
         timeout: float,
         transport: KVTransport | None = None,
+        groups: KVGroups = ONE_GROUP,
+        block_size: int = 16,
     ) -> None:
         self.pool = pool
+        self.groups = groups
+        self.block_size = block_size
         self.read_blocks = read_blocks
         self.transport = transport
         self.pins = PinnedPrompts(pool.free, timeout)
@@ -55,18 +67,26 @@ class PrefillDecodeConnector(KVConnector):
 
     # --- prefill side -----------------------------------------------------------------------
 
-    def request_finished(self, request: Request, prompt_block_ids: list[int]) -> dict[str, Any] | None:
-        if not request.wants_remote_decode or not prompt_block_ids:
+    def request_finished(self, request: Request, prompt_blocks: list[list[int]]) -> dict[str, Any] | None:
+        if not request.wants_remote_decode or not any(prompt_blocks):
             return None
-        self.pool.incref(prompt_block_ids)
-        self.pins.pin(request.request_id, list(prompt_block_ids), request.prompt_token_ids)
+        # Each group from the first block the decode replica's query of the last token reads.
+        ranges = needed_blocks(self.groups, tokens_to_pull(request.num_prompt_tokens), self.block_size)
+        kept = [table[blocks.start :] for table, blocks in zip(prompt_blocks, ranges, strict=True)]
+        if any(NULL_BLOCK in table for table in kept):  # the request ran on past its prompt
+            logger.warning("request %s no longer holds its prompt's KV window; nothing to pull", request.request_id)
+            return None
+        for table in kept:
+            self.pool.incref(table)
+        self.pins.pin(request.request_id, kept, request.prompt_token_ids)
+        block_ids: list[int] | list[list[int]] = kept[0] if len(kept) == 1 else kept
         if self.transport is not None:
-            return self.transport.transfer_params(request.request_id, prompt_block_ids)
-        return prefill_answer(request.request_id, prompt_block_ids)
+            return self.transport.transfer_params(request.request_id, block_ids)
+        return prefill_answer(request.request_id, block_ids)
 
-    def checkout(self, request_id: str, block_ids: list[int]) -> PinnedPrompt:
+    def checkout(self, request_id: str, block_ids: list[list[int]]) -> PinnedPrompt:
         """A pinned prompt for a pull to read (expiry spares it until `release` or
-        `checkin`); the asked blocks must be its first ones.
+        `checkin`); the asked blocks must be the first ones it pinned in each group.
 
         Raises:
             KVTransferError: unknown, expired, already pulled, or other blocks.
@@ -74,7 +94,9 @@ class PrefillDecodeConnector(KVConnector):
         pinned = self.pins.checkout(request_id)
         if pinned is None:
             raise KVTransferError(f"no KV is pinned for request {request_id!r} (already pulled, or timed out)")
-        if pinned.block_ids[: len(block_ids)] != block_ids:
+        if len(block_ids) != len(pinned.block_ids) or any(
+            held[: len(asked)] != asked for held, asked in zip(pinned.block_ids, block_ids, strict=False)
+        ):
             self.pins.checkin(request_id)
             raise KVTransferError(f"request {request_id!r} holds blocks {pinned.block_ids}, not {block_ids}")
         return pinned

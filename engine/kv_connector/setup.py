@@ -32,18 +32,19 @@ def build_connectors(
     prefill_tokens_per_s: Callable[[], float],
     transport: KVTransport | None = None,
 ) -> MultiConnector:
-    pool = kv_cache.pool
-    read = functools.partial(read_blocks, kv_caches)
-    connectors: list[KVConnector] = [PrefillDecodeConnector(pool, read, config.kv_pin_timeout, transport)]
+    pool, groups = kv_cache.pool, kv_cache.groups
+    read = functools.partial(read_blocks, kv_caches, groups.layer_groups)
+    connectors: list[KVConnector] = [
+        PrefillDecodeConnector(pool, read, config.kv_pin_timeout, transport, groups, kv_cache.block_size)
+    ]
     store = None
     if config.kv_cache_dir is not None:
         max_bytes = int(config.kv_cache_dir_size_gib * (1 << 30))
         store = FileStore(config.kv_cache_dir, layout, max_bytes)
         logger.info("kv file tier: %s (up to %d bytes)", config.kv_cache_dir, max_bytes)
         tier = FileTier(store, pool, read, TierCost(prefill_tokens_per_s))
-        connectors.append(FileTierConnector(tier, pool))
-    one_group = kv_cache.groups.num_groups == 1
-    connectors.append(PeerConnector(pool, kv_cache.block_size, read, store, enabled=one_group))
+        connectors.append(FileTierConnector(tier, kv_cache))
+    connectors.append(PeerConnector(kv_cache, read, store))
     multi = MultiConnector(connectors, layout)
     kv_cache.collect_full_blocks = multi.wants_filled_blocks
     return multi

@@ -1,10 +1,13 @@
-"""The file tier's on-disk format: one file per full KV block, named by its block hash, in a
-directory a model's replicas share (node-local, or a ReadWriteMany volume).
+"""The file tier's on-disk format: one file per full KV block of one KV cache group, named
+by its block hash (and its group, past the first), in a directory a model's replicas share
+(node-local, or a ReadWriteMany volume).
 
 A file is `PFKV`, a 4-byte header length, a JSON header, then the block's keys and values
-layer by layer (keys then values, each [block_size, kv_heads, head_dim] in the cache's
-dtype). The header names what must agree before the bytes are used (`KVLayout`: model,
-layer count, heads, head size, block size, dtype), the block's own token ids (the chain
+for the layers of its group, layer by layer (keys then values, each [block_size, kv_heads,
+head_dim] in the cache's dtype). Keyed by (group, block hash) as the prefix cache is, a
+sliding-window group's files are read only for the last window before a prefix's end.
+The header names what must agree before the bytes are used (`KVLayout`: model, layer
+count, heads, head size, block size, dtype, KV cache groups), its group, the block's own token ids (the chain
 hash names the prefix; the tokens guard against a collision, as the in-memory prefix cache
 does) and a CRC-32 of the payload. A file is written under a temporary name and renamed,
 so a reader never sees half of one; a file that is torn anyway, of another layout, of
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pagefleet.engine.core.kv_groups import longest_prefix
 from pagefleet.engine.kv_transfer.params import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -46,7 +50,8 @@ class UnusableBlockError(ValueError):
 
 @dataclass(slots=True)
 class StoredBlock:
-    """One block read back: its keys and values per layer, [block_size, kv_heads, head_dim]."""
+    """One block read back: its keys and values per layer of its group, [block_size,
+    kv_heads, head_dim]."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -69,33 +74,47 @@ class FileStore:
         self.directory = Path(directory) / layout_folder(layout)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.layout = layout
+        self.groups = layout.kv_groups
         self.max_bytes = max_bytes
         self._dtype = getattr(torch, layout.dtype)
         self._shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
         self._tensor_bytes = torch.Size(self._shape).numel() * torch.empty(0, dtype=self._dtype).element_size()
-        self.block_bytes = 2 * layout.num_layers * self._tensor_bytes
+        self._layers_per_group = self.groups.num_tensors
+        self.block_bytes = 2 * self._layers_per_group * self._tensor_bytes
         self._size_estimate: int | None = None  # of the whole directory, refreshed by scans
 
-    def path(self, block_hash: int) -> Path:
-        return self.directory / f"{block_hash:016x}{SUFFIX}"
+    def path(self, block_hash: int, group: int = 0) -> Path:
+        name = f"{block_hash:016x}" if group == 0 else f"{block_hash:016x}-g{group}"
+        return self.directory / f"{name}{SUFFIX}"
 
-    def contains(self, block_hash: int) -> bool:
-        return self.path(block_hash).exists()
+    def contains(self, block_hash: int, group: int = 0) -> bool:
+        return self.path(block_hash, group).exists()
 
-    def count_present(self, hashes: list[int]) -> int:
-        """How many of `hashes`, from the first, have a file (a cheap look before reading)."""
-        for index, block_hash in enumerate(hashes):
-            if not self.contains(block_hash):
-                return index
-        return len(hashes)
+    def longest_prefix(self, hashes: list[int]) -> int:
+        """How many blocks of the chain `hashes` every group has files for (the blocks each
+        needs, `needed_blocks`): a cheap look before reading."""
+        present: dict[tuple[int, int], bool] = {}
+
+        def has(group: int, index: int) -> bool:
+            if (group, index) not in present:
+                present[group, index] = self.contains(hashes[index], group)
+            return present[group, index]
+
+        return longest_prefix(self.groups, len(hashes), self.layout.block_size, has)
 
     # --- writing --------------------------------------------------------------------------
 
     def write(
-        self, block_hash: int, token_ids: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]
+        self,
+        block_hash: int,
+        token_ids: tuple[int, ...],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        group: int = 0,
     ) -> int:
-        """Store one block (a no-op if its file exists); the bytes written."""
-        target = self.path(block_hash)
+        """Store one block of `group` (its layers' keys and values; a no-op if its file
+        exists); the bytes written."""
+        target = self.path(block_hash, group)
         if target.exists():
             return 0
         payload = b"".join(
@@ -108,6 +127,7 @@ class FileStore:
                 "format": FORMAT,
                 "layout": self.layout.as_dict(),
                 "hash": f"{block_hash:016x}",
+                "group": group,
                 "tokens": list(token_ids),
                 "crc32": zlib.crc32(payload),
                 "payload_bytes": len(payload),
@@ -162,25 +182,25 @@ class FileStore:
 
     # --- reading --------------------------------------------------------------------------
 
-    def read(self, block_hash: int, token_ids: tuple[int, ...]) -> StoredBlock | None:
-        """The block, or None if it is absent.
+    def read(self, block_hash: int, token_ids: tuple[int, ...], group: int = 0) -> StoredBlock | None:
+        """The block of `group`, or None if it is absent.
 
         Raises:
             UnusableBlockError: the file is torn, corrupted, of another layout or of other
                 tokens (it is removed, so that a writer may store a sound copy).
         """
-        path = self.path(block_hash)
+        path = self.path(block_hash, group)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        problem = self._check(data, block_hash, token_ids)
+        problem = self._check(data, block_hash, token_ids, group)
         if isinstance(problem, str):
             logger.warning("kv file tier: %s is not used, and removed: %s", path.name, problem)
             path.unlink(missing_ok=True)
             raise UnusableBlockError(problem)
         payload = memoryview(data)[problem:]
-        tensors = torch.frombuffer(bytearray(payload), dtype=self._dtype).view(2 * self.layout.num_layers, *self._shape)
+        tensors = torch.frombuffer(bytearray(payload), dtype=self._dtype).view(2 * self._layers_per_group, *self._shape)
         try:
             now = time.time()
             os.utime(path, (now, now))  # recently used: evicted last
@@ -188,7 +208,7 @@ class FileStore:
             pass
         return StoredBlock(list(tensors[0::2]), list(tensors[1::2]), len(data))
 
-    def _check(self, data: bytes, block_hash: int, token_ids: tuple[int, ...]) -> int | str:
+    def _check(self, data: bytes, block_hash: int, token_ids: tuple[int, ...], group: int) -> int | str:
         """The payload's offset, or why the file cannot be used."""
         start = len(MAGIC) + _HEADER_LENGTH.size
         if len(data) < start or data[: len(MAGIC)] != MAGIC:
@@ -204,6 +224,8 @@ class FileStore:
         mismatch = self.layout.mismatch(layout, "this replica", "the file")
         if mismatch:
             return mismatch
+        if header.get("group", 0) != group:
+            return f"a block of group {header.get('group')}, not {group}"
         if header.get("hash") != f"{block_hash:016x}" or tuple(header.get("tokens", ())) != token_ids:
             return "other tokens under this hash"
         payload = memoryview(data)[start + header_length :]

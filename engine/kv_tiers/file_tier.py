@@ -13,6 +13,10 @@ the request came (the scheduler compares again before loading) and finds how man
 directory holds; if the directory holds more and the cost model says reading them beats
 computing the difference, it reads them into a `RemoteKV` that the scheduler loads into
 fresh blocks like a pulled prompt.
+
+KV cache groups: every group's full blocks are written, each to its own file; a prefix is
+stored as far as every group has the blocks it needs (a sliding group, only the last
+window's before the prefix end), and only those are read.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import torch
 
 from pagefleet.engine.core.block_pool import BlockPool
 from pagefleet.engine.core.kv_cache_manager import FullBlock
-from pagefleet.engine.kv_tiers.file_store import FileStore, UnusableBlockError
+from pagefleet.engine.core.kv_groups import group_layers, needed_blocks
+from pagefleet.engine.kv_tiers.file_store import FileStore, StoredBlock, UnusableBlockError
 from pagefleet.engine.kv_transfer.cost import TierCost
 from pagefleet.engine.kv_transfer.params import RemoteKV
 
@@ -37,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_QUEUED_BLOCKS = 512  # blocks held for the writer at most; more are skipped
 
-ReadBlocks = Callable[[list[int]], list[tuple[torch.Tensor, torch.Tensor]]]
+ReadBlocks = Callable[[list[list[int]]], list[tuple[torch.Tensor, torch.Tensor]]]  # per group -> per layer
 
 
 @dataclass(slots=True)
@@ -86,7 +91,7 @@ class FileTier:
 
     def offer(self, blocks: list[FullBlock]) -> None:
         """Queue the blocks a step made full for writing, holding a reference on each."""
-        fresh = [block for block in blocks if not self.store.contains(block.block_hash)]
+        fresh = [block for block in blocks if not self.store.contains(block.block_hash, block.group)]
         if not fresh:
             return
         room = MAX_QUEUED_BLOCKS - self._pending.queued
@@ -94,7 +99,7 @@ class FileTier:
             with self._lock:
                 self.stats.skipped_blocks += len(fresh) - max(room, 0)
             fresh = fresh[: max(room, 0)]
-        held = [block for block in fresh if self.pool.try_hold(block.block_id, block.block_hash)]
+        held = [block for block in fresh if self.pool.try_hold(block.block_id, block.block_hash, block.group)]
         if held:
             self._pending.queued += len(held)
             self._pending.blocks.put(held)
@@ -127,80 +132,106 @@ class FileTier:
     def _write_loop(self) -> None:
         while (blocks := self._pending.blocks.get()) is not None:
             block_ids = [block.block_id for block in blocks]
+            groups = self.store.groups
+            by_group = [[block for block in blocks if block.group == g] for g in range(groups.num_groups)]
             try:
-                layers = self.read_blocks(block_ids)  # copies: the references keep them intact
+                # Copies (the references keep the blocks intact), each layer of its group's blocks.
+                layers = self.read_blocks([[block.block_id for block in group] for group in by_group])
             except Exception:  # a task boundary: a failed copy loses these blocks, not the engine
                 logger.exception("kv file tier: could not copy %d blocks out", len(blocks))
                 self._pending.written.append(block_ids)
                 continue
             self._pending.written.append(block_ids)  # copied: the engine may free them
-            for index, block in enumerate(blocks):
-                try:
-                    written = self.store.write(
-                        block.block_hash,
-                        block.token_ids,
-                        [keys[index] for keys, _ in layers],
-                        [values[index] for _, values in layers],
-                    )
-                except OSError as error:
-                    logger.warning("kv file tier: writing a block failed: %s", error)
-                    continue
-                if written:
-                    with self._lock:
-                        self.stats.written_blocks += 1
-                        self.stats.written_bytes += written
+            for group, group_blocks in enumerate(by_group):
+                own = [layers[layer] for layer in group_layers(groups, group)]
+                for index, block in enumerate(group_blocks):
+                    self._write(block, [keys[index] for keys, _ in own], [values[index] for _, values in own])
+
+    def _write(self, block: FullBlock, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        try:
+            written = self.store.write(block.block_hash, block.token_ids, keys, values, block.group)
+        except OSError as error:
+            logger.warning("kv file tier: writing a block failed: %s", error)
+            return
+        if written:
+            with self._lock:
+                self.stats.written_blocks += 1
+                self.stats.written_bytes += written
 
     # --- reading (any thread but the engine's) ------------------------------------------------
 
     def read_prefix(self, hashes: list[int], token_ids: list[int], local: int) -> RemoteKV | None:
         """The KV of the prompt's longest stored prefix of full blocks (`hashes`, excluding
-        the block of the last prompt token), or None: nothing stored beyond the `local`
-        blocks this replica caches, or computing it is estimated faster than reading it."""
+        the block of the last prompt token), each group's blocks it needs, or None: nothing
+        stored beyond the `local` blocks this replica caches, or computing it is estimated
+        faster than reading it. A file found unusable or gone shortens the prefix."""
         size = self.block_size
-        stored = self.store.count_present(hashes)
+        stored = self.store.longest_prefix(hashes)
         with self._lock:
             self.stats.lookups += 1
             self.stats.lookup_tokens += len(hashes) * size
         if stored <= local:
             return None
-        if not self.cost.worth_reading(stored, (stored - local) * size):
+        if not self.cost.worth_reading(self._num_files(stored), (stored - local) * size):
             with self._lock:
                 self.stats.refused += 1
             return None
         started = time.perf_counter()
-        keys: list[list[torch.Tensor]] = []
-        values: list[list[torch.Tensor]] = []
-        read_bytes = 0
-        for index in range(stored):
-            try:
-                block = self.store.read(hashes[index], tuple(token_ids[index * size : (index + 1) * size]))
-            except UnusableBlockError:
-                with self._lock:
-                    self.stats.bad_files += 1
+        read: dict[tuple[int, int], StoredBlock] = {}
+        num_blocks = stored
+        while num_blocks > local:
+            missing = self._read_needed(hashes, token_ids, num_blocks, read)
+            if missing is None:
                 break
-            if block is None:  # evicted since the look
-                break
-            keys.append(block.keys)
-            values.append(block.values)
-            read_bytes += block.num_bytes
-        blocks = len(keys)
+            num_blocks = self.store.longest_prefix(hashes[:missing])
         elapsed = time.perf_counter() - started
-        self.cost.observe_read(blocks, elapsed)
-        if blocks <= local:
+        self.cost.observe_read(len(read), elapsed)
+        if num_blocks <= local:
             return None
-        num_layers = len(keys[0])
-        remote = RemoteKV(
-            blocks * size,
-            [torch.stack([block[layer] for block in keys]) for layer in range(num_layers)],
-            [torch.stack([block[layer] for block in values]) for layer in range(num_layers)],
-            origin="file",
-        )
+        remote = self._assemble(num_blocks, read)
         with self._lock:
             self.stats.hits += 1
-            self.stats.hit_tokens += (blocks - local) * size
-            self.stats.read_bytes += read_bytes
-            self.stats.seconds_saved += self.cost.recompute_seconds((blocks - local) * size) - elapsed
+            self.stats.hit_tokens += (num_blocks - local) * size
+            self.stats.read_bytes += sum(block.num_bytes for block in read.values())
+            self.stats.seconds_saved += self.cost.recompute_seconds((num_blocks - local) * size) - elapsed
         return remote
+
+    def _num_files(self, num_blocks: int) -> int:
+        size = self.block_size
+        return sum(len(blocks) for blocks in needed_blocks(self.store.groups, num_blocks * size, size))
+
+    def _read_needed(
+        self, hashes: list[int], token_ids: list[int], num_blocks: int, read: dict[tuple[int, int], StoredBlock]
+    ) -> int | None:
+        """Read into `read` (by group and block index) every block a prefix of `num_blocks`
+        needs; the index of the first that is gone or unusable, or None."""
+        size = self.block_size
+        for group, blocks in enumerate(needed_blocks(self.store.groups, num_blocks * size, size)):
+            for index in blocks:
+                if (group, index) in read:
+                    continue
+                tokens = tuple(token_ids[index * size : (index + 1) * size])
+                try:
+                    block = self.store.read(hashes[index], tokens, group)
+                except UnusableBlockError:
+                    with self._lock:
+                        self.stats.bad_files += 1
+                    return index
+                if block is None:  # evicted since the look
+                    return index
+                read[group, index] = block
+        return None
+
+    def _assemble(self, num_blocks: int, read: dict[tuple[int, int], StoredBlock]) -> RemoteKV:
+        """The read blocks as a prefix's KV: each layer's rows, its group's needed blocks."""
+        groups, size = self.store.groups, self.block_size
+        ranges = needed_blocks(groups, num_blocks * size, size)
+        keys, values = [], []
+        for group, tensor in zip(groups.layer_groups, groups.layer_tensors, strict=True):
+            keys.append(torch.stack([read[group, index].keys[tensor] for index in ranges[group]]))
+            values.append(torch.stack([read[group, index].values[tensor] for index in ranges[group]]))
+        first_blocks = tuple(ranges[group].start for group in groups.layer_groups)
+        return RemoteKV(num_blocks * size, keys, values, origin="file", first_blocks=first_blocks)
 
     def snapshot(self) -> TierStats:
         with self._lock:

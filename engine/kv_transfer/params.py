@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pagefleet.engine.core.kv_groups import KVGroups, groups_from, needed_blocks
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.protocol.kv_transfer import FIELD, KVTransferParams, KVTransferParamsError
@@ -22,7 +23,12 @@ class KVTransferError(RuntimeError):
 
 @dataclass(slots=True, frozen=True)
 class KVLayout:
-    """What must agree between two replicas before any KV byte moves between them."""
+    """What must agree between two replicas before any KV byte moves between them.
+
+    `group_windows` and `layer_groups` are the KV cache groups (engine/core/kv_groups.py):
+    what blocks of a prefix each layer's group keeps, so both sides move the same ones.
+    One full group of every layer is written `(None,)` and `()`, and left out of
+    `as_dict`, so that replicas and tier files of one group read as they always did."""
 
     model: str
     num_layers: int
@@ -30,24 +36,47 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str
+    group_windows: tuple[int | None, ...] = (None,)
+    layer_groups: tuple[int, ...] = ()  # per layer, its group; () when all are in group 0
+
+    def __post_init__(self) -> None:
+        # JSON gives lists: compare as tuples; spell one group of every layer one way.
+        layer_groups = tuple(self.layer_groups)
+        object.__setattr__(self, "group_windows", tuple(self.group_windows))
+        object.__setattr__(self, "layer_groups", () if not any(layer_groups) else layer_groups)
+
+    @property
+    def kv_groups(self) -> KVGroups:
+        return groups_from(self.group_windows, self.layer_groups or (0,) * self.num_layers)
+
+    def first_blocks(self, num_tokens: int) -> tuple[int, ...]:
+        """Per layer, the first block of a `num_tokens`-token prefix its group needs
+        (`needed_blocks`): 0 in a full group, the last window's first in a sliding one."""
+        groups = self.kv_groups
+        ranges = needed_blocks(groups, num_tokens, self.block_size)
+        return tuple(ranges[group].start for group in groups.layer_groups)
 
     def mismatch(self, other: KVLayout, here: str, there: str) -> str | None:
         """Why `other` cannot exchange blocks with this layout; None if it can. `here` and
         `there` name the two sides in the message ("the prefill replica")."""
         differences = [
             f"{name} {getattr(self, name)} on {here}, {getattr(other, name)} on {there}"
-            for name in ("model", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+            for name in self.__slots__  # type: ignore[attr-defined]
             if getattr(self, name) != getattr(other, name)
         ]
         return "; ".join(differences) or None
 
     def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        value = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        if value["group_windows"] == (None,) and not value["layer_groups"]:
+            del value["group_windows"], value["layer_groups"]
+        return value
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> KVLayout:
+        optional = {"group_windows", "layer_groups"}
         try:
-            return cls(**{name: value[name] for name in cls.__slots__})  # type: ignore[attr-defined]
+            return cls(**{name: value[name] for name in cls.__slots__ if name in value or name not in optional})  # type: ignore[attr-defined]
         except (KeyError, TypeError) as error:
             raise KVTransferError(f"the remote replica sent no valid KV layout ({error})") from None
 
@@ -55,8 +84,11 @@ class KVLayout:
 @dataclass(slots=True)
 class RemoteKV:
     """A prompt's KV from outside this engine, in host memory until the scheduler loads it
-    into freshly allocated blocks: `keys[layer]` and `values[layer]` are shaped
-    [blocks, block_size, kv_heads, head_dim] and hold the first `num_tokens` tokens.
+    into freshly allocated blocks. It holds the first `num_tokens` tokens, in `num_blocks`
+    blocks of which each layer carries what its KV cache group needs to go on from there
+    (`needed_blocks`): `keys[layer]` and `values[layer]` are shaped [carried blocks,
+    block_size, kv_heads, head_dim] and start at prefix block `first_block(layer)` (0, or
+    the last window's first block for a sliding-window group's layer).
     `origin`: "prefill" (pulled from a prefill replica), "file" (the file tier's full
     blocks) or "peer" (another replica's cached blocks); the last two are counted as cached
     tokens, and dropped if the local prefix cache has as many when the request starts."""
@@ -65,10 +97,14 @@ class RemoteKV:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     origin: str = "prefill"
+    first_blocks: tuple[int, ...] = ()  # per layer; () when every layer starts at block 0
+
+    def first_block(self, layer: int) -> int:
+        return self.first_blocks[layer] if self.first_blocks else 0
 
     @property
     def num_blocks(self) -> int:
-        return self.keys[0].shape[0] if self.keys else 0
+        return self.first_block(0) + self.keys[0].shape[0] if self.keys else 0
 
     @property
     def num_bytes(self) -> int:
@@ -77,10 +113,12 @@ class RemoteKV:
 
 @dataclass(slots=True)
 class KVLoad:
-    """KV from outside the engine to copy into `block_ids` before the next forward pass."""
+    """KV from outside the engine to copy in before the next forward pass: per layer,
+    `keys[layer][i]` and `values[layer][i]` go into block `block_ids[layer][i]`."""
 
-    block_ids: list[int]
-    kv: RemoteKV
+    block_ids: list[list[int]]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
 
 
 def transfer_params(params: SamplingParams) -> KVTransferParams | None:

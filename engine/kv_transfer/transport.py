@@ -20,15 +20,16 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from pagefleet.engine.core.kv_groups import needed_blocks
 from pagefleet.engine.kv_transfer import wire
 from pagefleet.engine.kv_transfer.params import KVLayout, KVTransferError, RemoteKV
-from pagefleet.protocol.kv_transfer import RemotePrefill, prefill_answer
+from pagefleet.protocol.kv_transfer import BlockIds, RemotePrefill, prefill_answer
 
 PULL_PATH = "/kv/pull"
 
 
 class KVTransport(Protocol):
-    def transfer_params(self, request_id: str, block_ids: list[int]) -> dict[str, Any]:
+    def transfer_params(self, request_id: str, block_ids: BlockIds) -> dict[str, Any]:
         """What a decode replica needs to pull these blocks from this replica."""
         ...
 
@@ -59,20 +60,22 @@ class HTTPTransport:
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
 
-    def transfer_params(self, request_id: str, block_ids: list[int]) -> dict[str, Any]:
+    def transfer_params(self, request_id: str, block_ids: BlockIds) -> dict[str, Any]:
         return prefill_answer(request_id, block_ids, self.engine_id, self.host, self.port)
 
     async def pull(self, remote: RemotePrefill, layout: KVLayout, token_ids: list[int]) -> RemoteKV:
         num_tokens = tokens_to_pull(len(token_ids))
-        num_blocks = math.ceil(num_tokens / layout.block_size)
-        if num_blocks > len(remote.block_ids):
+        needed = [len(blocks) for blocks in needed_blocks(layout.kv_groups, num_tokens, layout.block_size)]
+        held = remote.group_block_ids
+        if len(held) != len(needed) or any(len(ids) < n for ids, n in zip(held, needed, strict=False)):
             raise KVTransferError(
-                f"the prefill replica {remote.engine_id} holds {len(remote.block_ids)} blocks; "
-                f"a prompt of {len(token_ids)} tokens needs {num_blocks}"
+                f"the prefill replica {remote.engine_id} holds blocks {[len(ids) for ids in held]} per KV cache "
+                f"group; a prompt of {len(token_ids)} tokens needs {needed}"
             )
+        asked = [ids[:n] for ids, n in zip(held, needed, strict=True)]
         body = {
             "request_id": remote.request_id,
-            "block_ids": remote.block_ids[:num_blocks],
+            "block_ids": asked[0] if len(asked) == 1 else asked,
             "layout": layout.as_dict(),
         }
         url = f"http://{remote.host}:{remote.port}{PULL_PATH}"
@@ -85,7 +88,7 @@ class HTTPTransport:
             raise KVTransferError(f"cannot pull from {source} at {url}: {error!r}") from None
         except ValueError as error:
             raise KVTransferError(f"{source} sent a broken stream: {error}") from None
-        return assemble(frames, layout, token_ids[:num_tokens], num_blocks, source)
+        return assemble(frames, layout, token_ids[:num_tokens], source)
 
     def client(self) -> aiohttp.ClientSession:
         """This replica's HTTP session for KV transfers (pulls from prefill replicas and peers)."""
@@ -134,9 +137,10 @@ async def _reason(response: aiohttp.ClientResponse) -> str:
 
 
 def assemble(
-    frames: list[tuple[dict[str, Any], bytes]], layout: KVLayout, token_ids: list[int], num_blocks: int, source: str
+    frames: list[tuple[dict[str, Any], bytes]], layout: KVLayout, token_ids: list[int], source: str
 ) -> RemoteKV:
-    """Check the frames against what was asked and stack them per layer."""
+    """Check the frames against what was asked (the KV of `token_ids`: per layer, the blocks
+    its KV cache group needs, `needed_blocks`) and stack them per layer."""
     if not frames or frames[0][0].get("kind") != "hello" or frames[-1][0].get("kind") != "end":
         raise KVTransferError(f"the KV stream from {source} was cut short")
     hello = frames[0][0]
@@ -147,13 +151,18 @@ def assemble(
         raise KVTransferError(f"{source} computed a different prompt")
     keys: list[Any] = [None] * layout.num_layers
     values: list[Any] = [None] * layout.num_layers
-    expected_shape = [num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim]
+    num_blocks = math.ceil(len(token_ids) / layout.block_size)
+    first_blocks = layout.first_blocks(len(token_ids))
     for header, payload in frames[1:-1]:
         tensor = wire.tensor_from(header, payload)
+        layer = int(header["layer"])
+        if not 0 <= layer < layout.num_layers:
+            raise KVTransferError(f"{source} sent layer {layer}")
+        expected_shape = [num_blocks - first_blocks[layer], layout.block_size, layout.num_kv_heads, layout.head_dim]
         if list(tensor.shape) != expected_shape or wire.DTYPE_NAMES[tensor.dtype] != layout.dtype:
-            raise KVTransferError(f"{source} sent a tensor of shape {list(tensor.shape)}")
+            raise KVTransferError(f"{source} sent a tensor of shape {list(tensor.shape)} for layer {layer}")
         target = keys if header["kind"] == "key" else values
-        target[int(header["layer"])] = tensor
+        target[layer] = tensor
     if any(t is None for t in keys + values):
         raise KVTransferError(f"the KV stream from {source} missed layers")
-    return RemoteKV(len(token_ids), keys, values)
+    return RemoteKV(len(token_ids), keys, values, first_blocks=first_blocks)

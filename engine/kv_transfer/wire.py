@@ -5,6 +5,7 @@
                "num_blocks": b}                          (first frame, no payload)
             | {"kind": "key" | "value", "layer": i, "dtype": "float32",
                "shape": [b, block_size, kv_heads, head_dim], "nbytes": N}
+                                      (b: the blocks layer i's KV cache group needs)
             | {"kind": "end"}                            (last frame, no payload)
 
 No pickle: a payload is the tensor's own bytes, read back with `torch.frombuffer`.

@@ -147,7 +147,7 @@ class PeerPrefixes:
         num_blocks = int(frames[0][0].get("num_blocks", 0))
         if not 0 < num_blocks <= len(full) // layout.block_size:
             raise KVTransferError(f"an answer of {num_blocks} blocks")
-        pulled = assemble(frames, layout, full[: num_blocks * layout.block_size], num_blocks, f"the peer at {url}")
+        pulled = assemble(frames, layout, full[: num_blocks * layout.block_size], f"the peer at {url}")
         pulled.origin = "peer"
         return pulled
 

@@ -33,6 +33,7 @@ from pagefleet.engine.server.errors import OpenAIError
 from pagefleet.engine.server.kv_peers import PeerPrefixes
 from pagefleet.engine.server.metrics import ServerMetrics
 from pagefleet.engine.server.settings import ServerSettings
+from pagefleet.protocol.kv_transfer import per_group
 from pagefleet.runtime.http import error_json
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,16 @@ logger = logging.getLogger(__name__)
 
 class PullRequest(BaseModel):
     request_id: str
-    block_ids: list[int]
+    block_ids: list[int] | list[list[int]]  # one list per KV cache group, or one group's
     layout: dict[str, Any]
+
+    @property
+    def group_block_ids(self) -> list[list[int]]:
+        return per_group(self.block_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(ids) for ids in self.group_block_ids)
 
 
 class KVTransfers:
@@ -116,7 +125,7 @@ def add_kv_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> None:
         if refusal is not None:
             return refusal
         try:
-            token_ids, blocks = await engine.read_pinned(body.request_id, body.block_ids)
+            token_ids, blocks = await engine.read_pinned(body.request_id, body.group_block_ids)
         except KVTransferError as error:
             return error_json(404, str(error))
         return StreamingResponse(
@@ -135,7 +144,7 @@ async def _send(
     started, sent = time.monotonic(), 0
     done = False
     try:
-        hello = {"kind": "hello", "layout": layout.as_dict(), "token_ids": token_ids, "num_blocks": len(body.block_ids)}
+        hello = {"kind": "hello", "layout": layout.as_dict(), "token_ids": token_ids, "num_blocks": body.num_blocks}
         yield wire.frame(hello)
         for layer, (keys, values) in enumerate(blocks):
             for kind, tensor in (("key", keys), ("value", values)):
@@ -147,7 +156,7 @@ async def _send(
     finally:
         if done:
             engine.release_pinned(body.request_id)
-            metrics.kv_transferred("sent", len(body.block_ids), sent, time.monotonic() - started)
+            metrics.kv_transferred("sent", body.num_blocks, sent, time.monotonic() - started)
         else:
             engine.checkin_pinned(body.request_id)
             logger.warning("the pull of request %s was cut short; its blocks stay pinned", body.request_id)

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from pagefleet.engine import LLM
 from pagefleet.engine.core.kv_cache_manager import KVCacheManager
 from pagefleet.engine.core.kv_groups import NULL_BLOCK, KVGroups
 from pagefleet.engine.core.request import Request
-from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.front.request_checks import worst_case_blocks
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.worker.model_runner import kv_bytes_per_block
@@ -174,9 +172,6 @@ def test_a_gemma_engine_publishes_free_tokens_and_answers_alike_without_groups(t
     ours = [o.outputs[0].token_ids for o in grouped.generate(prompts, params)]
     assert ours == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert_no_block_leaked(grouped)
-    transfer = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-    with pytest.raises(InvalidParameterError, match="disable-hybrid-kv-cache-manager"):
-        grouped.generate([prompts[0]], transfer)
 
 
 def test_gemma4s_shared_layers_read_their_sources_cache_and_each_shape_has_its_pages(

@@ -4,36 +4,41 @@ computes only the last prompt token, and nothing leaks on either side."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.core.kv_groups import needed_blocks
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.kv_connector.prefill_decode import PrefillDecodeConnector
 from pagefleet.engine.kv_transfer import wire
 from pagefleet.engine.kv_transfer.params import RemoteKV
 from pagefleet.engine.kv_transfer.transport import tokens_to_pull
+from pagefleet.protocol.kv_transfer import per_group
 from tests.engine.helpers import assert_no_block_leaked, random_prompts
 
 PREFILL = SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
 
 
 def _pull(prefill: LLM, prompt: list[int]) -> RemoteKV:
-    """What the HTTP pull does, in process: read the pinned blocks, free them."""
+    """What the HTTP pull does, in process: read the pinned blocks (per KV cache group, those
+    the last prompt token's query needs), free them."""
     answer = prefill.generate([{"prompt_token_ids": prompt}], PREFILL)[0]
     params = answer.kv_transfer_params
     assert params is not None and params["do_remote_prefill"]
     num_tokens = tokens_to_pull(len(prompt))
-    blocks = params["remote_block_ids"][: math.ceil(num_tokens / 16)]
+    layout = prefill.engine.kv_connector.layout
+    needed = needed_blocks(layout.kv_groups, num_tokens, layout.block_size)
+    blocks = [ids[: len(r)] for ids, r in zip(per_group(params["remote_block_ids"]), needed, strict=True)]
     connector = _pd(prefill)
     pinned = connector.checkout(params["remote_request_id"], blocks)
     assert pinned.token_ids == prompt
     layers = connector.read_blocks(blocks)
     assert connector.release(params["remote_request_id"])
-    return RemoteKV(num_tokens, [k for k, _ in layers], [v for _, v in layers])
+    keys, values = [k for k, _ in layers], [v for _, v in layers]
+    return RemoteKV(num_tokens, keys, values, first_blocks=layout.first_blocks(num_tokens))
 
 
 def _pd(llm: LLM) -> PrefillDecodeConnector:
