@@ -2,13 +2,16 @@
 model, with sliding-window layers in groups of their own (the default) against every layer
 keeping every block (`disable_hybrid_kv_cache_manager`, vLLM's flag), in the same run.
 
-    python bench/kv_groups.py [--prompt-tokens 8192] [--budget-gib 2] [--engine]
+    python bench/kv_groups.py [--prompt-tokens 8192] [--budget-gib 2] [--model gemma4-e2b] [--engine]
 
 Gemma 3's layer pattern (18 layers, five sliding layers of window 1,024 per global one,
 1 KV head of 256 dims, bfloat16): the model's config goes through the engine's own
 grouping (`KVGroups`) and block sizing, and the real `KVCacheManager` admits sequences of
 `--prompt-tokens` distinct tokens, prefilled in chunks of 2,048 and one decode step each,
 until the next one's blocks are not free. Prints both counts and their ratio.
+
+`--model gemma4-e2b`: Gemma 4 E2B's pattern instead (`gemma4_e2b_config`), whose global
+layers' keys have another shape and whose last 20 layers hold no cache of their own.
 
 With `--engine`, the real engine confirms it on random weights in the same layer pattern
 (hidden 64, so that prefilling takes seconds): as many requests as the grouped cache holds
@@ -58,9 +61,33 @@ def gemma3_config(hidden_size: int = 640, head_dim: int = 256) -> dict:
     return raw
 
 
+def gemma4_e2b_config() -> dict:
+    """Gemma 4 E2B's attention shape: 35 layers, four sliding (window 512, 1 KV head of 256)
+    per global one (1 KV head of 512), the last 20 layers reading earlier layers' KV."""
+    from transformers import Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        vocab_size=1024,
+        hidden_size=1536,
+        num_hidden_layers=35,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        num_kv_shared_layers=20,
+        sliding_window=512,
+        max_position_embeddings=32768,
+        layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)],
+    )
+    return config.to_dict() | {"architectures": ["Gemma4ForCausalLM"]}
+
+
+SHAPES = {"gemma3": gemma3_config, "gemma4-e2b": gemma4_e2b_config}
+
+
 def sequences_that_fit(config: ModelConfig, hybrid: bool, budget_bytes: int, prompt_tokens: int) -> tuple[int, int]:
     """(sequences of `prompt_tokens` the budget holds at once, the pool's block count)."""
-    groups = KVGroups.of(config.layer_windows, hybrid)
+    groups = KVGroups.of(config.cache_layer_windows, hybrid)
     block_bytes = kv_bytes_per_block(config, BLOCK_SIZE, torch.bfloat16, None, groups)
     num_blocks = budget_bytes // block_bytes
     manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True, groups=groups)
@@ -115,10 +142,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=8192)
     parser.add_argument("--budget-gib", type=float, default=2.0)
-    parser.add_argument("--engine", action="store_true", help="also run the real engine on random weights")
+    parser.add_argument("--model", choices=SHAPES, default="gemma3", help="the layer pattern (default: Gemma 3's)")
+    parser.add_argument("--engine", action="store_true", help="also run the real engine on random weights (gemma3)")
     args = parser.parse_args()
     budget = int(args.budget_gib * (1 << 30))
-    config = ModelConfig.from_hf(gemma3_config())
+    config = ModelConfig.from_hf(SHAPES[args.model]())
     counts = {}
     for hybrid in (True, False):
         fitted, blocks = sequences_that_fit(config, hybrid, budget, args.prompt_tokens)
@@ -127,6 +155,7 @@ def main() -> None:
             f"{'grouped' if hybrid else 'one group'}: {fitted} sequences of {args.prompt_tokens} in {blocks} blocks"
         )
     result: dict = {
+        "model": args.model,
         "prompt_tokens": args.prompt_tokens,
         "budget_gib": args.budget_gib,
         "grouped": counts[True],

@@ -14,10 +14,11 @@ that a query can still see; those that fall behind the window are freed, and the
 hold `NULL_BLOCK`. With one attention type (Llama, or Mistral's all-sliding layers) there
 is one group of every layer, one tensor per layer, as in a plain paged cache.
 
-Layers whose keys differ in shape (Gemma 4's global layers: other head sizes, fewer heads)
-write tensors of their own shape: the runner keeps one tensor pair per (index, shape), so a
-block id has a page in each shape. A layer that reads another's KV (Gemma 4's KV-shared
-layers) has no cache of its own: it takes its source's group and tensor.
+The layers here are the model's cache layers: a layer that reads another's KV (Gemma 4's
+KV-shared layers) has no cache of its own and is not grouped; the runner gives it its
+source's cache (`ModelConfig.cache_layers`). Layers whose keys differ in shape (Gemma 4's
+global layers: another head size, fewer heads) write tensors of their own shape: the runner
+keeps one tensor pair per (index, shape), so a block id has a page in each shape.
 """
 
 from __future__ import annotations
@@ -39,32 +40,23 @@ class KVGroups:
     num_tensors: int  # cache tensor pairs (layers per group)
 
     @classmethod
-    def of(cls, layer_windows: list[int | None], hybrid: bool = True, kv_sources: tuple[int, ...] = ()) -> KVGroups:
+    def of(cls, layer_windows: list[int | None], hybrid: bool = True) -> KVGroups:
         """Group layers by window. With `hybrid` off every layer is in one full group (each
-        layer still attends over its own window; its cache simply keeps every block).
-        `kv_sources[l]`: the layer whose cache layer l reads (Gemma 4's KV-shared layers);
-        such a layer has no cache of its own and takes its source's group and tensor."""
+        layer still attends over its own window; its cache simply keeps every block)."""
         num_layers = len(layer_windows)
-        sources = kv_sources or tuple(range(num_layers))
-        owners = [layer for layer in range(num_layers) if sources[layer] == layer]
-        kinds = sorted({layer_windows[i] for i in owners}, key=lambda w: (w is not None, w or 0))
-        layer_groups, layer_tensors = [0] * num_layers, [0] * num_layers
-        windows: list[int | None]
+        kinds = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
         if not hybrid or len(kinds) == 1:
-            windows, size = [kinds[0] if hybrid else None], len(owners)
-            for tensor, layer in enumerate(owners):
-                layer_tensors[layer] = tensor
-        else:
-            by_kind = {kind: [i for i in owners if layer_windows[i] == kind] for kind in kinds}
-            size = min(len(layers) for layers in by_kind.values())
-            windows = []
-            for kind, layers in by_kind.items():
-                for start in range(0, len(layers), size):
-                    for tensor, layer in enumerate(layers[start : start + size]):
-                        layer_groups[layer], layer_tensors[layer] = len(windows), tensor
-                    windows.append(kind)
-        for layer, source in enumerate(sources):
-            layer_groups[layer], layer_tensors[layer] = layer_groups[source], layer_tensors[source]
+            window = kinds[0] if hybrid else None
+            return cls((window,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+        by_kind = {kind: [i for i, w in enumerate(layer_windows) if w == kind] for kind in kinds}
+        size = min(len(layers) for layers in by_kind.values())
+        windows: list[int | None] = []
+        layer_groups, layer_tensors = [0] * num_layers, [0] * num_layers
+        for kind, layers in by_kind.items():
+            for start in range(0, len(layers), size):
+                for tensor, layer in enumerate(layers[start : start + size]):
+                    layer_groups[layer], layer_tensors[layer] = len(windows), tensor
+                windows.append(kind)
         return cls(tuple(windows), tuple(layer_groups), tuple(layer_tensors), size)
 
     @property

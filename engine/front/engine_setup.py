@@ -33,7 +33,7 @@ from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models import ModelConfig, load_model
 from pagefleet.engine.models.loading import CausalLM
 from pagefleet.engine.spec_decode.speculator import Speculator
-from pagefleet.engine.worker.model_runner import ModelRunner, kv_bytes_per_block, layer_cache_shapes
+from pagefleet.engine.worker.model_runner import ModelRunner, cache_layer_shapes, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     quantization = served_quantization(config, model_dir)
     gguf = gguf_file(config.model) if quantization == "gguf" else None
     model, model_config = load_model(model_dir, dtype, device, shard, gguf, int8=quantization == "compressed-tensors")
-    groups = KVGroups.of(model_config.layer_windows, config.hybrid_kv_cache, model_config.kv_sources)
+    groups = KVGroups.of(model_config.cache_layer_windows, config.hybrid_kv_cache)
     block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard, groups)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
     if shard.size > 1:
@@ -154,7 +154,7 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
             ",".join("full" if w is None else str(w) for w in groups.windows),
             num_host_blocks,
         )
-    num_kv_heads, head_dim = map(max, zip(*layer_cache_shapes(model_config, shard), strict=True))
+    num_kv_heads, head_dim = map(max, zip(*cache_layer_shapes(model_config, shard), strict=True))
     spec = CacheSpec(num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device)
     backend = select_backend(config.attention_backend, spec)
     if shard.rank == 0:

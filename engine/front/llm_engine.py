@@ -85,7 +85,7 @@ class LLMEngine:
             config,
             self._kv_layout(),
             self.kv_cache,
-            self.runner.kv_caches,
+            self.runner.cache_layer_caches,
             lambda: counters.prefill_tokens_per_s,
             kv_transport,
         )
@@ -120,18 +120,19 @@ class LLMEngine:
         )
 
     def _kv_layout(self) -> KVLayout:
-        """What a KV transfer with this replica must agree on."""
+        """What a KV transfer with this replica must agree on (its cache layers' KV)."""
         model = self.parts.model_config
         groups = self.kv_cache.groups
         return KVLayout(
             model=self.config.model,
-            num_layers=model.num_layers,
+            num_layers=len(model.cache_layers),
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
             block_size=self.kv_cache.block_size,
             dtype=str(self.config.torch_dtype).removeprefix("torch."),
             group_windows=groups.windows,
             layer_groups=groups.layer_groups,
+            layer_shapes=tuple(model.layer_kv_shape(layer) for layer in model.cache_layers),
         )
 
     # --- requests -----------------------------------------------------------------------

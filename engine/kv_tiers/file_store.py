@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 import time
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.engine.core.kv_groups import longest_prefix
+from pagefleet.engine.core.kv_groups import group_layers, longest_prefix
 from pagefleet.engine.kv_transfer.params import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -77,11 +78,18 @@ class FileStore:
         self.groups = layout.kv_groups
         self.max_bytes = max_bytes
         self._dtype = getattr(torch, layout.dtype)
-        self._shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self._tensor_bytes = torch.Size(self._shape).numel() * torch.empty(0, dtype=self._dtype).element_size()
-        self._layers_per_group = self.groups.num_tensors
-        self.block_bytes = 2 * self._layers_per_group * self._tensor_bytes
+        # Per group, each of its layers' block shape (Gemma 4's global layers have their own).
+        self._shapes = [
+            [(layout.block_size, *layout.layer_shape(layer)) for layer in group_layers(self.groups, group)]
+            for group in range(self.groups.num_groups)
+        ]
+        element = torch.empty(0, dtype=self._dtype).element_size()
+        self._block_bytes = [2 * element * sum(math.prod(shape) for shape in shapes) for shapes in self._shapes]
         self._size_estimate: int | None = None  # of the whole directory, refreshed by scans
+
+    def block_bytes(self, group: int = 0) -> int:
+        """The payload of one block file of `group` (its layers' keys and values)."""
+        return self._block_bytes[group]
 
     def path(self, block_hash: int, group: int = 0) -> Path:
         name = f"{block_hash:016x}" if group == 0 else f"{block_hash:016x}-g{group}"
@@ -199,8 +207,10 @@ class FileStore:
             logger.warning("kv file tier: %s is not used, and removed: %s", path.name, problem)
             path.unlink(missing_ok=True)
             raise UnusableBlockError(problem)
-        payload = memoryview(data)[problem:]
-        tensors = torch.frombuffer(bytearray(payload), dtype=self._dtype).view(2 * self._layers_per_group, *self._shape)
+        flat = torch.frombuffer(bytearray(memoryview(data)[problem:]), dtype=self._dtype)
+        shapes = [shape for shape in self._shapes[group] for _ in ("key", "value")]
+        pieces = flat.split([math.prod(shape) for shape in shapes])
+        tensors = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
         try:
             now = time.time()
             os.utime(path, (now, now))  # recently used: evicted last
@@ -229,8 +239,8 @@ class FileStore:
         if header.get("hash") != f"{block_hash:016x}" or tuple(header.get("tokens", ())) != token_ids:
             return "other tokens under this hash"
         payload = memoryview(data)[start + header_length :]
-        if len(payload) != header.get("payload_bytes") or len(payload) != self.block_bytes:
-            return f"{len(payload)} payload bytes, expected {self.block_bytes} (torn file?)"
+        if len(payload) != header.get("payload_bytes") or len(payload) != self.block_bytes(group):
+            return f"{len(payload)} payload bytes, expected {self.block_bytes(group)} (torn file?)"
         if zlib.crc32(payload) != header.get("crc32"):
             return "checksum mismatch"
         return start + header_length

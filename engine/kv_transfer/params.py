@@ -38,12 +38,22 @@ class KVLayout:
     dtype: str
     group_windows: tuple[int | None, ...] = (None,)
     layer_groups: tuple[int, ...] = ()  # per layer, its group; () when all are in group 0
+    # Per layer, (KV heads, head dim) where layers differ (Gemma 4); () when every layer's
+    # are (num_kv_heads, head_dim). The layers are the cache layers (ModelConfig.cache_layers).
+    layer_shapes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         # JSON gives lists: compare as tuples; spell one group of every layer one way.
         layer_groups = tuple(self.layer_groups)
         object.__setattr__(self, "group_windows", tuple(self.group_windows))
         object.__setattr__(self, "layer_groups", () if not any(layer_groups) else layer_groups)
+        shapes = tuple((int(heads), int(dim)) for heads, dim in self.layer_shapes)
+        uniform = all(shape == (self.num_kv_heads, self.head_dim) for shape in shapes)
+        object.__setattr__(self, "layer_shapes", () if uniform else shapes)
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head dim) of `layer`'s keys and values."""
+        return self.layer_shapes[layer] if self.layer_shapes else (self.num_kv_heads, self.head_dim)
 
     @property
     def kv_groups(self) -> KVGroups:
@@ -70,11 +80,13 @@ class KVLayout:
         value = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
         if value["group_windows"] == (None,) and not value["layer_groups"]:
             del value["group_windows"], value["layer_groups"]
+        if not value["layer_shapes"]:
+            del value["layer_shapes"]
         return value
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> KVLayout:
-        optional = {"group_windows", "layer_groups"}
+        optional = {"group_windows", "layer_groups", "layer_shapes"}
         try:
             return cls(**{name: value[name] for name in cls.__slots__ if name in value or name not in optional})  # type: ignore[attr-defined]
         except (KeyError, TypeError) as error:

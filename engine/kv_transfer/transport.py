@@ -158,7 +158,7 @@ def assemble(
         layer = int(header["layer"])
         if not 0 <= layer < layout.num_layers:
             raise KVTransferError(f"{source} sent layer {layer}")
-        expected_shape = [num_blocks - first_blocks[layer], layout.block_size, layout.num_kv_heads, layout.head_dim]
+        expected_shape = [num_blocks - first_blocks[layer], layout.block_size, *layout.layer_shape(layer)]
         if list(tensor.shape) != expected_shape or wire.DTYPE_NAMES[tensor.dtype] != layout.dtype:
             raise KVTransferError(f"{source} sent a tensor of shape {list(tensor.shape)} for layer {layer}")
         target = keys if header["kind"] == "key" else values

@@ -97,6 +97,16 @@ class ModelConfig:
         """The layer whose cache layer `layer` reads (itself unless it shares another's)."""
         return self.kv_sources[layer] if self.kv_sources else layer
 
+    @property
+    def cache_layers(self) -> list[int]:
+        """The layers that hold a KV cache (all but those reading another's), in order: the
+        layers the KV cache groups and the KV connectors count."""
+        return [layer for layer in range(self.num_layers) if self.kv_source(layer) == layer]
+
+    @property
+    def cache_layer_windows(self) -> list[int | None]:
+        return [self.layer_window(layer) for layer in self.cache_layers]
+
     def layer_uses_rope(self, layer: int) -> bool:
         return not self.layer_rope or self.layer_rope[layer]
 

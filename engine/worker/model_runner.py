@@ -78,27 +78,27 @@ class StepInputs:
     logit_rows: list[int]  # rows whose logits are computed: samples first, then prompt logprobs
 
 
-def layer_cache_shapes(config: ModelConfig, shard: Shard | None = None) -> list[tuple[int, int]]:
-    """Per layer, (KV heads on this rank, head dim) of the cache it writes."""
+def cache_layer_shapes(config: ModelConfig, shard: Shard | None = None) -> list[tuple[int, int]]:
+    """Per cache layer (`ModelConfig.cache_layers`), (KV heads on this rank, head dim)."""
     shard = shard or Shard()
-    shapes = (config.layer_kv_shape(layer) for layer in range(config.num_layers))
+    shapes = (config.layer_kv_shape(layer) for layer in config.cache_layers)
     return [(shard.kv_heads(config.num_heads, heads)[1], head_dim) for heads, head_dim in shapes]
 
 
 def cache_tensor_keys(config: ModelConfig, groups: KVGroups, shard: Shard | None = None) -> list[tuple[int, int, int]]:
-    """The distinct cache tensor pairs, as (tensor index, KV heads, head dim): layers of a
-    tensor index share a pair where their shapes agree (engine/core/kv_groups.py)."""
-    shapes = layer_cache_shapes(config, shard)
-    return list(dict.fromkeys((groups.layer_tensors[layer], *shapes[layer]) for layer in range(config.num_layers)))
+    """The distinct cache tensor pairs, as (tensor index, KV heads, head dim): cache layers
+    of a tensor index share a pair where their shapes agree (engine/core/kv_groups.py)."""
+    shapes = cache_layer_shapes(config, shard)
+    return list(dict.fromkeys((tensor, *shape) for tensor, shape in zip(groups.layer_tensors, shapes, strict=True)))
 
 
 def kv_bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard | None = None, groups: KVGroups | None = None
 ) -> int:
     """Bytes of one block id on one rank (its KV heads only): a page in every cache tensor
-    pair of `groups` (default: every layer's own, as without KV cache groups)."""
+    pair of `groups` (default: every cache layer's own, as without KV cache groups)."""
     element = torch.empty((), dtype=dtype).element_size()
-    groups = groups or KVGroups.of(config.layer_windows, hybrid=False, kv_sources=config.kv_sources)
+    groups = groups or KVGroups.of(config.cache_layer_windows, hybrid=False)
     keys = cache_tensor_keys(config, groups, shard)
     return sum(2 * block_size * heads * head_dim * element for _, heads, head_dim in keys)
 
@@ -129,12 +129,16 @@ class ModelRunner:
             shape = (block_size, heads, head_dim)
             return allocate_kv_cache(blocks, *shape, dtype, where), allocate_kv_cache(blocks, *shape, dtype, where)
 
-        # The distinct tensor pairs (copies run over these), and each layer's.
+        # The distinct tensor pairs (copies run over these), each cache layer's (the KV
+        # connectors move these), and each model layer's (a KV-shared layer's is its source's).
         keys = cache_tensor_keys(model_config, groups, shard)
         pairs = {key: cache_pair(num_blocks, *key[1:], device) for key in keys}
         self.kv_tensors = list(pairs.values())
-        shapes = layer_cache_shapes(model_config, shard)
-        self.kv_caches = [pairs[(groups.layer_tensors[i], *shapes[i])] for i in range(model_config.num_layers)]
+        shapes = cache_layer_shapes(model_config, shard)
+        self.cache_layer_caches = [pairs[(t, *shape)] for t, shape in zip(groups.layer_tensors, shapes, strict=True)]
+        cache_index = {layer: i for i, layer in enumerate(model_config.cache_layers)}
+        self.layer_cache_index = [cache_index[model_config.kv_source(i)] for i in range(model_config.num_layers)]
+        self.kv_caches = [self.cache_layer_caches[i] for i in self.layer_cache_index]
         self.host_tensors = [cache_pair(num_host_blocks, *key[1:], "cpu") for key in keys] if num_host_blocks else []
         self.sampler = Sampler(model_config.eos_token_ids, seed)
 
@@ -152,7 +156,7 @@ class ModelRunner:
             for (src_k, src_v), (dst_k, dst_v) in zip(source, target, strict=True):
                 dst_k[dst.to(dst_k.device)] = src_k[src.to(src_k.device)].to(dst_k.device)
                 dst_v[dst.to(dst_v.device)] = src_v[src.to(src_v.device)].to(dst_v.device)
-        load_blocks(self.kv_caches, copies.loads)
+        load_blocks(self.cache_layer_caches, copies.loads)
         if copies.device:
             mapping = torch.tensor(copies.device, dtype=torch.int64, device=self.device)
             for key_cache, value_cache in self.kv_tensors:
@@ -213,7 +217,7 @@ class ModelRunner:
         `step.logit_rows` on the CPU (None on a tensor-parallel worker)."""
         self.run_copies(step.copies)
         group_metadata = [self.backend.prepare(layout) for layout in step.layouts]
-        metadata = [group_metadata[g] for g in self.groups.layer_groups]
+        metadata = [group_metadata[self.groups.layer_groups[i]] for i in self.layer_cache_index]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.backend)
         if not step.logit_rows:
             return None

@@ -68,6 +68,5 @@ def same_kv_memory(model: Path | str, settings: dict[str, Any]) -> dict[str, Any
     scaled = dict(settings)
     model_dir = Path(model)
     if "num_kv_blocks" in scaled and (model_dir / "config.json").is_file():
-        config = ModelConfig.from_dir(model_dir)
-        scaled["num_kv_blocks"] *= KVGroups.of(config.layer_windows, kv_sources=config.kv_sources).num_groups
+        scaled["num_kv_blocks"] *= KVGroups.of(ModelConfig.from_dir(model_dir).cache_layer_windows).num_groups
     return scaled

@@ -3,7 +3,8 @@ layer, blocks of 4 tokens, prompts many windows long. A prompt's KV that came by
 prefill/decode pull, from the file tier or from a peer gives the greedy tokens of a plain
 run; the full group moves every block of the prefix, the sliding group only the blocks its
 next query still sees; nothing leaks after a request finishes, is aborted, or its
-transfer is given up."""
+transfer is given up. Gemma 4 adds a global layer whose keys have another shape (1 head of
+64 against 2 of 16) and two KV-shared layers, which hold no cache and move nothing."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def _loaded_rows(llm: LLM) -> list[tuple[int, int]]:
     return loads
 
 
-@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["gemma2", "gemma3", "gemma4"])
 def model(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> Path:
     return tiny_models[request.param]
 

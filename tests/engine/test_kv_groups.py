@@ -180,11 +180,10 @@ def test_gemma4s_shared_layers_read_their_sources_cache_and_each_shape_has_its_p
     """Gemma 4: the last two layers attend over the first two's KV, so only two layers hold
     a cache; the global layer's keys (1 head of 64) and the sliding one's (2 heads of 16)
     each get a tensor pair of their shape, and a block id a page in both."""
-    groups = KVGroups.of([WINDOW, None, WINDOW, None], kv_sources=(0, 1, 0, 1))
-    assert groups.windows == (None, WINDOW) and groups.num_tensors == 1
-    assert groups.layer_groups == (1, 0, 1, 0) and groups.layer_tensors == (0, 0, 0, 0)
     llm = LLM(str(tiny_models["gemma4"]), dtype="float32", kv_cache_memory=1 << 20, separate_process=False)
     runner = llm.engine.runner
+    assert llm.engine.parts.model_config.cache_layers == [0, 1]
+    assert runner.groups.windows == (None, 8) and runner.groups.layer_groups == (1, 0)
     assert runner.kv_caches[2] is runner.kv_caches[0] and runner.kv_caches[3] is runner.kv_caches[1]
     assert [tuple(keys.shape[2:]) for keys, _ in runner.kv_tensors] == [(2, 16), (1, 64)]
     page_bytes = 2 * 16 * (2 * 16 + 1 * 64) * 4  # keys and values, 16 tokens, float32

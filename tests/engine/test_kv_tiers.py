@@ -154,7 +154,7 @@ def test_the_cost_model_recomputes_when_reading_would_be_slower(
 def test_the_directory_stays_under_its_size_evicting_the_least_recently_used(tiny_llama: Path, tmp_path: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dir=str(tmp_path), kv_cache_dir_size_gib=1e-3)
     tier = _tier(llm)
-    block_file = tier.store.block_bytes + 200
+    block_file = tier.store.block_bytes() + 200
     tier.store.max_bytes = 10 * block_file  # room for about ten blocks
     llm.generate(random_prompts([70] * 6, TINY_VOCAB, seed=21), GREEDY)
     sizes = [file.stat().st_size for file in tmp_path.glob("*/*.kv")]
