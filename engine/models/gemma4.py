@@ -271,68 +271,68 @@ class Gemma4ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         config, shard = self.config, self.shard
-        options = _options(config)
-        split = shard.size > 1
         loader = WeightLoader(self)
-        vocab = vocab_rows(*shard.vocab(config.vocab_size)) if split else None
+        vocab = vocab_rows(*shard.vocab(config.vocab_size)) if shard.size > 1 else None
         loader.direct("model.embed_tokens.weight", "embed_tokens", vocab)
         loader.direct("model.norm.weight", "norm.weight")
         if not config.tie_word_embeddings:
             loader.direct("lm_head.weight", "lm_head.weight", vocab)
-        if options.per_layer_input_size:
+        if _options(config).per_layer_input_size:
             for name in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"):
                 loader.direct(f"model.{name}.weight", name if name.startswith("embed") else f"{name}.weight")
-        ignored = []
+        ignored: list[str] = []
         for i, layer in enumerate(self.decoder_layers):
-            hf, ours = f"model.layers.{i}.", f"layers.{i}."
-            attn = layer.self_attn
-            q_start, q_end = (attn.head_dim * h for h in shard.split(config.num_heads, "num_attention_heads"))
-            kv_first = shard.kv_heads(config.num_heads, config.layer_kv_shape(i)[0])[0] * attn.head_dim
-            kv = rows(kv_first, kv_first + attn.kv_size)
-            names = ("q", "k", "v")[: attn.num_projections]
-            qkv_rows: list[Transform | None] | None = [rows(q_start, q_end), kv, kv][: len(names)] if split else None
-            loader.fused(
-                [hf + f"self_attn.{p}_proj.weight" for p in names], ours + "self_attn.qkv_proj.weight", qkv_rows
-            )
-            if config.qkv_bias:
-                loader.fused(
-                    [hf + f"self_attn.{p}_proj.bias" for p in names], ours + "self_attn.qkv_proj.bias", qkv_rows
-                )
-            loader.direct(
-                hf + "self_attn.o_proj.weight",
-                ours + "self_attn.o_proj.weight",
-                columns(q_start, q_end) if split else None,
-            )
-            loader.direct(hf + "self_attn.q_norm.weight", ours + "self_attn.q_norm.weight")
-            if attn.k_norm is not None:
-                loader.direct(hf + "self_attn.k_norm.weight", ours + "self_attn.k_norm.weight")
-            else:  # checkpoints may keep a KV-shared layer's unused projections, as transformers ignores them
-                ignored += [hf + f"self_attn.{p}" for p in ("k_proj.weight", "v_proj.weight", "k_norm.weight")]
-            mlp_start, mlp_end = shard.split(layer.mlp.intermediate_size * shard.size, "intermediate_size")
-            gate_up = rows(mlp_start, mlp_end) if split else None
-            loader.fused(
-                [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_proj.weight", gate_up
-            )
-            loader.direct(
-                hf + "mlp.down_proj.weight",
-                ours + "mlp.down_proj.weight",
-                columns(mlp_start, mlp_end) if split else None,
-            )
-            for norm in _NORMS:
-                loader.direct(hf + f"{norm}.weight", ours + f"{norm}.weight")
-            for norm in layer.expert_norms:
-                loader.direct(hf + f"{norm}.weight", ours + f"expert_norms.{norm}.weight")
-            loader.direct(hf + "layer_scalar", ours + "layer_scalar")
-            if layer.per_layer_input_gate is not None:
-                for name in ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm"):
-                    loader.direct(hf + f"{name}.weight", ours + f"{name}.weight")
-            if layer.experts is not None:
-                for theirs, mine in (
-                    ("router.proj.weight", "router.weight"),
-                    ("router.scale", "router_scale"),
-                    ("router.per_expert_scale", "per_expert_scale"),
-                    ("experts.gate_up_proj", "gate_up"),
-                    ("experts.down_proj", "down"),
-                ):
-                    loader.direct(hf + theirs, ours + f"experts.{mine}")
+            ignored += _declare_attention(loader, config, shard, i, layer.self_attn)
+            _declare_layer(loader, shard, i, layer)
         loader.load(weights, ignore=tuple(ignored) + ("rotary_emb.inv_freq",))
+
+
+def _declare_attention(
+    loader: WeightLoader, config: ModelConfig, shard: Shard, i: int, attn: Gemma4Attention
+) -> list[str]:
+    """Where layer i's attention weights go (a rank's heads of each); returns the names a
+    checkpoint may hold that this layer does not use (a KV-shared layer's k/v, as
+    transformers ignores them)."""
+    hf, ours, split = f"model.layers.{i}.self_attn.", f"layers.{i}.self_attn.", shard.size > 1
+    q_start, q_end = (attn.head_dim * h for h in shard.split(config.num_heads, "num_attention_heads"))
+    kv_first = shard.kv_heads(config.num_heads, config.layer_kv_shape(i)[0])[0] * attn.head_dim
+    kv = rows(kv_first, kv_first + attn.kv_size)
+    names = ("q", "k", "v")[: attn.num_projections]
+    qkv_rows: list[Transform | None] | None = [rows(q_start, q_end), kv, kv][: len(names)] if split else None
+    loader.fused([hf + f"{p}_proj.weight" for p in names], ours + "qkv_proj.weight", qkv_rows)
+    if config.qkv_bias:
+        loader.fused([hf + f"{p}_proj.bias" for p in names], ours + "qkv_proj.bias", qkv_rows)
+    loader.direct(hf + "o_proj.weight", ours + "o_proj.weight", columns(q_start, q_end) if split else None)
+    loader.direct(hf + "q_norm.weight", ours + "q_norm.weight")
+    if attn.k_norm is None:
+        return [hf + name for name in ("k_proj.weight", "v_proj.weight", "k_norm.weight")]
+    loader.direct(hf + "k_norm.weight", ours + "k_norm.weight")
+    return []
+
+
+def _declare_layer(loader: WeightLoader, shard: Shard, i: int, layer: Gemma4DecoderLayer) -> None:
+    """Where the rest of layer i's weights go: the MLP (a rank's part), the norms, the layer
+    scalar, the per-layer input branch and the experts."""
+    hf, ours, split = f"model.layers.{i}.", f"layers.{i}.", shard.size > 1
+    mlp_start, mlp_end = shard.split(layer.mlp.intermediate_size * shard.size, "intermediate_size")
+    gate_up = rows(mlp_start, mlp_end) if split else None
+    loader.fused([hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_proj.weight", gate_up)
+    down_columns = columns(mlp_start, mlp_end) if split else None
+    loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_proj.weight", down_columns)
+    for norm in _NORMS:
+        loader.direct(hf + f"{norm}.weight", ours + f"{norm}.weight")
+    for norm in layer.expert_norms:
+        loader.direct(hf + f"{norm}.weight", ours + f"expert_norms.{norm}.weight")
+    loader.direct(hf + "layer_scalar", ours + "layer_scalar")
+    if layer.per_layer_input_gate is not None:
+        for name in ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm"):
+            loader.direct(hf + f"{name}.weight", ours + f"{name}.weight")
+    if layer.experts is not None:
+        for theirs, mine in (
+            ("router.proj.weight", "router.weight"),
+            ("router.scale", "router_scale"),
+            ("router.per_expert_scale", "per_expert_scale"),
+            ("experts.gate_up_proj", "gate_up"),
+            ("experts.down_proj", "down"),
+        ):
+            loader.direct(hf + theirs, ours + f"experts.{mine}")
