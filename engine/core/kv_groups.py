@@ -17,8 +17,9 @@ is one group of every layer, one tensor per layer, as in a plain paged cache.
 The layers here are the model's cache layers: a layer that reads another's KV (Gemma 4's
 KV-shared layers) has no cache of its own and is not grouped; the runner gives it its
 source's cache (`ModelConfig.cache_layers`). Layers whose keys differ in shape (Gemma 4's
-global layers: another head size, fewer heads) write tensors of their own shape: the runner
-keeps one tensor pair per (index, shape), so a block id has a page in each shape.
+global layers: another head size, fewer heads) share a tensor index all the same: its
+block id has one page sized for the larger, which each layer views in its own shape
+(`padded_view` in worker/model_runner.py).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Cache writes and copies are the kernels' torch references. Decodes are gathered 
 buckets of similar context length and attended with batched matmuls (so short contexts do
 not pay for the padding of long ones); prefill chunks go through SDPA, over the cached
 prefix gathered by slot when there is one. Checked against the kernels' references.
+Caches are head-major storage as allocated, gathered in one index_select; padded pages
+(layers of several key shapes on one tensor, Gemma 4's) are read block by block.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagefleet.engine.layers.attention import AttentionMetadata, CacheSpec, StepLayout, head_major
+from pagefleet.engine.layers.attention import AttentionMetadata, CacheSpec, StepLayout
 from pagefleet.kernels.copy_blocks import copy_blocks_torch
 from pagefleet.kernels.reshape_and_cache import reshape_and_cache_torch
 
@@ -38,6 +40,7 @@ class DecodeBucket:
     rows: torch.Tensor  # [b] row indices into the flat batch
     num_blocks: int  # blocks per row (padded)
     head_block_ids: torch.Tensor  # [kv_heads * b * num_blocks] rows of the head-major storage
+    block_ids: torch.Tensor  # [b * num_blocks] the blocks themselves (padded pages read these)
     row_lengths: torch.Tensor  # [b] each row's context length (the query sits at length - 1)
     # Per window (None: all keys), [kv_heads * b, 1, num_blocks * block_size] additive masks,
     # 0 or -inf, made by the first layer that asks.
@@ -89,6 +92,7 @@ class TorchAttentionBackend:
             rows=torch.tensor(group, device=spec.device),
             num_blocks=num_blocks,
             head_block_ids=(heads + padded[None, :]).flatten().to(spec.device),
+            block_ids=padded.to(spec.device),
             row_lengths=torch.tensor([lengths[i] for i in group]),
         )
 
@@ -131,69 +135,69 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchMetadata), "metadata from another backend's prepare()"
         reshape_and_cache_torch(key, value, key_cache, value_cache, metadata.slot_mapping)
-        keys, values = head_major(key_cache), head_major(value_cache)
         output = torch.empty_like(query)
         shape = Shape(scale, window, softcap)
         for bucket in metadata.decode_buckets:
-            output[bucket.rows] = self._decode_bucket(query, keys, values, bucket, shape)
-        self.attend_prefills(query, key, value, keys, values, metadata.prefills, shape, output)
-        return output
-
-    def attend_prefills(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        prefills: list[PrefillChunk],
-        shape: Shape,
-        output: torch.Tensor,
-    ) -> None:
-        """Write each chunk's attention into `output`; keys/values: head-major storage."""
-        num_kv_heads, num_blocks, block_size, head_dim = keys.shape
-        flat_keys = keys.view(num_kv_heads, num_blocks * block_size, head_dim)
-        flat_values = values.view(num_kv_heads, num_blocks * block_size, head_dim)
-        for chunk in prefills:
+            output[bucket.rows] = self._decode_bucket(query, key_cache, value_cache, bucket, shape)
+        for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.context_len == chunk.query_len:  # nothing cached before: attend to itself
                 chunk_keys, chunk_values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
             else:
-                chunk_keys = flat_keys.index_select(1, chunk.context_slots)
-                chunk_values = flat_values.index_select(1, chunk.context_slots)
+                chunk_keys, chunk_values = _context(key_cache, chunk), _context(value_cache, chunk)
             output[rows] = _prefill_chunk(query[rows], chunk_keys, chunk_values, chunk, shape)
+        return output
+
+    def _gathered(self, cache: torch.Tensor, bucket: DecodeBucket, name: str) -> torch.Tensor:
+        """The bucket's keys or values, [kv_heads * b, num_blocks * block_size, head_dim]."""
+        _, block_size, num_kv_heads, head_dim = cache.shape
+        num_rows, length = bucket.rows.numel(), bucket.num_blocks * block_size
+        storage = cache.permute(2, 0, 1, 3)
+        if not storage.is_contiguous():  # padded pages (Gemma 4's): block by block
+            blocks = cache[bucket.block_ids]
+            return blocks.permute(2, 0, 1, 3).reshape(num_kv_heads * num_rows, length, head_dim)
+        # Head-major storage, as allocated: one gather of rows [kv_heads * num_blocks,
+        # block_size * D]. The ids are head-major for the most KV heads any layer has; a
+        # layer with fewer (Gemma 4's global ones) reads the first heads' part.
+        head_block_ids = bucket.head_block_ids[: num_kv_heads * num_rows * bucket.num_blocks]
+        gathered = self._buffer(name, (head_block_ids.numel(), block_size * head_dim), cache)
+        torch.index_select(storage.view(-1, block_size * head_dim), 0, head_block_ids, out=gathered)
+        return gathered.view(num_kv_heads * num_rows, length, head_dim)
 
     def _decode_bucket(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket, shape: Shape
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        bucket: DecodeBucket,
+        shape: Shape,
     ) -> torch.Tensor:
-        """Single-token attention for `bucket.rows` -> [b, num_heads, head_dim].
-
-        keys/values: head-major storage [num_kv_heads, num_blocks, block_size, head_dim].
-        """
-        num_kv_heads, _, block_size, head_dim = keys.shape
+        """Single-token attention for `bucket.rows` -> [b, num_heads, head_dim]."""
+        num_kv_heads, head_dim = key_cache.shape[2:]
         num_rows = bucket.rows.numel()
-        length = bucket.num_blocks * block_size
-        # One gather per cache: rows of storage [kv_heads * num_blocks, block_size * D]. The
-        # ids are head-major for the most KV heads any layer has; a layer with fewer (Gemma
-        # 4's global ones) reads the first heads' part.
-        head_block_ids = bucket.head_block_ids[: num_kv_heads * num_rows * bucket.num_blocks]
-        gathered_shape = (head_block_ids.numel(), block_size * head_dim)
-        gathered_keys = self._buffer("keys", gathered_shape, keys)
-        gathered_values = self._buffer("values", gathered_shape, values)
-        torch.index_select(keys.view(-1, block_size * head_dim), 0, head_block_ids, out=gathered_keys)
-        torch.index_select(values.view(-1, block_size * head_dim), 0, head_block_ids, out=gathered_values)
+        batch_keys = self._gathered(key_cache, bucket, "keys")
+        batch_values = self._gathered(value_cache, bucket, "values")
         # Batch over (kv head, row): [kv*b, group, D] @ [kv*b, D, L] -> [kv*b, group, L].
         q = query.index_select(0, bucket.rows).view(num_rows, num_kv_heads, -1, head_dim)
         q = q.transpose(0, 1).reshape(num_kv_heads * num_rows, -1, head_dim)
-        batch_keys = gathered_keys.view(num_kv_heads * num_rows, length, head_dim)
         bias = self._bias(bucket, shape.window)[: num_kv_heads * num_rows]
         if shape.softcap is None:
             scores = torch.baddbmm(bias, q, batch_keys.transpose(1, 2), alpha=shape.scale)
         else:  # capped before the mask, as transformers does
             scores = _capped(torch.bmm(q, batch_keys.transpose(1, 2)) * shape.scale, shape.softcap) + bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        out = torch.bmm(probs, gathered_values.view(num_kv_heads * num_rows, length, head_dim))
+        out = torch.bmm(probs, batch_values)
         return out.view(num_kv_heads, num_rows, -1, head_dim).transpose(0, 1).reshape(num_rows, -1, head_dim)
+
+
+def _context(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+    """A chunk's whole context from the cache, [kv_heads, context_len, head_dim]."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    storage = cache.permute(2, 0, 1, 3)
+    if storage.is_contiguous():  # head-major, as allocated
+        return storage.view(num_kv_heads, num_blocks * block_size, head_dim).index_select(1, chunk.context_slots)
+    slots = chunk.context_slots  # padded pages (Gemma 4's)
+    return cache[slots // block_size, slots % block_size].transpose(0, 1)
 
 
 @dataclass(slots=True, frozen=True)

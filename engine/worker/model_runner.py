@@ -85,22 +85,33 @@ def cache_layer_shapes(config: ModelConfig, shard: Shard | None = None) -> list[
     return [(shard.kv_heads(config.num_heads, heads)[1], head_dim) for heads, head_dim in shapes]
 
 
-def cache_tensor_keys(config: ModelConfig, groups: KVGroups, shard: Shard | None = None) -> list[tuple[int, int, int]]:
-    """The distinct cache tensor pairs, as (tensor index, KV heads, head dim): cache layers
-    of a tensor index share a pair where their shapes agree (engine/core/kv_groups.py)."""
-    shapes = cache_layer_shapes(config, shard)
-    return list(dict.fromkeys((tensor, *shape) for tensor, shape in zip(groups.layer_tensors, shapes, strict=True)))
+def tensor_pages(config: ModelConfig, groups: KVGroups, block_size: int, shard: Shard | None = None) -> list[int]:
+    """Per cache tensor index, the elements of one block's keys (or values): its layers'
+    page, the largest where their shapes differ (Gemma 4's global and sliding layers share
+    an index: each block id has one page, padded to the larger shape)."""
+    pages = [0] * groups.num_tensors
+    for tensor, (heads, head_dim) in zip(groups.layer_tensors, cache_layer_shapes(config, shard), strict=True):
+        pages[tensor] = max(pages[tensor], block_size * heads * head_dim)
+    return pages
 
 
 def kv_bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard | None = None, groups: KVGroups | None = None
 ) -> int:
-    """Bytes of one block id on one rank (its KV heads only): a page in every cache tensor
-    pair of `groups` (default: every cache layer's own, as without KV cache groups)."""
+    """Bytes of one block id on one rank (its KV heads only): a page of keys and one of
+    values in every cache tensor of `groups` (default: every cache layer's own, as without
+    KV cache groups)."""
     element = torch.empty((), dtype=dtype).element_size()
     groups = groups or KVGroups.of(config.cache_layer_windows, hybrid=False)
-    keys = cache_tensor_keys(config, groups, shard)
-    return sum(2 * block_size * heads * head_dim * element for _, heads, head_dim in keys)
+    return 2 * element * sum(tensor_pages(config, groups, block_size, shard))
+
+
+def padded_view(pages: torch.Tensor, block_size: int, heads: int, head_dim: int) -> torch.Tensor:
+    """A layer's cache [num_blocks, block_size, heads, head_dim] over padded pages
+    [num_blocks, 1, 1, page]: block-major, head-major within each block (the kernels take
+    any strides; the torch reference reads it block by block)."""
+    strides = (pages.stride(0), head_dim, block_size * head_dim, 1)
+    return pages.as_strided((pages.shape[0], block_size, heads, head_dim), strides, pages.storage_offset())
 
 
 class ModelRunner:
@@ -125,21 +136,34 @@ class ModelRunner:
         self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
         self.block_size, self.device = block_size, device
 
-        def cache_pair(blocks: int, heads: int, head_dim: int, where: torch.device | str) -> KVPair:
-            shape = (block_size, heads, head_dim)
+        def cache_pair(blocks: int, shape: tuple[int, int, int], where: torch.device | str) -> KVPair:
             return allocate_kv_cache(blocks, *shape, dtype, where), allocate_kv_cache(blocks, *shape, dtype, where)
 
-        # The distinct tensor pairs (copies run over these), each cache layer's (the KV
-        # connectors move these), and each model layer's (a KV-shared layer's is its source's).
-        keys = cache_tensor_keys(model_config, groups, shard)
-        pairs = {key: cache_pair(num_blocks, *key[1:], device) for key in keys}
-        self.kv_tensors = list(pairs.values())
+        # Per tensor index, its layers' shape, or for layers of several shapes a page that
+        # holds the largest (`tensor_pages`).
         shapes = cache_layer_shapes(model_config, shard)
-        self.cache_layer_caches = [pairs[(t, *shape)] for t, shape in zip(groups.layer_tensors, shapes, strict=True)]
+        pages = tensor_pages(model_config, groups, block_size, shard)
+        padded = [
+            len({s for t, s in zip(groups.layer_tensors, shapes, strict=True) if t == i}) > 1
+            for i in range(groups.num_tensors)
+        ]
+        tensor_shapes = [
+            (1, 1, pages[i]) if padded[i] else (block_size, *shapes[groups.layer_tensors.index(i)])
+            for i in range(groups.num_tensors)
+        ]
+        # The tensor pairs (copies and swaps run over these), each cache layer's view (the KV
+        # connectors move these), and each model layer's (a KV-shared layer's is its source's).
+        self.kv_tensors = [cache_pair(num_blocks, shape, device) for shape in tensor_shapes]
+        self.cache_layer_caches = []
+        for tensor, shape in zip(groups.layer_tensors, shapes, strict=True):
+            keys, values = self.kv_tensors[tensor]
+            if padded[tensor]:
+                keys, values = padded_view(keys, block_size, *shape), padded_view(values, block_size, *shape)
+            self.cache_layer_caches.append((keys, values))
         cache_index = {layer: i for i, layer in enumerate(model_config.cache_layers)}
         self.layer_cache_index = [cache_index[model_config.kv_source(i)] for i in range(model_config.num_layers)]
         self.kv_caches = [self.cache_layer_caches[i] for i in self.layer_cache_index]
-        self.host_tensors = [cache_pair(num_host_blocks, *key[1:], "cpu") for key in keys] if num_host_blocks else []
+        self.host_tensors = [cache_pair(num_host_blocks, s, "cpu") for s in tensor_shapes] if num_host_blocks else []
         self.sampler = Sampler(model_config.eos_token_ids, seed)
 
     def run_copies(self, copies: PendingCopies) -> None:

@@ -174,18 +174,20 @@ def test_a_gemma_engine_publishes_free_tokens_and_answers_alike_without_groups(t
     assert_no_block_leaked(grouped)
 
 
-def test_gemma4s_shared_layers_read_their_sources_cache_and_each_shape_has_its_pages(
+def test_gemma4s_shared_layers_read_their_sources_cache_and_shapes_share_padded_pages(
     tiny_models: dict[str, Path],
 ) -> None:
     """Gemma 4: the last two layers attend over the first two's KV, so only two layers hold
     a cache; the global layer's keys (1 head of 64) and the sliding one's (2 heads of 16)
-    each get a tensor pair of their shape, and a block id a page in both."""
+    share one tensor index, each block id one page sized for the larger (16 x 64)."""
     llm = LLM(str(tiny_models["gemma4"]), dtype="float32", kv_cache_memory=1 << 20, separate_process=False)
     runner = llm.engine.runner
     assert llm.engine.parts.model_config.cache_layers == [0, 1]
     assert runner.groups.windows == (None, 8) and runner.groups.layer_groups == (1, 0)
     assert runner.kv_caches[2] is runner.kv_caches[0] and runner.kv_caches[3] is runner.kv_caches[1]
-    assert [tuple(keys.shape[2:]) for keys, _ in runner.kv_tensors] == [(2, 16), (1, 64)]
-    page_bytes = 2 * 16 * (2 * 16 + 1 * 64) * 4  # keys and values, 16 tokens, float32
-    assert llm.stats().num_free_blocks == (1 << 20) // page_bytes
-    assert kv_bytes_per_block(llm.engine.parts.model_config, 16, torch.float32) == page_bytes
+    num_blocks = llm.stats().num_free_blocks
+    assert [tuple(keys.shape) for keys, _ in runner.kv_tensors] == [(num_blocks, 1, 1, 16 * 64)]
+    assert [tuple(keys.shape[1:]) for keys, _ in runner.cache_layer_caches] == [(16, 2, 16), (16, 1, 64)]
+    page_bytes = 2 * 16 * 64 * 4  # keys and values, 16 tokens of the larger shape, float32
+    assert num_blocks == (1 << 20) // page_bytes
+    assert kv_bytes_per_block(llm.engine.parts.model_config, 16, torch.float32) == 2 * 16 * (2 * 16 + 64) * 4
