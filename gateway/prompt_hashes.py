@@ -87,7 +87,7 @@ class PromptHasher:
     def __init__(self, info: TokenizerInfo) -> None:
         self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self.chat_template, self.special_tokens = info.chat_template, info.special_tokens
-        self.block_size = info.block_size
+        self.block_size, self.long_rope_after = info.block_size, info.long_rope_after
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.takes_tools = template_takes_tools(info.chat_template)
         added = self.tokenizer.get_added_tokens_decoder()
@@ -184,7 +184,8 @@ class PromptHasher:
     def hashes(self, payload: dict[str, Any], chat: bool, adapter: str | None) -> tuple[int, list[int]] | None:
         """The prompt's length in tokens and the hashes of the blocks the engine could take
         from its prefix cache for it: every full block before the last token (whose logits
-        the engine computes in any case), as the engine registers them."""
+        the engine computes in any case), as the engine registers them (a LongRoPE model's
+        prompt past its pretraining length from the long-rope root, as the engine's)."""
         token_ids = self.prompt_token_ids(payload, chat)
         keep = payload.get("truncate_prompt_tokens")
         if token_ids and isinstance(keep, int) and keep > 0:
@@ -192,7 +193,8 @@ class PromptHasher:
         if not token_ids:
             return None
         salt = payload.get("cache_salt")
-        root = chain_root(adapter, salt if isinstance(salt, str) and salt else None)
+        long_rope = self.long_rope_after is not None and len(token_ids) > self.long_rope_after
+        root = chain_root(adapter, salt if isinstance(salt, str) and salt else None, long_rope)
         return len(token_ids), block_hashes(token_ids[:-1], self.block_size, root)
 
 

@@ -17,3 +17,8 @@ class TokenizerInfo(BaseModel):
     hash_version: str = Field(
         description="protocol/block_hash.py's VERSION; a router that differs must not route on hashes"
     )
+    long_rope_after: int | None = Field(
+        None,
+        description="LongRoPE's pretraining length (Phi-3-128k, Phi-4-mini): a longer prompt's blocks hash from "
+        "the long-rope root (`chain_root(..., long_rope=True)`); absent without LongRoPE",
+    )

@@ -226,6 +226,11 @@ class AsyncEngine:
         """The first link of the prompt's prefix-cache hash chain, as `add_request` sets it."""
         return self._engine.hash_root(token_ids, lora_request, cache_salt)
 
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's pretraining length, past which a prompt hashes from its own root."""
+        return self._engine.parts.model_config.long_rope_after
+
     def kv_layout(self) -> KVLayout:
         """What a KV transfer with this engine must agree on (never changes)."""
         return self._engine.kv_connector.layout

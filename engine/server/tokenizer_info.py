@@ -16,7 +16,7 @@ from pagefleet.protocol.tokenizer_info import TokenizerInfo
 
 
 @lru_cache(maxsize=1)
-def _describe(tokenizer: Any, model: str, block_size: int) -> bytes:
+def _describe(tokenizer: Any, model: str, block_size: int, long_rope_after: int | None = None) -> bytes:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise OpenAIError(501, "this model's tokenizer is not a fast tokenizer: routers cannot hash its prompts")
@@ -28,6 +28,7 @@ def _describe(tokenizer: Any, model: str, block_size: int) -> bytes:
         special_tokens=dict(tokenizer.special_tokens_map),
         block_size=block_size,
         hash_version=VERSION.decode(),
+        long_rope_after=long_rope_after,
     )
     return info.model_dump_json().encode()
 
@@ -38,5 +39,5 @@ def add_tokenizer_route(app: FastAPI, model: str, ready_engine: Callable[[], Asy
         engine = ready_engine()
         if engine.tokenizer is None:
             raise OpenAIError(501, "this replica runs without a tokenizer (skip_tokenizer_init)")
-        body = _describe(engine.tokenizer, model, engine.stats().block_size)
+        body = _describe(engine.tokenizer, model, engine.stats().block_size, engine.long_rope_after)
         return Response(body, media_type="application/json")

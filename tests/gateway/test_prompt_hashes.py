@@ -56,7 +56,9 @@ HISTORY = [
 ]
 
 
-def _engine_hashes(tokenizer: Any, payload: dict[str, Any], chat: bool, adapter: str | None = None) -> list[int]:
+def _engine_hashes(
+    tokenizer: Any, payload: dict[str, Any], chat: bool, adapter: str | None = None, long_rope_after: int | None = None
+) -> list[int]:
     """What the engine registers in its prefix cache for the request's prompt."""
     if chat:
         token_ids = chat_prompt(SimpleNamespace(tokenizer=tokenizer), ChatCompletionRequest.model_validate(payload))  # type: ignore[arg-type]
@@ -67,7 +69,9 @@ def _engine_hashes(tokenizer: Any, payload: dict[str, Any], chat: bool, adapter:
     lora = LoRARequest(adapter, 1, "/adapters/" + adapter) if adapter else None
     cache = KVCacheManager(num_blocks=256, block_size=BLOCK_SIZE, enable_prefix_caching=True)
     cache.pool.enable_events()
-    seq = Sequence(0, token_ids, len(token_ids), hash_root=prefix_hash_root(lora, payload.get("cache_salt")))
+    long_rope = long_rope_after is not None and len(token_ids) > long_rope_after  # LLMEngine._rotates_long
+    root = prefix_hash_root(lora, payload.get("cache_salt"), long_rope)
+    seq = Sequence(0, token_ids, len(token_ids), hash_root=root)
     assert cache.allocate_slots(seq, len(token_ids)) is not None
     cache.commit(seq, len(token_ids))
     assert cache.pool.events is not None
@@ -121,6 +125,22 @@ def test_the_gateways_hashes_are_the_engines(which: str, request: pytest.Fixture
             # prompt's last token, whose logits are computed in any case.
             assert len(engine) == num_tokens // BLOCK_SIZE and len(gateway) == (num_tokens - 1) // BLOCK_SIZE > 4
             assert gateway == engine[: len(gateway)], (which, payload, adapter)
+
+
+def test_a_longrope_models_long_prompts_hash_from_the_long_root_as_the_engines(smollm2_tokenizer: Any) -> None:
+    """Phi-3-128k and Phi-4-mini rotate a prompt longer than their pretraining length by
+    other factors: its blocks have a root of their own, which the replica's /tokenizer_info
+    lets the gateway compute. Here the pretraining length is 40 tokens."""
+    info = TokenizerInfo.model_validate_json(_describe(smollm2_tokenizer, "m", BLOCK_SIZE, long_rope_after=40))
+    hasher = PromptHasher(info)
+    for prompt in (list(range(3, 40)), list(range(3, 80))):
+        payload = {"model": "m", "prompt": prompt}
+        hashed = hasher.hashes(payload, False, None)
+        assert hashed is not None
+        engine = _engine_hashes(smollm2_tokenizer, payload, False, long_rope_after=40)
+        assert hashed[1] == engine[: len(hashed[1])] and hashed[1]
+        plain = _engine_hashes(smollm2_tokenizer, payload, False)
+        assert (hashed[1][0] == plain[0]) == (len(prompt) <= 40), "only the long prompt takes the long root"
 
 
 def test_adapters_and_salts_start_chains_apart(smollm2_tokenizer: Any) -> None:
