@@ -17,8 +17,11 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from pagefleet.engine.loader import gguf_gemma4
 from pagefleet.engine.loader.gguf_config import complete_config
+from pagefleet.engine.loader.gguf_index import GGUFTensors
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +56,39 @@ def converted_dir(gguf_path: Path) -> Path:
     return target
 
 
+def _load_gemma4(gguf_path: Path) -> Any:
+    """A Gemma 4 file's model: transformers reads its tensors with the config built from
+    its metadata (engine/loader/gguf_gemma4.py), then the tensors it leaves are set."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    metadata, tensors = gguf_gemma4.read_gguf(gguf_path)
+    config = Gemma4TextConfig.from_dict(gguf_gemma4.gemma4_config(metadata, tensors))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype=torch.float32
+    )
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in gguf_gemma4.gemma4_unmapped_tensors(tensors, config.num_hidden_layers).items():
+            state[name].copy_(value.view(state[name].shape))
+    return model
+
+
 def _convert(gguf_path: Path, target: Path) -> None:
     # Imported here: transformers is heavy and only needed the first time.
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     logger.info("converting %s to a cached Hugging Face directory (once; ~30 s)", gguf_path.name)
     started = time.monotonic()
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    if GGUFTensors(gguf_path).architecture == gguf_gemma4.ARCHITECTURE:
+        model = _load_gemma4(gguf_path)
+        # AutoTokenizer would read the config from the file again, as transformers cannot.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # save_pretrained refuses a GGUF-loaded model while it still names its quantizer; the
     # weights are already dequantized to float32, so the quantization config is obsolete.
     model.hf_quantizer = None  # type: ignore[assignment]

@@ -277,6 +277,65 @@ def write_phi3_gguf(model_dir: Path, path: Path) -> Path:
     return path
 
 
+def write_gemma4_gguf(model_dir: Path, path: Path) -> Path:
+    """The HF Gemma 4 in `model_dir` as llama.cpp's Gemma4Model converter writes it (float32,
+    as `--outtype f32`): norms as they are; the global layers' head size as `key_length`, the
+    sliding ones' as `key_length_swa`; per-layer arrays for the KV heads and, with double-wide
+    MLPs, the feed-forward width; the layer pattern, the KV-shared layers and the per-layer
+    embeddings' width; proportional RoPE as `rope_freqs` (1 for the angles that turn, 1e30 for
+    the rest); the layer scalars as `layer_output_scale`, the router's scale and per-expert
+    scales as `.scale` tensors of `ffn_gate_inp` and `ffn_down_exps`."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    config = ModelConfig.from_dir(model_dir)
+    assert config.gemma4 is not None
+    num_layers, windows = config.num_layers, config.layer_windows
+    sliding = [window is not None for window in windows]
+    global_kv_heads, global_head_dim = config.layer_kv_shape(sliding.index(False))
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(num_layers)
+    writer.add_head_count(config.num_heads)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    first_shared = num_layers - raw["num_kv_shared_layers"]
+    wide = [2 if config.gemma4.double_wide_mlp and i >= first_shared else 1 for i in range(num_layers)]
+    writer.add_feed_forward_length([config.intermediate_size * w for w in wide])
+    writer.add_head_count_kv([config.num_kv_heads if s else global_kv_heads for s in sliding])
+    writer.add_key_length(global_head_dim)
+    writer.add_value_length(global_head_dim)
+    writer.add_key_length_swa(config.head_dim)
+    writer.add_value_length_swa(config.head_dim)
+    writer.add_rope_dimension_count(global_head_dim)
+    writer.add_rope_dimension_count_swa(config.head_dim)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_final_logit_softcapping(config.final_softcap)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern(sliding)
+    writer.add_shared_kv_layers(raw["num_kv_shared_layers"])
+    writer.add_embedding_length_per_layer_input(config.gemma4.per_layer_input_size)
+    writer.add_expert_count(config.gemma4.num_experts)
+    writer.add_expert_used_count(config.gemma4.top_k_experts)
+    writer.add_expert_feed_forward_length(config.gemma4.moe_intermediate_size)
+    _add_tokenizer(writer, model_dir)
+    turning = int(global_head_dim * config.rope_scaling["partial_rotary_factor"] / 2)
+    rope_freqs = [1.0] * turning + [1e30] * (global_head_dim // 2 - turning)
+    writer.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, num_layers)
+    for name, tensor in iter_weights(model_dir):
+        if name.endswith("router.scale"):
+            target = name_map.get_name(name.replace("router.scale", "router.proj")) + ".scale"
+        elif name.endswith("router.per_expert_scale"):
+            target = name_map.get_name(name.replace("router.per_expert_scale", "experts.down_proj")) + ".scale"
+        elif name_map.get_name(name) is not None:  # the layer scalars and experts: no suffix in the checkpoint
+            target = name_map.get_name(name) + ".weight"
+        else:
+            stem, suffix = name.rsplit(".", 1)
+            target = f"{name_map.get_name(stem)}.{suffix}"
+        _add_tensor(writer, target, tensor)
+    _finish(writer)
+    return path
+
+
 @pytest.fixture(scope="module")
 def gpt2_gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gpt2_gguf(tiny_models["gpt2"], tmp_path_factory.mktemp("gguf") / "tiny-gpt2-Q4_1.gguf")
@@ -494,3 +553,27 @@ def test_phi3_serves_its_fused_gguf_blocks_as_stored_with_its_longrope(
     for factors in ("long_factor", "short_factor"):
         assert converted.rope_scaling[factors] == pytest.approx(original.rope_scaling[factors])
     _assert_generates_as_the_float_model_and_transformers(path, quantized, [5, 23, 40])
+
+
+def test_a_gemma4_gguf_file_runs_as_the_checkpoint_it_was_converted_from(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """transformers' GGUF reader refuses llama.cpp's Gemma 4 files (their per-layer arrays)
+    and leaves the layer scalars and the experts unread: the config comes from the file's
+    metadata and those tensors from the file (engine/loader/gguf_gemma4.py). The tiny Gemma 4
+    (global layers of another shape, keys as values, KV-shared layers with double-wide MLPs,
+    per-layer embeddings, experts), written as llama.cpp does in float32, equals its
+    checkpoint: the same config and transformers' greedy tokens of the checkpoint."""
+    from pagefleet.engine.loader.gguf_cache import converted_dir
+
+    path = write_gemma4_gguf(tiny_models["gemma4"], tmp_path / "tiny-gemma4.gguf")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=16 << 20)
+    original = ModelConfig.from_dir(tiny_models["gemma4"])
+    converted = ModelConfig.from_dir(converted_dir(path))
+    for field in ("layer_kv_shapes", "kv_sources", "gemma4", "layer_windows", "rope_scaling", "local_rope_theta"):
+        assert getattr(converted, field) == getattr(original, field), field
+    prompts = random_prompts([5, 23, 40], TINY_VOCAB, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(tiny_models["gemma4"], prompt, 10)[0]
+    assert_no_block_leaked(llm)
