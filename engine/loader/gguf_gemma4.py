@@ -130,5 +130,5 @@ def gemma4_unmapped_tensors(tensors: dict[str, Any], num_layers: int) -> dict[st
         for ours, theirs in _UNMAPPED.items():
             tensor = tensors.get(f"blk.{layer}.{theirs}")
             if tensor is not None:
-                found[f"model.layers.{layer}.{ours}"] = torch.from_numpy(np.ascontiguousarray(_array(tensor)))
+                found[f"model.layers.{layer}.{ours}"] = torch.from_numpy(np.array(_array(tensor), copy=True))
     return found

@@ -8,13 +8,14 @@ layer whose parts differ in type (a Q4_K_M file's v in Q6_K beside q and k in Q4
 each run of one type on its own. Any other type (F16, Q2_K, Q3_K, the IQ formats, ...)
 stays dequantized, and the log says which.
 
-Served so: the Llama family, Gemma 2/3 and Phi-3 (llama.cpp's names of our fused layers'
+Served so: the Llama family, Gemma 2/3/4 and Phi-3 (llama.cpp's names of our fused layers'
 parts; Phi-3's q/k/v and gate/up stored fused, as `attn_qkv` and `ffn_up`) and GPT-2.
 llama.cpp's converter permutes q and k rows for its rotary layout in "llama"-architecture
 files only (Gemma and Phi-3 rotate NEOX-style, as Hugging Face does); the rows are put back
 in Hugging Face's order here, blocks untouched (a block lies within one row), exactly where
 transformers' loader puts back its dequantized ones. The head is served as stored too, and
-so is the embedding lookup, from the same blocks where they are tied.
+so is the embedding lookup, from the same blocks where they are tied (and Gemma 4's
+per-layer embedding table).
 The file is read by engine/loader/gguf_index.py.
 """
 
@@ -81,6 +82,22 @@ def _decoder_sources(config: ModelConfig, tensors: GGUFTensors) -> dict[str, lis
     return sources
 
 
+def _gemma4_sources(config: ModelConfig) -> dict[str, list[_Source]]:
+    """Gemma 4's layers: q/k/v as the layer has them (a KV-shared layer q alone; a global
+    layer whose keys are its values q and k), o, gate/up and down."""
+    assert config.gemma4 is not None
+    sources = {}
+    for i in range(config.num_layers):
+        blk, ours = f"blk.{i}.", f"layers.{i}."
+        keys_are_values = config.gemma4.attention_k_eq_v and config.layer_window(i) is None
+        projections = 1 if config.kv_source(i) != i else 2 if keys_are_values else 3
+        sources[ours + "self_attn.qkv_proj"] = [_Source(blk + f"attn_{p}.weight") for p in "qkv"[:projections]]
+        sources[ours + "self_attn.o_proj"] = [_Source(blk + "attn_output.weight")]
+        sources[ours + "mlp.gate_up_proj"] = [_Source(blk + "ffn_gate.weight"), _Source(blk + "ffn_up.weight")]
+        sources[ours + "mlp.down_proj"] = [_Source(blk + "ffn_down.weight")]
+    return sources
+
+
 def _gpt2_sources(config: ModelConfig) -> dict[str, list[_Source]]:
     """GPT-2's linear layers and their GGUF tensors (llama.cpp stores Conv1D's weights
     transposed, [out, in] as our layers are, and q/k/v fused as c_attn is)."""
@@ -134,7 +151,7 @@ def _fused_weight(
 
 
 # Our families whose GGUF files are served as stored (any other is served dequantized).
-_SERVED_FAMILIES = ("llama", "gemma", "phi3", "gpt2")
+_SERVED_FAMILIES = ("llama", "gemma", "gemma4", "phi3", "gpt2")
 
 
 @dataclass(slots=True)
@@ -162,7 +179,12 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
     tensors = GGUFTensors(path)
     modules = dict(model.named_modules())
     tally = _Tally()
-    layer_sources = _gpt2_sources(config) if config.family == "gpt2" else _decoder_sources(config, tensors)
+    if config.family == "gpt2":
+        layer_sources = _gpt2_sources(config)
+    elif config.family == "gemma4":
+        layer_sources = _gemma4_sources(config)
+    else:
+        layer_sources = _decoder_sources(config, tensors)
     for module_name, sources in layer_sources.items():
         linear = modules[module_name]
         assert isinstance(linear, Linear)
@@ -172,6 +194,8 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
             continue
         tally.serve(linear, _fused_weight(linear, parts, sources, tensors, tally.kept, tally.dequantized))
     _serve_head_and_embedding(model, config, tensors, tally)
+    if config.family == "gemma4":
+        _serve_per_layer_embedding(model, tensors, tally)
     logger.info(
         "GGUF %s: served as stored: %s; dequantized: %s (linear weights %.0f MiB, %.0f MiB in float)",
         path.name,
@@ -180,6 +204,19 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
         tally.quantized_bytes / 2**20,
         tally.float_bytes / 2**20,
     )
+
+
+def _serve_per_layer_embedding(model: nn.Module, tensors: GGUFTensors, tally: _Tally) -> None:
+    """Gemma 4's per-layer embedding table (a third of E2B's weights) looked up as stored."""
+    table = tensors.quantized("per_layer_token_embd.weight")
+    float_table = getattr(model, "embed_tokens_per_layer", None)
+    if table is None or not isinstance(float_table, torch.Tensor):
+        return
+    model.quantized_per_layer_embedding = table.to(float_table.device)  # type: ignore[assignment]
+    tally.float_bytes += float_table.numel() * float_table.element_size()
+    tally.quantized_bytes += table.nbytes
+    tally.kept[GGML_NAMES[table.ggml_type]] += 1
+    float_table.data = torch.empty(0, dtype=float_table.dtype)
 
 
 def _serve_head_and_embedding(model: nn.Module, config: ModelConfig, tensors: GGUFTensors, tally: _Tally) -> None:

@@ -202,7 +202,8 @@ class Gemma4ForCausalLM(nn.Module):
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
-        self.quantized_embedding: QuantizedWeight | PackedWeight | None = None
+        self.quantized_embedding: QuantizedWeight | PackedWeight | None = None  # a GGUF's, looked up as stored
+        self.quantized_per_layer_embedding: QuantizedWeight | None = None  # the same, of the per-layer table
         width = options.per_layer_input_size
         if width:
             self.embed_tokens_per_layer = frozen_parameter(options.per_layer_vocab_size, config.num_layers * width)
@@ -222,7 +223,10 @@ class Gemma4ForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden = self.shard.embed(input_ids, self.embed_tokens)
+        if self.quantized_embedding is None:
+            hidden = self.shard.embed(input_ids, self.embed_tokens)
+        else:
+            hidden = self.quantized_embedding.dequantize(input_ids).to(self.layers[0].layer_scalar.dtype)
         hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         per_layer = self._per_layer_inputs(input_ids, hidden)
         rope = self.rotary.lookup(positions, hidden.dtype)
@@ -240,8 +244,12 @@ class Gemma4ForCausalLM(nn.Module):
         width = _options(self.config).per_layer_input_size
         if not width:
             return None
-        table = self.embed_tokens_per_layer
-        own = F.embedding(input_ids, table) * torch.tensor(width**0.5, dtype=table.dtype)
+        dtype = embeddings.dtype
+        if self.quantized_per_layer_embedding is None:
+            own = F.embedding(input_ids, self.embed_tokens_per_layer)
+        else:
+            own = self.quantized_per_layer_embedding.dequantize(input_ids).to(dtype)
+        own = own * torch.tensor(width**0.5, dtype=dtype)
         projected = self.per_layer_model_projection(embeddings) * self.config.hidden_size**-0.5
         projected = self.per_layer_projection_norm(projected.view(-1, self.config.num_layers, width))
         return (projected + own.view(projected.shape)) * 2**-0.5

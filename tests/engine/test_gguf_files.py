@@ -277,14 +277,15 @@ def write_phi3_gguf(model_dir: Path, path: Path) -> Path:
     return path
 
 
-def write_gemma4_gguf(model_dir: Path, path: Path) -> Path:
+def write_gemma4_gguf(model_dir: Path, path: Path, types: dict[str, str] | None = None) -> Path:
     """The HF Gemma 4 in `model_dir` as llama.cpp's Gemma4Model converter writes it (float32,
-    as `--outtype f32`): norms as they are; the global layers' head size as `key_length`, the
-    sliding ones' as `key_length_swa`; per-layer arrays for the KV heads and, with double-wide
-    MLPs, the feed-forward width; the layer pattern, the KV-shared layers and the per-layer
-    embeddings' width; proportional RoPE as `rope_freqs` (1 for the angles that turn, 1e30 for
-    the rest); the layer scalars as `layer_output_scale`, the router's scale and per-expert
-    scales as `.scale` tensors of `ffn_gate_inp` and `ffn_down_exps`."""
+    as `--outtype f32`, but for each tensor kind `types` names): norms as they are; the
+    global layers' head size as `key_length`, the sliding ones' as `key_length_swa`;
+    per-layer arrays for the KV heads and, with double-wide MLPs, the feed-forward width;
+    the layer pattern, the KV-shared layers and the per-layer embeddings' width;
+    proportional RoPE as `rope_freqs` (1 for the angles that turn, 1e30 for the rest); the
+    layer scalars as `layer_output_scale`, the router's scale and per-expert scales as
+    `.scale` tensors of `ffn_gate_inp` and `ffn_down_exps`."""
     raw = json.loads((model_dir / "config.json").read_text())
     config = ModelConfig.from_dir(model_dir)
     assert config.gemma4 is not None
@@ -331,7 +332,9 @@ def write_gemma4_gguf(model_dir: Path, path: Path) -> Path:
         else:
             stem, suffix = name.rsplit(".", 1)
             target = f"{name_map.get_name(stem)}.{suffix}"
-        _add_tensor(writer, target, tensor)
+        kind = target.rsplit(".", 2)[-2]
+        ggml_type = gguf.GGMLQuantizationType[types[kind]] if types and kind in types else None
+        _add_tensor(writer, target, tensor, ggml_type)
     _finish(writer)
     return path
 
@@ -577,3 +580,23 @@ def test_a_gemma4_gguf_file_runs_as_the_checkpoint_it_was_converted_from(
     for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
         assert output.outputs[0].token_ids == hf_greedy(tiny_models["gemma4"], prompt, 10)[0]
     assert_no_block_leaked(llm)
+
+
+def test_gemma4_serves_its_gguf_blocks_as_stored(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Each layer's q/k/v as it has them (q alone in the KV-shared layers, q and k in the
+    global ones, whose keys are their values), o, gate/up and down, the untied head, the
+    embedding and the per-layer embedding table, all looked up or multiplied as stored."""
+    types = dict.fromkeys(("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_down", "output"), "Q4_1")
+    types |= dict.fromkeys(("attn_v", "ffn_up", "token_embd", "per_layer_token_embd"), "Q8_0")
+    path = write_gemma4_gguf(tiny_models["gemma4"], tmp_path / "tiny-gemma4-q.gguf", types)
+    quantized = LLM(str(path), kv_cache_memory=16 << 20)
+    qkv = [["Q4_1", "Q8_0"], ["Q4_1"], ["Q4_1"], ["Q4_1"]]  # sliding; global (k as v); shared; shared
+    expected = {"lm_head": ["Q4_1"]}
+    for i, parts in enumerate(qkv):
+        expected |= {f"layers.{i}.self_attn.qkv_proj": parts, f"layers.{i}.self_attn.o_proj": ["Q4_1"]}
+        expected |= {f"layers.{i}.mlp.gate_up_proj": ["Q4_1", "Q8_0"], f"layers.{i}.mlp.down_proj": ["Q4_1"]}
+    assert _served_types(quantized) == expected
+    model = quantized.engine.parts.model
+    assert model.quantized_embedding is not None and model.embed_tokens.numel() == 0
+    assert model.quantized_per_layer_embedding is not None and model.embed_tokens_per_layer.numel() == 0
+    _assert_generates_as_the_float_model_and_transformers(path, quantized, [5, 23, 40])
