@@ -53,11 +53,6 @@ def gemma4_config(metadata: dict[str, Any], tensors: dict[str, Any]) -> dict[str
     kv_heads = _per_layer(key("attention.head_count_kv"), num_layers)
     global_layer = sliding.index(False)
     global_head_dim, head_dim = int(key("attention.key_length")), int(key("attention.key_length_swa"))
-    rope_freqs = tensors.get("rope_freqs.weight")
-    turning = int(np.count_nonzero(_array(rope_freqs) == 1.0)) if rope_freqs is not None else None
-    full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 1_000_000.0))}
-    if turning is not None:  # the converter marks proportional RoPE's still angles with 1e30
-        full_rope |= {"rope_type": "proportional", "partial_rotary_factor": 2 * turning / global_head_dim}
     experts = int(key("expert_count", 0) or 0)
     config: dict[str, Any] = {
         "architectures": ["Gemma4ForCausalLM"],
@@ -82,16 +77,11 @@ def gemma4_config(metadata: dict[str, Any], tensors: dict[str, Any]) -> dict[str
         "use_double_wide_mlp": len(set(feed_forward)) > 1,
         "final_logit_softcapping": key("final_logit_softcapping"),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "rope_parameters": {
-            _FULL: full_rope,
-            _SLIDING: {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10_000.0))},
-        },
+        "rope_parameters": _rope_parameters(metadata, tensors.get("rope_freqs.weight"), global_head_dim),
         "enable_moe_block": experts > 0,
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         # The end of a turn ends generation too, where the file names it.
-        "eos_token_id": [
-            metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in metadata
-        ]
+        "eos_token_id": [m for k in ("eos", "eot") if (m := metadata.get(f"tokenizer.ggml.{k}_token_id")) is not None]
         or None,
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
     }
@@ -104,6 +94,20 @@ def gemma4_config(metadata: dict[str, Any], tensors: dict[str, Any]) -> dict[str
             "moe_intermediate_size": int(key("expert_feed_forward_length")),
         }
     return config
+
+
+def _rope_parameters(metadata: dict[str, Any], rope_freqs: Any, global_head_dim: int) -> dict[str, Any]:
+    """Both layer types' RoPE: the global layers' proportional where the file has
+    `rope_freqs` (the converter marks the angles that stay still with 1e30)."""
+    full: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(metadata.get(f"{ARCHITECTURE}.rope.freq_base", 1e6)),
+    }
+    if rope_freqs is not None:
+        turning = int(np.count_nonzero(_array(rope_freqs) == 1.0))
+        full |= {"rope_type": "proportional", "partial_rotary_factor": 2 * turning / global_head_dim}
+    sliding_theta = float(metadata.get(f"{ARCHITECTURE}.rope.freq_base_swa", 10_000.0))
+    return {_FULL: full, _SLIDING: {"rope_type": "default", "rope_theta": sliding_theta}}
 
 
 def _per_layer(value: Any, num_layers: int) -> list[int]:
