@@ -30,11 +30,23 @@ TINY_VOCAB = 384
 TINY_ARCHITECTURES = [
     *("llama", "mistral", "qwen2", "qwen3"),
     *("gemma2", "gemma3", "gemma4", "smollm3", "granite", "olmo2", "phi3"),
+    *("qwen3_moe", "qwen2_moe", "mixtral"),
     "gpt2",
 ]
 # The families of issue 53: their own code is the model, so the scheduler's and the memory
 # paths, which the first families cover in full, run for them in fewer variants.
-NEWER_FAMILIES = ("gemma2", "gemma3", "gemma4", "smollm3", "granite", "olmo2", "phi3")
+NEWER_FAMILIES = (
+    "gemma2",
+    "gemma3",
+    "gemma4",
+    "smollm3",
+    "granite",
+    "olmo2",
+    "phi3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+)
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks.",
     "Hello world! How are you today? I am fine, thank you. Paris is the capital of France.",
@@ -91,6 +103,17 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
         return tf.Phi3Config(
             **sizes, partial_rotary_factor=0.5, original_max_position_embeddings=24, rope_scaling=longrope, **common
         )
+    # Mixtures of experts: 4 experts, 2 a token; Qwen3-MoE's first layer dense (mlp_only_layers),
+    # Qwen2-MoE's shared expert, Mixtral's experts as wide as intermediate_size.
+    experts = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **sizes, head_dim=16, num_experts=4, **experts, norm_topk_prob=True, mlp_only_layers=[0], **common
+        )
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**sizes, num_experts=4, **experts, shared_expert_intermediate_size=48, **common)
+    if arch == "mixtral":
+        return tf.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2, **common)
     # Gemma: a sliding layer (window 8, shorter than most test prompts) and a global one,
     # a scale from query_pre_attn_scalar unlike head_dim's.
     gemma = sizes | dict(

@@ -28,6 +28,23 @@ class Gemma4Options:
 
 
 @dataclass(slots=True, frozen=True)
+class MoEOptions:
+    """A mixture of experts in place of the MLP (engine/models/moe.py)."""
+
+    num_experts: int
+    experts_per_token: int
+    width: int  # each expert's intermediate size
+    normalize: bool  # the top k's probabilities renormalised to sum to 1 (`norm_topk_prob`)
+    keep_float: bool  # the routing weights stay float32 (Mixtral), else take the logits' dtype
+    sparse_layers: tuple[bool, ...]  # per layer, experts (True) or a dense MLP
+    shared_expert_width: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid (0: none)
+
+
+# The mixtures of experts on Llama's attention, and how their configs name the experts' count.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+
+
+@dataclass(slots=True, frozen=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -68,6 +85,7 @@ class ModelConfig:
     # KV-shared layers an earlier layer of its type, whose cache it reads; empty: itself.
     kv_sources: tuple[int, ...] = ()
     gemma4: Gemma4Options | None = None
+    moe: MoEOptions | None = None
     language_model_of: str | None = None  # the image checkpoint's architecture whose text model this is
 
     def layer_window(self, layer: int) -> int | None:
@@ -192,7 +210,7 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // heads
         partial = rope.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
         window, layer_types = raw.get("sliding_window"), ()
-        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
             # Qwen's window applies to only some layers; we support the common full-attention setup.
             if raw.get("use_sliding_window"):
                 raise UnsupportedModelError("Qwen use_sliding_window=true is not supported")
@@ -217,8 +235,8 @@ class ModelConfig:
             norm_eps=raw.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             hidden_act=raw.get("hidden_act", "silu"),
-            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
+            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias") or raw.get("qkv_bias")),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"),
             sliding_window=window,
             rope_theta=theta,
             rope_scaling=rope,
@@ -228,6 +246,7 @@ class ModelConfig:
             embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
             logits_scaling=float(raw.get("logits_scaling", 1.0)),
+            moe=_moe_options(raw, architecture, layers) if architecture in MOE_ARCHITECTURES else None,
         )
 
     @classmethod
@@ -276,6 +295,25 @@ class ModelConfig:
             local_rope_theta=float(local_theta) if local_theta is not None else None,
             **gemma4,
         )
+
+
+def _moe_options(raw: dict[str, Any], architecture: str, num_layers: int) -> MoEOptions:
+    """Where the experts are and how tokens are routed, as transformers reads each config:
+    Mixtral's experts on every layer, as wide as `intermediate_size`, always renormalised;
+    Qwen's every `decoder_sparse_step`-th layer but `mlp_only_layers`."""
+    num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    mixtral = architecture == "MixtralForCausalLM"
+    step, dense = raw.get("decoder_sparse_step") or 1, set(raw.get("mlp_only_layers") or ())
+    sparse = tuple(mixtral or (i not in dense and num_experts > 0 and (i + 1) % step == 0) for i in range(num_layers))
+    return MoEOptions(
+        num_experts=num_experts,
+        experts_per_token=raw["num_experts_per_tok"],
+        width=raw["intermediate_size"] if mixtral else raw["moe_intermediate_size"],
+        normalize=mixtral or bool(raw.get("norm_topk_prob")),
+        keep_float=mixtral,
+        sparse_layers=sparse,
+        shared_expert_width=raw.get("shared_expert_intermediate_size") or 0,
+    )
 
 
 def _gemma4_parts(raw: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard, Transform, columns, rows, vocab_rows
 from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
+from pagefleet.engine.layers.experts import RoutedExperts, softmax_top_k
 from pagefleet.engine.layers.fused import rotary
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
@@ -114,34 +115,29 @@ class Gemma4Attention(nn.Module):
 class Gemma4Experts(nn.Module):
     """The routed experts beside the MLP (replicated on every tensor-parallel rank): the
     router reads the normed residual, keeps the top k, renormalises them and scales each by
-    its expert's learned scale; each expert is a GELU-gated MLP. Run expert by expert in
-    ascending order, as transformers sums them."""
+    its expert's learned scale; each expert is a GELU-gated MLP."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         options = _options(config)
-        hidden, experts, width = config.hidden_size, options.num_experts, options.moe_intermediate_size
+        hidden, experts = config.hidden_size, options.num_experts
         self.top_k = options.top_k_experts
         self.router_norm = Gemma4RMSNorm(hidden, config.norm_eps, scaled=False)
         self.router = Linear(hidden, experts)
         self.router_scale = frozen_parameter(hidden)
         self.per_expert_scale = frozen_parameter(experts)
-        self.gate_up = frozen_parameter(experts, 2 * width, hidden)
-        self.down = frozen_parameter(experts, hidden, width)
+        self.routed = RoutedExperts(experts, hidden, options.moe_intermediate_size, _gelu_tanh)
         self.root_size = hidden**-0.5
 
     def forward(self, residual: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """residual routes, `hidden` (residual normed for the experts) is computed."""
         scores = self.router(self.router_norm(residual) * self.router_scale * self.root_size)
-        weights, experts = torch.topk(torch.softmax(scores, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[experts]
-        out = torch.zeros_like(hidden)
-        for expert in experts.unique().tolist():
-            tokens, slots = torch.where(experts == expert)
-            gate, up = F.linear(hidden[tokens], self.gate_up[expert]).chunk(2, dim=-1)
-            routed = F.linear(F.gelu(gate, approximate="tanh") * up, self.down[expert])
-            out.index_add_(0, tokens, (routed * weights[tokens, slots, None]).to(out.dtype))
-        return out
+        weights, experts = softmax_top_k(scores, self.top_k, normalize=True, keep_float=True)
+        return self.routed(hidden, weights * self.per_expert_scale[experts], experts)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -178,7 +174,7 @@ class Gemma4DecoderLayer(nn.Module):
         hidden = hidden + self.post_feedforward_layernorm(mlp)
         if self.per_layer_input_gate is not None:
             assert self.per_layer_projection is not None and self.post_per_layer_input_norm is not None
-            gate = F.gelu(self.per_layer_input_gate(hidden), approximate="tanh") * per_layer_input
+            gate = _gelu_tanh(self.per_layer_input_gate(hidden)) * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return hidden * self.layer_scalar
 
@@ -340,7 +336,12 @@ def _declare_layer(loader: WeightLoader, shard: Shard, i: int, layer: Gemma4Deco
             ("router.proj.weight", "router.weight"),
             ("router.scale", "router_scale"),
             ("router.per_expert_scale", "per_expert_scale"),
-            ("experts.gate_up_proj", "gate_up"),
-            ("experts.down_proj", "down"),
         ):
             loader.direct(hf + theirs, ours + f"experts.{mine}")
+        stacked = _rows_of_every_expert  # the checkpoint's [experts, rows, columns] as our rows
+        loader.direct(hf + "experts.gate_up_proj", ours + "experts.routed.gate_up", stacked)
+        loader.direct(hf + "experts.down_proj", ours + "experts.routed.down", stacked)
+
+
+def _rows_of_every_expert(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1, tensor.shape[-1])

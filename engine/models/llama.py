@@ -7,7 +7,7 @@ fused into one matmul each, which is where a CPU step spends most of its time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -215,11 +215,13 @@ def decoder_lora_targets(config: ModelConfig, layers: nn.ModuleList) -> dict[str
     hidden, intermediate = config.hidden_size, config.intermediate_size
     for i, layer in enumerate(layers):
         attn, mlp, hf = layer.self_attn, layer.mlp, f"model.layers.{i}."
-        assert isinstance(attn, LlamaAttention) and isinstance(mlp, LlamaMLP)
+        assert isinstance(attn, LlamaAttention)
         q, kv = attn.q_size, attn.kv_size
         for segment, (name, start, end) in enumerate((("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv))):
             targets[hf + f"self_attn.{name}_proj"] = LoRATarget(attn.qkv_proj, segment, 3, start, end)
         targets[hf + "self_attn.o_proj"] = LoRATarget(attn.o_proj, 0, 1, 0, hidden)
+        if not isinstance(mlp, LlamaMLP):  # a mixture of experts' layer: adapters reach its attention only
+            continue
         targets[hf + "mlp.gate_proj"] = LoRATarget(mlp.gate_up_proj, 0, 2, 0, intermediate)
         targets[hf + "mlp.up_proj"] = LoRATarget(mlp.gate_up_proj, 1, 2, intermediate, 2 * intermediate)
         targets[hf + "mlp.down_proj"] = LoRATarget(mlp.down_proj, 0, 1, 0, hidden)
@@ -227,12 +229,16 @@ def decoder_lora_targets(config: ModelConfig, layers: nn.ModuleList) -> dict[str
 
 
 def load_decoder_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], layer_norms: tuple[str, ...] = ()
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    layer_norms: tuple[str, ...] = (),
+    declare_mlp: Callable[[WeightLoader, int], bool] | None = None,
 ) -> None:
     """A Llama-shaped decoder's weights from the checkpoint's tensors, one at a time (a rank
     keeps only its part of each): the embedding, the final norm, the head unless tied, and
     per layer q/k/v fused, o, the q/k norms, gate/up fused, down and each of `layer_norms`
-    (default: the input and post-attention norms)."""
+    (default: the input and post-attention norms). `declare_mlp(loader, layer)` declares a
+    layer's feed-forward weights where it returns True (a mixture of experts' layers)."""
     config: ModelConfig = model.config  # type: ignore[assignment]
     shard: Shard = model.shard  # type: ignore[assignment]
     vocab = vocab_rows(*shard.vocab(config.vocab_size)) if shard.size > 1 else None
@@ -261,6 +267,8 @@ def load_decoder_weights(
             loader.direct(hf + "self_attn.k_norm.weight", attn + "k_norm.weight")
         for norm in layer_norms or ("input_layernorm", "post_attention_layernorm"):
             loader.direct(hf + f"{norm}.weight", ours + f"{norm}.weight")
+        if declare_mlp is not None and declare_mlp(loader, i):
+            continue
         loader.fused(
             [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"], ours + "mlp.gate_up_proj.weight", gate_up
         )

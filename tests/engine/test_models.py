@@ -93,3 +93,19 @@ def test_phi3_rotates_part_of_each_head_and_takes_longrope_factors_where_transfo
     assert list(rope_rows(0, 2, True, 131072)) == [131072, 131073]  # the long set follows the short one
     with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported"):
         _config(tf.LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "LlamaForCausalLM")
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_with_the_tensors_name(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from pagefleet.engine import LLM
+
+    for item in tiny_models["mixtral"].iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight"):
+        LLM(str(tmp_path), dtype="float32", separate_process=False)

@@ -1,0 +1,90 @@
+"""Mixtures of experts on Llama's attention: Qwen3-MoE, Qwen2-MoE and Mixtral.
+
+What differs from Llama, each as transformers computes it: on the sparse layers the MLP is
+a router (a linear layer, softmax in float32, top k, renormalised where `norm_topk_prob` or
+always for Mixtral) and the routed experts' SiLU-gated MLPs (engine/layers/experts.py);
+Qwen2-MoE adds a shared expert, always on, scaled by the sigmoid of its own gate. Qwen's
+`mlp_only_layers` and `decoder_sparse_step` keep a dense MLP on some layers. The experts
+are replicated on every tensor-parallel rank (the shared expert is split as an MLP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagefleet.engine.distributed.shard import Shard, columns, rows
+from pagefleet.engine.layers.experts import RoutedExperts, softmax_top_k
+from pagefleet.engine.layers.linear import Linear
+from pagefleet.engine.models.config import ModelConfig, MoEOptions
+from pagefleet.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, load_decoder_weights
+from pagefleet.engine.models.weights import WeightLoader
+
+
+def _options(config: ModelConfig) -> MoEOptions:
+    assert config.moe is not None, "a mixture-of-experts config"
+    return config.moe
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+        super().__init__()
+        options = self.options = _options(config)
+        self.gate = Linear(config.hidden_size, options.num_experts)
+        self.experts = RoutedExperts(options.num_experts, config.hidden_size, options.width, F.silu)
+        shared = options.shared_expert_width
+        self.shared_expert = LlamaMLP(config, shard, shared) if shared else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        options = self.options
+        weights, experts = softmax_top_k(
+            self.gate(hidden), options.experts_per_token, options.normalize, options.keep_float
+        )
+        out = self.experts(hidden, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: ModelConfig, shard: Shard, layer: int) -> None:
+        super().__init__(config, shard, layer)
+        if _options(config).sparse_layers[layer]:
+            self.mlp = SparseMoeBlock(config, shard)  # type: ignore[assignment]
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    layer_class = MoEDecoderLayer
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        load_decoder_weights(self, weights, declare_mlp=self._declare_experts)
+
+    def _declare_experts(self, loader: WeightLoader, layer: int) -> bool:
+        """A sparse layer's router, experts (each expert's gate and up rows, then every
+        expert's down rows) and shared expert; False for a dense layer."""
+        options = _options(self.config)
+        if not options.sparse_layers[layer]:
+            return False
+        mixtral = self.config.architecture == "MixtralForCausalLM"
+        block = f"model.layers.{layer}.block_sparse_moe." if mixtral else f"model.layers.{layer}.mlp."
+        ours = f"layers.{layer}.mlp."
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        experts = range(options.num_experts)
+        gate_up = [block + f"experts.{e}.{name}.weight" for e in experts for name in (gate, up)]
+        loader.fused(gate_up, ours + "experts.gate_up")
+        loader.fused([block + f"experts.{e}.{down}.weight" for e in experts], ours + "experts.down")
+        loader.direct(block + "gate.weight", ours + "gate.weight")
+        if options.shared_expert_width:
+            shard, width = self.shard, options.shared_expert_width
+            start, end = shard.split(width, "shared_expert_intermediate_size")
+            part = rows(start, end) if shard.size > 1 else None
+            names = [block + "shared_expert.gate_proj.weight", block + "shared_expert.up_proj.weight"]
+            loader.fused(names, ours + "shared_expert.gate_up_proj.weight", part)
+            down_columns = columns(start, end) if shard.size > 1 else None
+            loader.direct(
+                block + "shared_expert.down_proj.weight", ours + "shared_expert.down_proj.weight", down_columns
+            )
+            loader.direct(block + "shared_expert_gate.weight", ours + "shared_expert_gate.weight")
+        return True
