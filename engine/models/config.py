@@ -40,7 +40,7 @@ class MoEOptions:
     shared_expert_width: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid (0: none)
 
 
-# The mixtures of experts on Llama's attention, and how their configs name the experts' count.
+# The mixtures of experts on Llama's attention (engine/models/moe.py).
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 
 

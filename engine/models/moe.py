@@ -10,6 +10,8 @@ are replicated on every tensor-parallel rank (the shared expert is split as an M
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,7 +60,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 class MoEForCausalLM(LlamaForCausalLM):
     layer_class = MoEDecoderLayer
 
-    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_decoder_weights(self, weights, declare_mlp=self._declare_experts)
 
     def _declare_experts(self, loader: WeightLoader, layer: int) -> bool:
