@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pagefleet.engine.loader import gguf_gemma4
-from pagefleet.engine.loader.gguf_config import complete_config
-from pagefleet.engine.loader.gguf_index import GGUFTensors
+from pagefleet.engine.loader.gguf_config import complete_config, read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +55,12 @@ def converted_dir(gguf_path: Path) -> Path:
     return target
 
 
-def _load_gemma4(gguf_path: Path) -> Any:
+def _load_gemma4(gguf_path: Path, metadata: dict[str, Any], tensors: dict[str, Any]) -> Any:
     """A Gemma 4 file's model: transformers reads its tensors with the config built from
     its metadata (engine/loader/gguf_gemma4.py), then the tensors it leaves are set."""
     import torch
     from transformers import AutoModelForCausalLM, Gemma4TextConfig
 
-    metadata, tensors = gguf_gemma4.read_gguf(gguf_path)
     config = Gemma4TextConfig.from_dict(gguf_gemma4.gemma4_config(metadata, tensors))
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype=torch.float32
@@ -82,8 +80,9 @@ def _convert(gguf_path: Path, target: Path) -> None:
     logger.info("converting %s to a cached Hugging Face directory (once; ~30 s)", gguf_path.name)
     started = time.monotonic()
     folder, name = str(gguf_path.parent), gguf_path.name
-    if GGUFTensors(gguf_path).architecture == gguf_gemma4.ARCHITECTURE:
-        model = _load_gemma4(gguf_path)
+    metadata, tensors = read_gguf(gguf_path)
+    if metadata["general.architecture"] == gguf_gemma4.ARCHITECTURE:
+        model = _load_gemma4(gguf_path, metadata, tensors)
         # AutoTokenizer would read the config from the file again, as transformers cannot.
         tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
     else:
@@ -99,7 +98,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         model.save_pretrained(staging)
-        complete_config(gguf_path, staging / "config.json")
+        complete_config(metadata, tensors, staging / "config.json")
         tokenizer.save_pretrained(staging)
         (staging / _DONE_MARKER).write_text(str(gguf_path.resolve()))
         if target.exists():

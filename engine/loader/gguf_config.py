@@ -16,18 +16,32 @@ import json
 from pathlib import Path
 from typing import Any
 
+# The tokenizer's arrays: hundreds of thousands of values, which no config setting needs.
+_TOKENIZER_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.merges",
+)
 
-def complete_config(gguf_path: Path, config_path: Path) -> None:
-    """Add to the config.json at `config_path` what the GGUF file at `gguf_path` sets and
-    transformers did not read."""
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A GGUF file's metadata values (but the tokenizer's arrays) and its tensors (gguf's
+    ReaderTensor) by name: read once per conversion."""
     import gguf  # the reader parses every metadata array: only here, once per conversion
 
-    reader = gguf.GGUFReader(gguf_path)
-    metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
+    reader = gguf.GGUFReader(path)
+    metadata = {name: field.contents() for name, field in reader.fields.items() if name not in _TOKENIZER_ARRAYS}
+    return metadata, {tensor.name: tensor for tensor in reader.tensors}
+
+
+def complete_config(metadata: dict[str, Any], tensors: dict[str, Any], config_path: Path) -> None:
+    """Add to the config.json at `config_path` what the GGUF file (`read_gguf`) sets and
+    transformers did not read."""
     architecture = metadata["general.architecture"]
     config = json.loads(config_path.read_text())
     if architecture == "phi3":
-        factors = {t.name: [float(v) for v in t.data] for t in reader.tensors if t.name.startswith("rope_factors")}
+        factors = {name: [float(v) for v in t.data] for name, t in tensors.items() if name.startswith("rope_factors")}
         _complete_phi3(config, metadata, factors)
     elif architecture == "gemma3":
         _complete_gemma3(config, metadata)

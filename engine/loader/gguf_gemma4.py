@@ -11,7 +11,6 @@ scales) are read here.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,17 +18,6 @@ import torch
 
 ARCHITECTURE = "gemma4"
 _SLIDING, _FULL = "sliding_attention", "full_attention"
-
-
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A GGUF file's metadata values (but the tokenizer's) and tensors (gguf's ReaderTensor) by name."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    metadata = {
-        name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.ggml.t")
-    }
-    return metadata, {tensor.name: tensor for tensor in reader.tensors}
 
 
 def _array(tensor: Any) -> np.ndarray:
@@ -41,7 +29,7 @@ def _array(tensor: Any) -> np.ndarray:
 
 def gemma4_config(metadata: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
     """The HF config (Gemma4TextConfig's fields) of a file with these metadata values and
-    tensors (`read_gguf`)."""
+    tensors (`gguf_config.read_gguf`)."""
 
     def key(name: str, default: Any = None) -> Any:
         return metadata.get(f"{ARCHITECTURE}.{name}", default)

@@ -58,7 +58,44 @@ class GemmaDecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaHead(nn.Module):
+    """What every Gemma has around its layers: the head (tied to the embedding unless the
+    config says not), a GGUF's embedding looked up as stored, embeddings scaled by
+    sqrt(hidden_size) rounded to the weights' dtype, and logits soft-capped where the
+    config says. A family sets `config` and `shard`, then calls `init_head`."""
+
+    config: ModelConfig
+    shard: Shard
+
+    def init_head(self) -> None:
+        config = self.config
+        vocab_start, vocab_end = self.shard.vocab(config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)
+        self.embed_tokens = (
+            self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
+        )
+        self.quantized_embedding: QuantizedWeight | PackedWeight | None = None  # a GGUF's, looked up as stored
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The token embedding's float weight (the head's, when tied)."""
+        return self.embed_tokens
+
+    def scaled_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_embedding is None:
+            hidden = self.shard.embed(input_ids, self.embed_tokens)
+        else:
+            hidden = self.quantized_embedding.dequantize(input_ids).to(self.lm_head.weight.dtype)
+        return hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [n, hidden] -> float32 logits [n, vocab], soft-capped where the model says."""
+        logits = self.shard.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap if logits is not None and cap is not None else logits
+
+
+class GemmaForCausalLM(GemmaHead):
     def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         self.config = config
@@ -72,17 +109,7 @@ class GemmaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, shard, i) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
-        vocab_start, vocab_end = shard.vocab(config.vocab_size)
-        self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)
-        self.embed_tokens = (
-            self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
-        )
-        self.quantized_embedding: QuantizedWeight | PackedWeight | None = None  # a GGUF's, looked up as stored
-
-    @property
-    def embedding(self) -> torch.Tensor:
-        """The token embedding's float weight (the head's, when tied)."""
-        return self.embed_tokens
+        self.init_head()
 
     def forward(
         self,
@@ -93,22 +120,12 @@ class GemmaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        if self.quantized_embedding is None:
-            hidden = self.shard.embed(input_ids, self.embed_tokens)
-        else:
-            hidden = self.quantized_embedding.dequantize(input_ids).to(self.norm.weight.dtype)
-        hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        hidden = self.scaled_embeddings(input_ids)
         rope = self.rotary.lookup(positions, hidden.dtype)
         local_rope = self.local_rotary.lookup(positions, hidden.dtype) if self.local_rotary is not None else rope
         for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
             hidden = layer(hidden, local_rope if layer.sliding else rope, kv_cache, layer_metadata, backend)
         return self.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden: [n, hidden] -> float32 logits [n, vocab], soft-capped where the model says."""
-        logits = self.shard.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
-        cap = self.config.final_softcap
-        return torch.tanh(logits / cap) * cap if logits is not None and cap is not None else logits
 
     def lora_targets(self) -> dict[str, LoRATarget]:
         return decoder_lora_targets(self.config, self.layers)

@@ -29,10 +29,11 @@ from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMe
 from pagefleet.engine.layers.experts import RoutedExperts, softmax_top_k
 from pagefleet.engine.layers.fused import rotary
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
-from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
+from pagefleet.engine.layers.quantized import QuantizedWeight
 from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import Gemma4Options, ModelConfig
+from pagefleet.engine.models.gemma import GemmaHead
 from pagefleet.engine.models.llama import LlamaMLP
 from pagefleet.engine.models.weights import WeightLoader
 
@@ -179,7 +180,7 @@ class Gemma4DecoderLayer(nn.Module):
         return hidden * self.layer_scalar
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(GemmaHead):
     def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         self.config = config
@@ -193,22 +194,13 @@ class Gemma4ForCausalLM(nn.Module):
         self.decoder_layers = [Gemma4DecoderLayer(config, shard, i) for i in range(config.num_layers)]
         self.layers = nn.ModuleList(self.decoder_layers)
         self.norm = Gemma4RMSNorm(config.hidden_size, config.norm_eps)
-        vocab_start, vocab_end = shard.vocab(config.vocab_size)
-        self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)
-        self.embed_tokens = (
-            self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
-        )
-        self.quantized_embedding: QuantizedWeight | PackedWeight | None = None  # a GGUF's, looked up as stored
+        self.init_head()
         self.quantized_per_layer_embedding: QuantizedWeight | None = None  # the same, of the per-layer table
         width = options.per_layer_input_size
         if width:
             self.embed_tokens_per_layer = frozen_parameter(options.per_layer_vocab_size, config.num_layers * width)
             self.per_layer_model_projection = Linear(config.hidden_size, config.num_layers * width)
             self.per_layer_projection_norm = Gemma4RMSNorm(width, config.norm_eps)
-
-    @property
-    def embedding(self) -> torch.Tensor:
-        return self.embed_tokens
 
     def forward(
         self,
@@ -219,11 +211,7 @@ class Gemma4ForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        if self.quantized_embedding is None:
-            hidden = self.shard.embed(input_ids, self.embed_tokens)
-        else:
-            hidden = self.quantized_embedding.dequantize(input_ids).to(self.layers[0].layer_scalar.dtype)
-        hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        hidden = self.scaled_embeddings(input_ids)
         per_layer = self._per_layer_inputs(input_ids, hidden)
         rope = self.rotary.lookup(positions, hidden.dtype)
         local_rope = self.local_rotary.lookup(positions, hidden.dtype)
@@ -249,12 +237,6 @@ class Gemma4ForCausalLM(nn.Module):
         projected = self.per_layer_model_projection(embeddings) * self.config.hidden_size**-0.5
         projected = self.per_layer_projection_norm(projected.view(-1, self.config.num_layers, width))
         return (projected + own.view(projected.shape)) * 2**-0.5
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden: [n, hidden] -> float32 logits [n, vocab], soft-capped where the model says."""
-        logits = self.shard.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size)
-        cap = self.config.final_softcap
-        return torch.tanh(logits / cap) * cap if logits is not None and cap is not None else logits
 
     def lora_targets(self) -> dict[str, LoRATarget]:
         """The checkpoint's q/k/v/o and gate/up/down projections, in our fused ones."""

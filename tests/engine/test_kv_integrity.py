@@ -155,9 +155,11 @@ FORMATS: dict[str, Callable[[Path], tuple[str, dict]]] = {
     ),
     "Q4_K": lambda root: (str(_wide_gpt2_k_quants(root)), {"dtype": "float32"}),
     "W8A8": lambda root: (str(_w8a8(root)), {"dtype": "float32"}),
-    # KV cache groups: a sliding layer (window 8) beside a global one. Transfers run on one
-    # group (kv_role, kv_cache_dir turn the groups off), so they also check grouped = not.
+    # KV cache groups: a sliding layer (window 8) beside a global one; transfers and the file
+    # tier move each group's blocks (a sliding group's last window only).
     "gemma3-kv-groups": lambda root: (str(build_tiny_model("gemma3", root / "gemma3")), {"dtype": "float32"}),
+    # Gemma 4: global keys of another shape on padded pages, KV-shared layers holding no cache.
+    "gemma4-kv-groups": lambda root: (str(build_tiny_model("gemma4", root / "gemma4")), {"dtype": "float32"}),
 }
 
 
