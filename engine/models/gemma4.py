@@ -26,7 +26,7 @@ from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard, Transform, columns, rows, vocab_rows
 from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
-from pagefleet.engine.layers.experts import RoutedExperts, softmax_top_k
+from pagefleet.engine.layers.experts import ExpertActivation, RoutedExperts, softmax_top_k
 from pagefleet.engine.layers.fused import rotary
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.quantized import QuantizedWeight
@@ -127,7 +127,7 @@ class Gemma4Experts(nn.Module):
         self.router = Linear(hidden, experts)
         self.router_scale = frozen_parameter(hidden)
         self.per_expert_scale = frozen_parameter(experts)
-        self.routed = RoutedExperts(experts, hidden, options.moe_intermediate_size, _gelu_tanh)
+        self.routed = RoutedExperts(experts, hidden, options.moe_intermediate_size, ExpertActivation("gelu_tanh"))
         self.root_size = hidden**-0.5
 
     def forward(self, residual: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -135,10 +135,6 @@ class Gemma4Experts(nn.Module):
         scores = self.router(self.router_norm(residual) * self.router_scale * self.root_size)
         weights, experts = softmax_top_k(scores, self.top_k, normalize=True, keep_float=True)
         return self.routed(hidden, weights * self.per_expert_scale[experts], experts)
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -175,7 +171,7 @@ class Gemma4DecoderLayer(nn.Module):
         hidden = hidden + self.post_feedforward_layernorm(mlp)
         if self.per_layer_input_gate is not None:
             assert self.per_layer_projection is not None and self.post_per_layer_input_norm is not None
-            gate = _gelu_tanh(self.per_layer_input_gate(hidden)) * per_layer_input
+            gate = F.gelu(self.per_layer_input_gate(hidden), approximate="tanh") * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return hidden * self.layer_scalar
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard, columns, rows
@@ -34,7 +33,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         options = self.options = _options(config)
         self.gate = Linear(config.hidden_size, options.num_experts)
-        self.experts = RoutedExperts(options.num_experts, config.hidden_size, options.width, F.silu)
+        self.experts = RoutedExperts(options.num_experts, config.hidden_size, options.width)
         shared = options.shared_expert_width
         self.shared_expert = LlamaMLP(config, shard, shared) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
