@@ -60,3 +60,11 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
         raise KernelArgumentError(
             f"key_cache and value_cache strides differ: {key_cache.stride()} vs {value_cache.stride()}"
         )
+
+
+def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """sinks: None, or one logit per query head (any float dtype), on the query's device."""
+    if sinks is None:
+        return
+    check_tensor("sinks", sinks, 1, FLOAT_DTYPES, query.device)
+    check_shape("sinks", sinks, (query.shape[1],))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pagefleet.kernels.checks import check_sinks
 from pagefleet.kernels.paged_attention_decode import _check
 from pagefleet.kernels.paged_attention_prefill import _check as _check_prefill
 from pagefleet.kernels.reshape_and_cache import _check as _check_cache_write
@@ -38,18 +39,21 @@ def paged_attention_decode_cpu(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention -> [num_seqs, num_heads, head_dim], like `paged_attention_decode_torch`.
 
     query: [num_seqs, num_heads, head_dim] float32 or bfloat16; caches: [num_blocks,
     block_size, num_kv_heads, head_dim] (any strides, head_dim contiguous); block_tables:
     [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32; softcap: the logit
-    soft-cap (None: none, and the same bits as before it existed). Call `cpu_ops.load()` first.
+    soft-cap (None: none, and the same bits as before it existed); sinks: [num_heads]
+    logits (gpt-oss; None: none). Call `cpu_ops.load()` first.
     """
     _check(query, key_cache, value_cache, block_tables, context_lens)
+    check_sinks(sinks, query)
     block_tables, context_lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
     return torch.ops.pagefleet.paged_attention_decode(
-        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window or 0, softcap or 0.0
+        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window or 0, softcap or 0.0, sinks
     )
 
 
@@ -63,6 +67,7 @@ def paged_attention_prefill_cpu(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill attention -> [num_tokens, num_heads, head_dim], like `paged_attention_prefill_torch`.
 
@@ -72,6 +77,7 @@ def paged_attention_prefill_cpu(
     operator with its own length (its position + 1), as a decode of that row would.
     """
     _check_prefill(query, key_cache, value_cache, block_tables, cu_seqlens, context_lens)
+    check_sinks(sinks, query)
     chunks = cu_seqlens.diff().long()
     ends = torch.repeat_interleave(context_lens.long(), chunks)
     offsets = torch.arange(query.shape[0]) - torch.repeat_interleave(cu_seqlens[:-1].long(), chunks)
@@ -86,4 +92,5 @@ def paged_attention_prefill_cpu(
         scale,
         sliding_window or 0,
         softcap or 0.0,
+        sinks,
     )

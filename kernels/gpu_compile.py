@@ -27,6 +27,7 @@ _TYPED_POINTERS = {  # pointers whose type is not the activations'
     "slot_mapping_ptr": "*i64",
     "block_mapping_ptr": "*i64",
     "slots_ptr": "*i64",
+    "sinks_ptr": "*fp32",
 }
 _DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
@@ -42,11 +43,15 @@ def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
 
     return [
         ("reshape_and_cache", _reshape_and_cache_kernel, {"BLOCK_D": 128}),
-        ("paged_attention_decode", _paged_attention_decode_kernel, {"BLOCK_D": 128, "TILE_N": DEFAULT_TILE_N}),
+        (
+            "paged_attention_decode",
+            _paged_attention_decode_kernel,
+            {"BLOCK_D": 128, "TILE_N": DEFAULT_TILE_N, "HAS_SINKS": True},
+        ),
         (
             "paged_attention_prefill",
             _paged_attention_prefill_kernel,
-            {"BLOCK_M": DEFAULT_BLOCK_M, "BLOCK_D": 128, "TILE_N": DEFAULT_TILE_N},
+            {"BLOCK_M": DEFAULT_BLOCK_M, "BLOCK_D": 128, "TILE_N": DEFAULT_TILE_N, "HAS_SINKS": True},
         ),
         ("copy_blocks", _copy_blocks_kernel, {"BLOCK_S": 16, "BLOCK_D": 128}),
         ("lora_shrink", _lora_shrink_kernel, {"BLOCK_R": 64, "BLOCK_K": 128}),

@@ -8,6 +8,8 @@ accumulates in float32 whatever the cache dtype, and head sizes need not be powe
 (masked). Every tile holds at least one visible key (the first tile starts at the window's
 first key), so the running maximum is always finite. A `softcap` > 0 caps every scaled score
 as softcap * tanh(score / softcap) before the softmax (Gemma 2's attn_logit_softcapping).
+`sinks` (gpt-oss): one learned logit per query head that joins each softmax's denominator
+and has no value, so a head can attend to nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pagefleet.kernels.checks import (
     check_cache_pair,
     check_query,
     check_shape,
+    check_sinks,
     check_tensor,
 )
 
@@ -43,6 +46,7 @@ def _paged_attention_decode_kernel(
     value_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
+    sinks_ptr,  # [num_heads], read only with HAS_SINKS
     scale,
     stride_qt,
     stride_qh,
@@ -59,6 +63,7 @@ def _paged_attention_decode_kernel(
     softcap,  # <= 0: none
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -96,6 +101,12 @@ def _paged_attention_decode_kernel(
         acc = acc * correction + tl.sum(p[:, None] * v, axis=0)
         m = m_new
 
+    if HAS_SINKS:  # one more logit in the denominator, with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_new = tl.maximum(m, sink)
+        correction = tl.exp(m - m_new)
+        denom = denom * correction + tl.exp(sink - m_new)
+        acc = acc * correction
     out = acc / denom
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
@@ -126,16 +137,18 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     tile_n: int = DEFAULT_TILE_N,
 ) -> torch.Tensor:
     """query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] (entries past a
     sequence's context are ignored); context_lens: [num_seqs], each >= 1; softcap: the
-    logit soft-cap (None: none).
+    logit soft-cap (None: none); sinks: [num_heads] logits (None: none).
 
     Returns [num_seqs, num_heads, head_dim] in the query's dtype.
     """
     _check(query, key_cache, value_cache, block_tables, context_lens)
+    check_sinks(sinks, query)
     num_seqs, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     if num_seqs == 0:
@@ -147,6 +160,7 @@ def paged_attention_decode(
         value_cache,
         block_tables,
         context_lens,
+        query if sinks is None else sinks,
         scale,
         query.stride(0),
         query.stride(1),
@@ -163,6 +177,7 @@ def paged_attention_decode(
         float(softcap or 0.0),
         BLOCK_D=triton.next_power_of_2(head_dim),
         TILE_N=tile_n,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -176,16 +191,18 @@ def paged_attention_decode_torch(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference: each sequence's keys gathered through its table, plain softmax."""
     _check(query, key_cache, value_cache, block_tables, context_lens)
+    check_sinks(sinks, query)
     out = torch.empty_like(query)
     for seq in range(query.shape[0]):
         length = int(context_lens[seq])
         keys, values = gather_context(key_cache, value_cache, block_tables[seq], length)
         first = max(0, length - sliding_window) if sliding_window else 0
         out[seq] = attend(
-            query[seq : seq + 1], keys[first:], values[first:], scale, causal_offset=None, softcap=softcap
+            query[seq : seq + 1], keys[first:], values[first:], scale, None, softcap=softcap, sinks=sinks
         )[0]
     return out
 
@@ -208,12 +225,14 @@ def attend(
     causal_offset: int | None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float32 softmax attention with grouped-query heads -> [q_len, num_heads, head_dim].
 
     query: [q_len, H, D]; keys/values: [k_len, KVH, D]. With `causal_offset`, query i sits
     at key position causal_offset + i and sees keys up to it (the last `sliding_window`).
     With `softcap`, each scaled score becomes softcap * tanh(score / softcap), before the mask.
+    With `sinks` [H], each head's softmax has one more logit, dropped after it (gpt-oss).
     """
     group = query.shape[1] // keys.shape[1]
     q = query.float().transpose(0, 1)  # [H, q, D]
@@ -229,5 +248,9 @@ def attend(
         if sliding_window:
             hidden |= key_pos <= query_pos - sliding_window
         scores = scores.masked_fill(hidden, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v
-    return out.transpose(0, 1).to(query.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink_column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    return (probs @ v).transpose(0, 1).to(query.dtype)

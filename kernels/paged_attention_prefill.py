@@ -7,7 +7,8 @@ written to the cache first) is context_lens[b] tokens long. This covers whole pr
 chunked prefill and prefix-cache hits alike. One program per (sequence, tile of `BLOCK_M`
 queries, query head) runs an online softmax over `TILE_N` keys at a time, stopping at the
 tile's last visible key; float32 throughout. A `softcap` > 0 caps every scaled score as
-softcap * tanh(score / softcap) before the mask and the softmax (Gemma 2).
+softcap * tanh(score / softcap) before the mask and the softmax (Gemma 2); `sinks` add one
+logit per head to every softmax's denominator (gpt-oss).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pagefleet.kernels.checks import (
     check_cache_pair,
     check_query,
     check_shape,
+    check_sinks,
     check_tensor,
 )
 from pagefleet.kernels.paged_attention_decode import attend, gather_context, soft_cap
@@ -39,6 +41,7 @@ def _paged_attention_prefill_kernel(
     block_tables_ptr,
     cu_seqlens_ptr,
     context_lens_ptr,
+    sinks_ptr,  # [num_heads], read only with HAS_SINKS
     scale,
     stride_qt,
     stride_qh,
@@ -56,6 +59,7 @@ def _paged_attention_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -106,6 +110,12 @@ def _paged_attention_prefill_kernel(
         acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
 
+    if HAS_SINKS:  # one more logit in every row's denominator, with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_new = tl.maximum(m, sink)
+        correction = tl.exp(m - m_new)
+        denom = denom * correction + tl.exp(sink - m_new)
+        acc = acc * correction[:, None]
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     out_offsets = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -144,17 +154,20 @@ def paged_attention_prefill(
     max_query_len: int,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_m: int = DEFAULT_BLOCK_M,
     tile_n: int = DEFAULT_TILE_N,
 ) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim], the chunks of all sequences back to back;
     cu_seqlens: [num_seqs + 1] chunk boundaries; context_lens: [num_seqs] cached prefix +
     chunk; block_tables: [num_seqs, max_blocks]; max_query_len: the longest chunk (sizes
-    the grid without reading the device); softcap: the logit soft-cap (None: none).
+    the grid without reading the device); softcap: the logit soft-cap (None: none); sinks:
+    [num_heads] logits (None: none).
 
     Returns [num_tokens, num_heads, head_dim] in the query's dtype.
     """
     _check(query, key_cache, value_cache, block_tables, cu_seqlens, context_lens)
+    check_sinks(sinks, query)
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     num_seqs = cu_seqlens.shape[0] - 1
@@ -169,6 +182,7 @@ def paged_attention_prefill(
         block_tables,
         cu_seqlens,
         context_lens,
+        query if sinks is None else sinks,
         scale,
         query.stride(0),
         query.stride(1),
@@ -186,6 +200,7 @@ def paged_attention_prefill(
         BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         TILE_N=tile_n,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -201,9 +216,11 @@ def paged_attention_prefill_torch(
     max_query_len: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference: each sequence's context gathered through its table, masked softmax."""
     _check(query, key_cache, value_cache, block_tables, cu_seqlens, context_lens)
+    check_sinks(sinks, query)
     out = torch.empty_like(query)
     bounds = cu_seqlens.tolist()
     for seq in range(len(bounds) - 1):
@@ -213,5 +230,5 @@ def paged_attention_prefill_torch(
         length = int(context_lens[seq])
         keys, values = gather_context(key_cache, value_cache, block_tables[seq], length)
         prefix = length - (end - start)
-        out[start:end] = attend(query[start:end], keys, values, scale, prefix, sliding_window, softcap)
+        out[start:end] = attend(query[start:end], keys, values, scale, prefix, sliding_window, softcap, sinks)
     return out

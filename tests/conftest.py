@@ -30,7 +30,7 @@ TINY_VOCAB = 384
 TINY_ARCHITECTURES = [
     *("llama", "mistral", "qwen2", "qwen3"),
     *("gemma2", "gemma3", "gemma4", "smollm3", "granite", "olmo2", "phi3"),
-    *("qwen3_moe", "qwen2_moe", "mixtral"),
+    *("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"),
     "gpt2",
 ]
 # The families of issue 53: their own code is the model, so the scheduler's and the memory
@@ -46,6 +46,7 @@ NEWER_FAMILIES = (
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
+    "gpt_oss",
 )
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks.",
@@ -114,6 +115,20 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
         return tf.Qwen2MoeConfig(**sizes, num_experts=4, **experts, shared_expert_intermediate_size=48, **common)
     if arch == "mixtral":
         return tf.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2, **common)
+    if arch == "gpt_oss":  # a sliding layer (window 8) and a full one, sinks, YaRN past 16
+        # positions, experts with biases and a SwiGLU clamped low enough to bite here
+        yarn = dict(rope_type="yarn", factor=4.0, beta_fast=8.0, beta_slow=1.0, truncate=False)
+        return tf.GptOssConfig(
+            **sizes | dict(intermediate_size=32),
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=2.0,
+            rope_parameters=yarn | dict(rope_theta=10000.0, original_max_position_embeddings=16),
+            **common,
+        )
     # Gemma: a sliding layer (window 8, shorter than most test prompts) and a global one,
     # a scale from query_pre_attn_scalar unlike head_dim's.
     gemma = sizes | dict(
@@ -181,6 +196,8 @@ def build_random_model(config, directory: Path, seed: int = 0, randomise: bool =
         for name, param in model.named_parameters() if randomise else []:
             if "norm" in name or ".ln_" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("sinks"):  # gpt-oss: some heads' sinks above their scores
+                param.uniform_(-2.0, 6.0)
             else:
                 param.normal_(0.0, std)
         for name, buffer in model.named_buffers() if randomise else []:

@@ -66,6 +66,7 @@ class CpuAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch = metadata
         assert isinstance(batch, CpuMetadata), "metadata from another backend's prepare()"
@@ -87,4 +88,5 @@ class CpuAttentionBackend:
             scale,
             window or 0,
             softcap or 0.0,
+            sinks,
         )

@@ -18,8 +18,8 @@ import torch
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], long: bool = False) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], float32, with linear, llama3, LongRoPE (`long`:
-    its long factors, else its short ones) or proportional scaling applied."""
+    """Inverse frequencies [head_dim // 2], float32, with linear, llama3, YaRN, LongRoPE
+    (`long`: its long factors, else its short ones) or proportional scaling applied."""
     wavelengths = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "proportional":  # Gemma 4's global layers: the first angles turn, the rest stay
@@ -31,6 +31,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], long: bo
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * wavelengths)
     inv_freq = 1.0 / wavelengths
+    if rope_type == "yarn":
+        return _yarn_blended(wavelengths, head_dim, theta, scaling)
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
@@ -51,6 +53,42 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_blended(wavelengths: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (gpt-oss, DeepSeek, Qwen long contexts): fast-turning dimensions keep their
+    frequency, slow ones are divided by `factor`, with a linear ramp between the dimensions
+    that turn `beta_fast` and `beta_slow` times over the pretraining length, as transformers
+    computes it (`truncate`, default true, rounds the ramp's ends outwards)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def turning_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = turning_dim(beta_fast), turning_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the dimension keeps its frequency
+    return (1.0 / (factor * wavelengths)) * (1 - kept) + (1.0 / wavelengths) * kept
+
+
+def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """YaRN's scale of cos and sin: the config's, else 0.1 ln(factor) + 1 (DeepSeek's
+    `mscale` / `mscale_all_dim` as a ratio of two such terms)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def magnitude(mscale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return magnitude(mscale) / magnitude(mscale_all_dim) if mscale and mscale_all_dim else magnitude()
 
 
 def _longrope_attention_factor(scaling: dict[str, Any], max_positions: int) -> float:
@@ -85,6 +123,8 @@ class RotaryEmbedding(torch.nn.Module):
         if scaling.get("rope_type") == "longrope":
             freq_sets.append(rope_inv_freq(head_dim, theta, scaling, long=True))
             attention_factor = _longrope_attention_factor(scaling, max_positions)
+        elif scaling.get("rope_type") == "yarn":
+            attention_factor = _yarn_attention_factor(scaling)
         freqs = torch.cat([torch.outer(positions, inv_freq) for inv_freq in freq_sets])
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)

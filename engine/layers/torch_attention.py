@@ -132,11 +132,12 @@ class TorchAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchMetadata), "metadata from another backend's prepare()"
         reshape_and_cache_torch(key, value, key_cache, value_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
-        shape = Shape(scale, window, softcap)
+        shape = Shape(scale, window, softcap, sinks)
         for bucket in metadata.decode_buckets:
             output[bucket.rows] = self._decode_bucket(query, key_cache, value_cache, bucket, shape)
         for chunk in metadata.prefills:
@@ -185,8 +186,9 @@ class TorchAttentionBackend:
             scores = torch.baddbmm(bias, q, batch_keys.transpose(1, 2), alpha=shape.scale)
         else:  # capped before the mask, as transformers does
             scores = _capped(torch.bmm(q, batch_keys.transpose(1, 2)) * shape.scale, shape.softcap) + bias
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        out = torch.bmm(probs, batch_values)
+        sinks = None if shape.sinks is None else shape.sinks.view(num_kv_heads, 1, -1, 1).expand(-1, num_rows, -1, 1)
+        probs = _softmax(scores, None if sinks is None else sinks.reshape(num_kv_heads * num_rows, -1, 1))
+        out = torch.bmm(probs.to(query.dtype), batch_values)
         return out.view(num_kv_heads, num_rows, -1, head_dim).transpose(0, 1).reshape(num_rows, -1, head_dim)
 
 
@@ -202,16 +204,26 @@ def _context(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
 
 @dataclass(slots=True, frozen=True)
 class Shape:
-    """One layer's attention: its scale, the keys it sees (the last `window`; None: all) and
-    its soft-cap (None: none)."""
+    """One layer's attention: its scale, the keys it sees (the last `window`; None: all), its
+    soft-cap and its sinks [num_heads] (None: none)."""
 
     scale: float
     window: int | None
     softcap: float | None
+    sinks: torch.Tensor | None = None
 
 
 def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(scores / softcap) * softcap
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """A float32 softmax over the last dimension; `sinks` (broadcast to [..., 1]) join each
+    denominator as one more logit and are dropped after it, as transformers does for gpt-oss."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1]
 
 
 def _prefill_chunk(
@@ -225,7 +237,8 @@ def _prefill_chunk(
     keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     prefix = chunk.context_len - chunk.query_len
     window, scale = shape.window, shape.scale
-    if shape.softcap is None and prefix == 0 and (window is None or window >= chunk.query_len):
+    plain = shape.softcap is None and shape.sinks is None
+    if plain and prefix == 0 and (window is None or window >= chunk.query_len):
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
@@ -236,15 +249,19 @@ def _prefill_chunk(
     visible = visible.tril(diagonal=prefix)
     if window is not None:
         visible = visible.triu(diagonal=prefix - window + 1)
-    if shape.softcap is None:
+    if plain:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
         )
         return out.squeeze(0).transpose(0, 1)
-    # SDPA has no soft-cap: the scores by hand, capped before the mask as transformers does.
+    # SDPA has neither soft-cap nor sinks: the scores by hand, capped before the mask as
+    # transformers does.
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    scores = _capped(torch.matmul(q, keys.transpose(-1, -2)) * scale, shape.softcap)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    if shape.softcap is not None:
+        scores = _capped(scores, shape.softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    sinks = None if shape.sinks is None else shape.sinks.view(1, -1, 1, 1)
+    probs = _softmax(scores, sinks).to(q.dtype)
     return torch.matmul(probs, values).squeeze(0).transpose(0, 1)

@@ -38,6 +38,7 @@ class TritonAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch = metadata
         assert isinstance(batch, PagedBatch), "metadata from another backend's prepare()"
@@ -54,6 +55,7 @@ class TritonAttentionBackend:
                 scale,
                 window,
                 softcap=softcap,
+                sinks=sinks,
             )
         if decodes < query.shape[0]:
             output[decodes:] = paged_attention_prefill(
@@ -67,5 +69,6 @@ class TritonAttentionBackend:
                 batch.max_prefill_len,
                 window,
                 softcap=softcap,
+                sinks=sinks,
             )
         return output

@@ -10,7 +10,7 @@ from typing import Any
 from pagefleet.engine.errors import UnsupportedModelError
 from pagefleet.engine.models.registry import LANGUAGE_MODEL_OF, SUPPORTED_ARCHITECTURES
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional", "yarn")
 SLIDING = "sliding_attention"  # a `layer_types` entry: the layer sees the last `sliding_window` keys
 
 
@@ -38,10 +38,17 @@ class MoEOptions:
     keep_float: bool  # the routing weights stay float32 (Mixtral), else take the logits' dtype
     sparse_layers: tuple[bool, ...]  # per layer, experts (True) or a dense MLP
     shared_expert_width: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid (0: none)
+    # gpt-oss: the router has a bias and takes the top k logits before a softmax over them;
+    # experts have biases and gate with a clamped SwiGLU (ExpertActivation "swiglu_oai").
+    top_k_first: bool = False
+    biases: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 # The mixtures of experts on Llama's attention (engine/models/moe.py).
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +67,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     hidden_act: str
     qkv_bias: bool = False
+    o_bias: bool = False  # the output projection's bias (Llama's and gpt-oss's `attention_bias`)
+    attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     qk_norm: bool = False
     sliding_window: int | None = None
     rope_theta: float = 10000.0
@@ -207,6 +216,8 @@ class ModelConfig:
         if rope["rope_type"] == "longrope":  # transformers 4 keeps the pretraining length beside the factors
             original = rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
             rope["original_max_position_embeddings"] = original or raw.get("max_position_embeddings", 2048)
+        if rope["rope_type"] == "yarn" and not rope.get("factor"):  # transformers' default factor
+            rope["factor"] = raw["max_position_embeddings"] / rope["original_max_position_embeddings"]
         head_dim = raw.get("head_dim") or hidden // heads
         partial = rope.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
         window, layer_types = raw.get("sliding_window"), ()
@@ -218,6 +229,8 @@ class ModelConfig:
         elif architecture == "SmolLM3ForCausalLM":  # windows only where use_sliding_window says
             layer_types = tuple(raw.get("layer_types") or ()) if raw.get("use_sliding_window") else ()
             window = window if layer_types else None
+        elif architecture == "GptOssForCausalLM":  # alternating sliding and full layers
+            layer_types = tuple(raw.get("layer_types") or (SLIDING, "full_attention") * (raw["num_hidden_layers"] // 2))
         layers = raw["num_hidden_layers"]
         granite_scale = float(raw.get("attention_multiplier", 1.0)) if architecture == "GraniteForCausalLM" else None
         if raw.get("mlp_bias"):
@@ -236,6 +249,8 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             hidden_act=raw.get("hidden_act", "silu"),
             qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias") or raw.get("qkv_bias")),
+            o_bias=bool(raw.get("attention_bias")) and architecture in ("LlamaForCausalLM", "GptOssForCausalLM"),
+            attention_sinks=architecture == "GptOssForCausalLM",
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"),
             sliding_window=window,
             rope_theta=theta,
@@ -302,17 +317,25 @@ def _moe_options(raw: dict[str, Any], architecture: str, num_layers: int) -> MoE
     Mixtral's experts on every layer, as wide as `intermediate_size`, always renormalised;
     Qwen's every `decoder_sparse_step`-th layer but `mlp_only_layers`."""
     num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
-    mixtral = architecture == "MixtralForCausalLM"
+    every_layer = architecture in ("MixtralForCausalLM", "GptOssForCausalLM")  # experts as wide as the MLP
     step, dense = raw.get("decoder_sparse_step") or 1, set(raw.get("mlp_only_layers") or ())
-    sparse = tuple(mixtral or (i not in dense and num_experts > 0 and (i + 1) % step == 0) for i in range(num_layers))
+    sparse = tuple(
+        every_layer or (i not in dense and num_experts > 0 and (i + 1) % step == 0) for i in range(num_layers)
+    )
+    gpt_oss = architecture == "GptOssForCausalLM"
     return MoEOptions(
         num_experts=num_experts,
         experts_per_token=raw["num_experts_per_tok"],
-        width=raw["intermediate_size"] if mixtral else raw["moe_intermediate_size"],
-        normalize=mixtral or bool(raw.get("norm_topk_prob")),
-        keep_float=mixtral,
+        width=raw["intermediate_size"] if every_layer else raw["moe_intermediate_size"],
+        normalize=architecture == "MixtralForCausalLM" or bool(raw.get("norm_topk_prob")),
+        keep_float=architecture == "MixtralForCausalLM",
         sparse_layers=sparse,
         shared_expert_width=raw.get("shared_expert_intermediate_size") or 0,
+        top_k_first=gpt_oss,
+        biases=gpt_oss,
+        activation="swiglu_oai" if gpt_oss else "silu",
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
     )
 
 

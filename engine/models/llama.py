@@ -52,6 +52,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size)
+        # Added once after the all-reduce (a bias inside o_proj would count once per rank).
+        self.o_bias = frozen_parameter(config.hidden_size) if config.o_bias else None
+        self.sinks = frozen_parameter(self.num_heads) if config.attention_sinks else None
         self.q_norm = norm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = norm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.scale = config.attention_scale
@@ -82,8 +85,11 @@ class LlamaAttention(nn.Module):
             r = self.rotary_dim
             q = torch.cat((rotary(q[..., :r].contiguous(), *rope), q[..., r:]), dim=-1)
             k = torch.cat((rotary(k[..., :r].contiguous(), *rope), k[..., r:]), dim=-1)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.window, self.softcap)
-        return self.shard.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
+        out = backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.window, self.softcap, self.sinks
+        )
+        out = self.shard.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
+        return out if self.o_bias is None else out + self.o_bias
 
 
 # A gated MLP's activation applied to the gate and multiplied by the up projection.
@@ -242,7 +248,9 @@ def load_decoder_weights(
     config: ModelConfig = model.config  # type: ignore[assignment]
     shard: Shard = model.shard  # type: ignore[assignment]
     vocab = vocab_rows(*shard.vocab(config.vocab_size)) if shard.size > 1 else None
-    q_start, q_end = (config.head_dim * h for h in shard.split(config.num_heads, "num_attention_heads"))
+    head_range = shard.split(config.num_heads, "num_attention_heads")
+    q_start, q_end = (config.head_dim * h for h in head_range)
+    heads = rows(*head_range) if shard.size > 1 else None  # per-head tensors (gpt-oss's sinks)
     kv_first, kv_count = shard.kv_heads(config.num_heads, config.num_kv_heads)
     kv = rows(kv_first * config.head_dim, (kv_first + kv_count) * config.head_dim)
     qkv = [rows(q_start, q_end), kv, kv] if shard.size > 1 else None
@@ -262,6 +270,10 @@ def load_decoder_weights(
         if config.qkv_bias:
             loader.fused([hf + f"self_attn.{p}_proj.bias" for p in "qkv"], attn + "qkv_proj.bias", qkv)
         loader.direct(hf + "self_attn.o_proj.weight", attn + "o_proj.weight", o_cols)
+        if config.o_bias:
+            loader.direct(hf + "self_attn.o_proj.bias", attn + "o_bias")
+        if config.attention_sinks:
+            loader.direct(hf + "self_attn.sinks", attn + "sinks", heads)
         if config.qk_norm:
             loader.direct(hf + "self_attn.q_norm.weight", attn + "q_norm.weight")
             loader.direct(hf + "self_attn.k_norm.weight", attn + "k_norm.weight")

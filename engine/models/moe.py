@@ -1,4 +1,4 @@
-"""Mixtures of experts on Llama's attention: Qwen3-MoE, Qwen2-MoE and Mixtral.
+"""Mixtures of experts on Llama's attention: Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss.
 
 What differs from Llama, each as transformers computes it: on the sparse layers the MLP is
 a router (a linear layer, softmax in float32, top k, renormalised where `norm_topk_prob` or
@@ -6,6 +6,12 @@ always for Mixtral) and the routed experts' SiLU-gated MLPs (engine/layers/exper
 Qwen2-MoE adds a shared expert, always on, scaled by the sigmoid of its own gate. Qwen's
 `mlp_only_layers` and `decoder_sparse_step` keep a dense MLP on some layers. The experts
 are replicated on every tensor-parallel rank (the shared expert is split as an MLP).
+
+gpt-oss: the router has a bias and softmaxes only its top k logits; the experts have biases
+and a clamped SwiGLU, their gate and up columns interleaved in the checkpoint (`[E, H, 2I]`,
+gate at even columns), which loading transposes and splits into gate rows then up rows. Its
+attention (llama.py) has sinks and an output bias; sliding and full layers alternate, and
+RoPE is YaRN-scaled (engine/layers/rotary.py).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard, columns, rows
-from pagefleet.engine.layers.experts import RoutedExperts, softmax_top_k
+from pagefleet.engine.layers.experts import ExpertActivation, RoutedExperts, softmax_top_k, top_k_softmax
 from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.models.config import ModelConfig, MoEOptions
 from pagefleet.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, load_decoder_weights
@@ -32,17 +38,21 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         options = self.options = _options(config)
-        self.gate = Linear(config.hidden_size, options.num_experts)
-        self.experts = RoutedExperts(options.num_experts, config.hidden_size, options.width)
+        self.gate = Linear(config.hidden_size, options.num_experts, bias=options.biases)
+        activation = ExpertActivation(options.activation, options.swiglu_alpha, options.swiglu_limit)
+        self.experts = RoutedExperts(
+            options.num_experts, config.hidden_size, options.width, activation, bias=options.biases
+        )
         shared = options.shared_expert_width
         self.shared_expert = LlamaMLP(config, shard, shared) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        options = self.options
-        weights, experts = softmax_top_k(
-            self.gate(hidden), options.experts_per_token, options.normalize, options.keep_float
-        )
+        options, logits = self.options, self.gate(hidden)
+        if options.top_k_first:
+            weights, experts = top_k_softmax(logits, options.experts_per_token)
+        else:
+            weights, experts = softmax_top_k(logits, options.experts_per_token, options.normalize, options.keep_float)
         out = self.experts(hidden, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
@@ -68,6 +78,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         options = _options(self.config)
         if not options.sparse_layers[layer]:
             return False
+        if self.config.architecture == "GptOssForCausalLM":
+            _declare_gpt_oss_experts(loader, layer, options.num_experts)
+            return True
         mixtral = self.config.architecture == "MixtralForCausalLM"
         block = f"model.layers.{layer}.block_sparse_moe." if mixtral else f"model.layers.{layer}.mlp."
         ours = f"layers.{layer}.mlp."
@@ -89,3 +102,27 @@ class MoEForCausalLM(LlamaForCausalLM):
             )
             loader.direct(block + "shared_expert_gate.weight", ours + "shared_expert_gate.weight")
         return True
+
+
+def _declare_gpt_oss_experts(loader: WeightLoader, layer: int, num_experts: int) -> None:
+    """gpt-oss's router and experts: its stacked `[E, H, 2I]` gate/up (gate at even columns)
+    and `[E, I, H]` down, transposed to our per-expert rows, and their biases likewise."""
+    block, ours = f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp."
+    loader.direct(block + "router.weight", ours + "gate.weight")
+    loader.direct(block + "router.bias", ours + "gate.bias")
+    loader.direct(block + "experts.gate_up_proj", ours + "experts.gate_up", _gate_rows_then_up_rows)
+    loader.direct(block + "experts.gate_up_proj_bias", ours + "experts.gate_up_bias", _gate_rows_then_up_rows)
+    loader.direct(block + "experts.down_proj", ours + "experts.down", _expert_rows)
+    loader.direct(block + "experts.down_proj_bias", ours + "experts.down_bias", lambda bias: bias.reshape(-1))
+
+
+def _gate_rows_then_up_rows(stacked: torch.Tensor) -> torch.Tensor:
+    """[E, H, 2I] interleaved columns (or a bias [E, 2I]) -> [E * 2I, H] (or [E * 2I]), each
+    expert's gate rows then its up rows."""
+    interleaved = stacked.transpose(1, 2) if stacked.dim() == 3 else stacked
+    return torch.cat((interleaved[:, 0::2], interleaved[:, 1::2]), dim=1).flatten(0, 1)
+
+
+def _expert_rows(stacked: torch.Tensor) -> torch.Tensor:
+    """[E, I, H] (x @ W per expert) -> [E * H, I], each expert's rows as a Linear's."""
+    return stacked.transpose(1, 2).flatten(0, 1)

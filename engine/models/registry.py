@@ -27,7 +27,11 @@ FAMILIES = (
         ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"),
     ),
     Family("granite", "GraniteForCausalLM", ("GraniteForCausalLM",)),
-    Family("moe", "MoEForCausalLM", ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")),
+    Family(
+        "moe",
+        "MoEForCausalLM",
+        ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"),
+    ),
     Family("olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",)),
     Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
     Family("gemma", "GemmaForCausalLM", ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),

@@ -427,7 +427,7 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
 template <typename T>
 void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, const std::vector<int64_t>& row_groups,
-                 double scale, int64_t sliding_window, double softcap) {
+                 double scale, int64_t sliding_window, double softcap, const float* sinks) {
   const int64_t num_rows = query.size(0);
   const Geometry g(query, key_cache, block_tables);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -517,10 +517,12 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
       const int64_t slots_begin = kv_head * slots_per_head + slot_offset[row];
       const int64_t slots_end = kv_head * slots_per_head + slot_offset[row + 1];
       for (int64_t j = 0; j < g.group; ++j) {
-        float maximum = -std::numeric_limits<float>::infinity();
+        // A sink (gpt-oss) is one more logit in the softmax's denominator, with no value.
+        const float sink = sinks ? sinks[kv_head * g.group + j] : -std::numeric_limits<float>::infinity();
+        float maximum = sink;
         for (int64_t slot = slots_begin; slot < slots_end; ++slot) maximum = std::max(maximum, maxima[slot * g.group + j]);
         std::fill(combined.begin(), combined.end(), 0.f);
-        float total = 0.f;
+        float total = sinks ? std::exp(sink - maximum) : 0.f;
         for (int64_t slot = slots_begin; slot < slots_end; ++slot) {
           const float sum = sums[slot * g.group + j];
           if (sum == 0.f) continue;
@@ -540,17 +542,23 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, const std::vector<int64_t>& row_groups,
-                  double scale, int64_t sliding_window, double softcap) {
+                  double scale, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
   if (query.size(0) == 0) return out;
+  at::Tensor sink_logits;
+  if (sinks.has_value()) {
+    sink_logits = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_logits.dim() == 1 && sink_logits.size(0) == query.size(1), "sinks: one logit per query head");
+  }
+  const float* sink_data = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
   switch (query.scalar_type()) {
     case at::kFloat:
       attend_rows<float>(out, query, key_cache, value_cache, block_tables, context_lens, row_groups, scale, sliding_window,
-                         softcap);
+                         softcap, sink_data);
       break;
     case at::kBFloat16:
       attend_rows<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, row_groups, scale,
-                                 sliding_window, softcap);
+                                 sliding_window, softcap, sink_data);
       break;
     default:
       TORCH_CHECK(false, "float32 or bfloat16 only, got ", query.scalar_type());
@@ -561,14 +569,14 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at
 // One query token per sequence: row s over its table s.
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t sliding_window, double softcap) {
+                                  int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
   check_paged_args(query, key_cache, value_cache, {block_tables, context_lens});
   TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
               "a block table and a length per query row");
   std::vector<int64_t> row_groups(query.size(0) + 1);
   std::iota(row_groups.begin(), row_groups.end(), 0);
   return attend(query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), row_groups, scale,
-                sliding_window, softcap);
+                sliding_window, softcap, sinks);
 }
 
 // Any rows: row r sees the first context_lens[r] tokens of the sequence whose block table is
@@ -577,7 +585,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
 at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
                                 const at::Tensor& row_groups, double scale, int64_t sliding_window,
-                                double softcap) {
+                                double softcap, const std::optional<at::Tensor>& sinks) {
   check_paged_args(query, key_cache, value_cache, {block_tables, context_lens, row_groups});
   const at::Tensor groups = row_groups.contiguous();
   const int32_t* offsets = groups.data_ptr<int32_t>();
@@ -588,7 +596,7 @@ at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& key_c
   std::vector<int64_t> bounds(offsets, offsets + num_groups + 1);
   for (int64_t i = 0; i < num_groups; ++i) TORCH_CHECK(bounds[i] <= bounds[i + 1], "row_groups must not decrease");
   return attend(query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), bounds, scale,
-                sliding_window, softcap);
+                sliding_window, softcap, sinks);
 }
 
 // Writes each new token's keys and values into its cache slot (block * block_size + offset;
@@ -634,10 +642,11 @@ TORCH_LIBRARY(pagefleet, m) {
       "Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int sliding_window, float softcap=0.0) -> Tensor");
+      "Tensor context_lens, float scale, int sliding_window, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def(
       "paged_attention_rows(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor context_lens, Tensor row_groups, float scale, int sliding_window, float softcap=0.0) -> Tensor");
+      "Tensor context_lens, Tensor row_groups, float scale, int sliding_window, float softcap=0.0, "
+      "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {

@@ -237,12 +237,13 @@ def test_triton_backend_sliding_window(tiny_mistral_window: Path) -> None:
 
 
 @pytest.mark.triton
-def test_triton_backend_gemma2_soft_caps_and_interleaved_windows(tiny_models: dict[str, Path]) -> None:
-    """Gemma 2's sliding and global layers in one step, scores soft-capped in the kernels;
-    prompts longer than the window (8)."""
-    llm = LLM(str(tiny_models["gemma2"]), dtype="float32", attention_backend="triton")
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_triton_backend_interleaved_windows_with_soft_caps_or_sinks(tiny_models: dict[str, Path], arch: str) -> None:
+    """Sliding and global layers in one step, prompts longer than the window (8), and in the
+    kernels Gemma 2's soft-capped scores or gpt-oss's sinks."""
+    llm = LLM(str(tiny_models[arch]), dtype="float32", attention_backend="triton")
     prompts = random_prompts([17, 33], TINY_VOCAB, seed=7)
-    _assert_matches_hf(tiny_models["gemma2"], prompts, llm.generate(prompts, _greedy()))
+    _assert_matches_hf(tiny_models[arch], prompts, llm.generate(prompts, _greedy()))
     assert_no_block_leaked(llm)
 
 

@@ -7,10 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import transformers as tf
 
 from pagefleet.engine.errors import UnsupportedModelError
-from pagefleet.engine.layers.rotary import rope_rows
+from pagefleet.engine.layers.rotary import RotaryEmbedding, rope_inv_freq, rope_rows
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.registry import FAMILIES, SUPPORTED_ARCHITECTURES, model_class
 
@@ -91,8 +92,29 @@ def test_phi3_rotates_part_of_each_head_and_takes_longrope_factors_where_transfo
     assert config.long_rope_after == 4096
     assert list(rope_rows(4094, 4098, False, 131072)) == [4094, 4095, 4096, 4097]
     assert list(rope_rows(0, 2, True, 131072)) == [131072, 131073]  # the long set follows the short one
-    with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported"):
-        _config(tf.LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "LlamaForCausalLM")
+    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic' is not supported"):
+        _config(tf.LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {},  # gpt-oss's own: factor 32 over 4,096 positions, the ramp not truncated
+        {"truncate": True},
+        {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "truncate": True},  # DeepSeek-V3's
+        {"factor": 4.0, "attention_factor": 1.25, "beta_fast": 16.0},
+    ],
+)
+def test_yarn_frequencies_and_scale_equal_transformers(rope: dict) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = tf.GptOssConfig(num_hidden_layers=2)
+    hf.rope_parameters = hf.rope_parameters | rope
+    config = _config(hf, "GptOssForCausalLM")
+    expected_inv_freq, expected_scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    assert torch.equal(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), expected_inv_freq)
+    table = RotaryEmbedding(config.head_dim, 8, config.rope_theta, config.rope_scaling)
+    assert table.cos[0, 0].item() == pytest.approx(expected_scale, rel=1e-6)
 
 
 def test_a_checkpoint_missing_an_expert_is_refused_with_the_tensors_name(

@@ -33,10 +33,11 @@ def tp_models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     """Llama with 2 KV heads (one per rank), 4 (two per rank) and 1 (replicated), Qwen2,
     Gemma 2 (soft-caps, sandwich norms), Gemma 4 (global layers' KV heads replicated, shared
     KV, replicated experts and per-layer embeddings), Qwen2-MoE (replicated experts, its shared
-    expert split as an MLP), Phi-3 (fused checkpoint tensors), GPT-2."""
+    expert split as an MLP), gpt-oss (sinks split with their heads, the output bias added
+    once), Phi-3 (fused checkpoint tensors), GPT-2."""
     root = tmp_path_factory.mktemp("tp-models")
     extra = {arch: build_tiny_model(arch, root / arch) for arch in ("llama_kv4", "llama_kv1")}
-    shared = {arch: tiny_models[arch] for arch in ("qwen2", "gemma2", "gemma4", "qwen2_moe", "phi3", "gpt2")}
+    shared = {arch: tiny_models[arch] for arch in ("qwen2", "gemma2", "gemma4", "qwen2_moe", "gpt_oss", "phi3", "gpt2")}
     return {"llama_kv2": tiny_models["llama"], **extra, **shared}
 
 
@@ -59,7 +60,10 @@ def _alive(pid: int) -> bool:
 # path of the workers' step; one architecture also plain and preempted by recompute.
 ARCH_SCHEDULES = [("llama_kv2", "plain"), ("llama_kv2", "preempt_recompute")] + [
     (arch, "chunked_swap")
-    for arch in ("llama_kv2", "llama_kv4", "llama_kv1", "qwen2", "gemma2", "gemma4", "qwen2_moe", "phi3", "gpt2")
+    for arch in (
+        *("llama_kv2", "llama_kv4", "llama_kv1", "qwen2", "gemma2", "gemma4"),
+        *("qwen2_moe", "gpt_oss", "phi3", "gpt2"),
+    )
 ]
 
 

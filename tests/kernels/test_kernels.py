@@ -205,6 +205,29 @@ def test_prefill_softcap(dtype: torch.dtype, window: int | None) -> None:
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
 
 
+def _sinks(num_heads: int) -> torch.Tensor:
+    """gpt-oss's sinks: a logit per head, some above the scores (the sink takes most), some below."""
+    return torch.linspace(-4.0, 12.0, num_heads)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_sinks(window: int | None) -> None:
+    args = _softcap_decode_args(torch.float32)
+    expected = paged_attention_decode_torch(*args, sliding_window=window, sinks=_sinks(8))
+    assert (expected - paged_attention_decode_torch(*args, sliding_window=window)).abs().max() > 0.1
+    got = paged_attention_decode(*args, sliding_window=window, sinks=_sinks(8), tile_n=16)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_sinks(window: int | None) -> None:
+    args = _softcap_prefill_args(torch.float32)
+    expected = paged_attention_prefill_torch(*args, sliding_window=window, sinks=_sinks(4))
+    assert (expected - paged_attention_prefill_torch(*args, sliding_window=window)).abs().max() > 0.1
+    got = paged_attention_prefill(*args, 20, sliding_window=window, sinks=_sinks(4), block_m=16, tile_n=16)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_major", [True, False])
 def test_reshape_and_cache_matches_reference(head_major: bool, dtype: torch.dtype) -> None:
