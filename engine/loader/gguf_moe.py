@@ -10,7 +10,9 @@ and its gate as `ffn_gate_inp_shexp` [H]; the sizes as `{arch}.expert_count`,
 Conversion (engine/loader/gguf_cache.py): transformers reads Qwen's files but leaves the
 experts' widths at its defaults (a size mismatch), so they are set here from the metadata;
 it does not know Mixtral's (a `llama` file it would load without experts), whose model is
-built here from the metadata and the file's tensors. A file whose expert tensors are
+built here from the metadata and the file's tensors. Either is saved with each expert's
+tensors under its own name (`save_checkpoint`), as engine/models/moe.py reads a published
+checkpoint. A file whose expert tensors are
 missing or misshapen is refused by name before either, rather than loaded with random
 experts. Serving (engine/loader/gguf_weights.py): `quantized_experts` reads each expert's
 slices as stored (engine/layers/quantized_experts.py).
