@@ -19,13 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagefleet.engine.loader import gguf_gemma4
+from pagefleet.engine.loader import gguf_gemma4, gguf_moe
 from pagefleet.engine.loader.gguf_config import complete_config, read_gguf
 
 logger = logging.getLogger(__name__)
 
 _DONE_MARKER = ".pagefleet-complete"
-_VERSION = 2  # of the conversion: a new one converts every file again (2: gguf_config.py's settings)
+# Of the conversion: a new one converts every file again (2: gguf_config.py's settings; 3:
+# mixtures of experts, a Mixtral file having been read as a Llama without its experts).
+_VERSION = 3
 
 
 def cache_root() -> Path:
@@ -72,6 +74,30 @@ def _load_gemma4(gguf_path: Path, metadata: dict[str, Any], tensors: dict[str, A
     return model
 
 
+def _load_moe(gguf_path: Path, metadata: dict[str, Any], tensors: dict[str, Any]) -> Any:
+    """A mixture of experts' model (engine/loader/gguf_moe.py): its expert tensors checked
+    first; Qwen's read by transformers with the experts' widths from the metadata, Mixtral's
+    built from the metadata and given the file's tensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        return tuple(int(d) for d in tensors[name].shape) if name in tensors else None
+
+    dims = gguf_moe.ExpertDims.from_metadata(metadata, shape)
+    gguf_moe.check_expert_tensors(gguf_path, dims, shape)
+    if metadata["general.architecture"] in gguf_moe.QWEN_ARCHITECTURES:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        config.update(gguf_moe.qwen_config_updates(dims))
+        return AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype=torch.float32
+        )
+    raw = gguf_moe.mixtral_config(metadata, tensors, dims)
+    model = MixtralForCausalLM(MixtralConfig.from_dict(raw)).float()
+    model.load_state_dict(gguf_moe.mixtral_state_dict(tensors, raw), strict=True)
+    return model
+
+
 def _convert(gguf_path: Path, target: Path) -> None:
     # Imported here: transformers is heavy and only needed the first time.
     import torch
@@ -85,6 +111,9 @@ def _convert(gguf_path: Path, target: Path) -> None:
         model = _load_gemma4(gguf_path, metadata, tensors)
         # AutoTokenizer would read the config from the file again, as transformers cannot.
         tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+    elif gguf_moe.is_moe_file(metadata):
+        model = _load_moe(gguf_path, metadata, tensors)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -97,7 +126,10 @@ def _convert(gguf_path: Path, target: Path) -> None:
     # Write to a sibling temp dir and rename, so a crash never leaves a half cache behind.
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        model.save_pretrained(staging)
+        if gguf_moe.is_moe_file(metadata):
+            gguf_moe.save_checkpoint(model, staging)
+        else:
+            model.save_pretrained(staging)
         complete_config(metadata, tensors, staging / "config.json")
         tokenizer.save_pretrained(staging)
         (staging / _DONE_MARKER).write_text(str(gguf_path.resolve()))

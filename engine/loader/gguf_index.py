@@ -93,6 +93,11 @@ class GGUFTensors:
 
         return gguf.GGMLQuantizationType(self._tensors[name].ggml_type).name
 
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The tensor's shape in GGUF's order (the contiguous dimension first), or None."""
+        tensor = self._tensors.get(name)
+        return None if tensor is None else tensor.shape
+
     def rows(self, name: str) -> int:
         return math.prod(self._tensors[name].shape[1:])
 

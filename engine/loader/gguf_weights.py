@@ -9,7 +9,11 @@ each run of one type on its own. Any other type (F16, Q2_K, Q3_K, the IQ formats
 stays dequantized, and the log says which.
 
 Served so: the Llama family, Gemma 2/3/4 and Phi-3 (llama.cpp's names of our fused layers'
-parts; Phi-3's q/k/v and gate/up stored fused, as `attn_qkv` and `ffn_up`) and GPT-2.
+parts; Phi-3's q/k/v and gate/up stored fused, as `attn_qkv` and `ffn_up`), GPT-2, and the
+mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral: each expert's gate, up and down
+slices of the stacked `ffn_*_exps` tensors multiplied as stored (engine/loader/gguf_moe.py,
+engine/layers/quantized_experts.py), Qwen2-MoE's shared expert as an MLP; the routers
+(`ffn_gate_inp`, F32 in llama.cpp's files) stay float.
 llama.cpp's converter permutes q and k rows for its rotary layout in "llama"-architecture
 files only (Gemma and Phi-3 rotate NEOX-style, as Hugging Face does); the rows are put back
 in Hugging Face's order here, blocks untouched (a block lies within one row), exactly where
@@ -32,6 +36,7 @@ from torch import nn
 from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.layers.quantized import GGML_NAMES, PackedWeight, QuantizedWeight, StackedWeight
 from pagefleet.engine.loader.gguf_index import GGUFTensors
+from pagefleet.engine.loader.gguf_moe import EXPERT_TENSORS, ExpertDims, check_expert_tensors, quantized_experts
 from pagefleet.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -98,6 +103,23 @@ def _gemma4_sources(config: ModelConfig) -> dict[str, list[_Source]]:
     return sources
 
 
+def _moe_sources(config: ModelConfig, tensors: GGUFTensors) -> dict[str, list[_Source]]:
+    """A mixture of experts' attention as Llama's; on a sparse layer, in place of the MLP,
+    Qwen2-MoE's shared expert (the routed experts are served by `_serve_experts`)."""
+    assert config.moe is not None
+    sources = _decoder_sources(config, tensors)
+    for i, sparse in enumerate(config.moe.sparse_layers):
+        if not sparse:
+            continue
+        blk, ours = f"blk.{i}.", f"layers.{i}.mlp."
+        del sources[ours + "gate_up_proj"], sources[ours + "down_proj"]
+        if config.moe.shared_expert_width:
+            shared = [_Source(blk + "ffn_gate_shexp.weight"), _Source(blk + "ffn_up_shexp.weight")]
+            sources[ours + "shared_expert.gate_up_proj"] = shared
+            sources[ours + "shared_expert.down_proj"] = [_Source(blk + "ffn_down_shexp.weight")]
+    return sources
+
+
 def _gpt2_sources(config: ModelConfig) -> dict[str, list[_Source]]:
     """GPT-2's linear layers and their GGUF tensors (llama.cpp stores Conv1D's weights
     transposed, [out, in] as our layers are, and q/k/v fused as c_attn is)."""
@@ -151,7 +173,7 @@ def _fused_weight(
 
 
 # Our families whose GGUF files are served as stored (any other is served dequantized).
-_SERVED_FAMILIES = ("llama", "gemma", "gemma4", "phi3", "gpt2")
+_SERVED_FAMILIES = ("llama", "gemma", "gemma4", "phi3", "gpt2", "moe")
 
 
 @dataclass(slots=True)
@@ -183,6 +205,10 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
         layer_sources = _gpt2_sources(config)
     elif config.family == "gemma4":
         layer_sources = _gemma4_sources(config)
+    elif config.family == "moe":
+        check_expert_tensors(path, ExpertDims.from_config(config), tensors.shape)
+        layer_sources = _moe_sources(config, tensors)
+        _serve_experts(model, config, tensors, tally)
     else:
         layer_sources = _decoder_sources(config, tensors)
     for module_name, sources in layer_sources.items():
@@ -204,6 +230,29 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
         tally.quantized_bytes / 2**20,
         tally.float_bytes / 2**20,
     )
+
+
+def _serve_experts(model: nn.Module, config: ModelConfig, tensors: GGUFTensors, tally: _Tally) -> None:
+    """Each sparse layer's routed experts multiplied from the file's slices as stored, in
+    place of the float ones; a layer whose expert tensors are of a type the kernels do not
+    read keeps its float experts."""
+    assert config.moe is not None
+    dims = ExpertDims.from_config(config)
+    for layer, sparse in enumerate(config.moe.sparse_layers):
+        if not sparse:
+            continue
+        block = model.get_submodule(f"layers.{layer}.mlp")
+        names = [f"blk.{layer}.{kind}.weight" for kind in EXPERT_TENSORS]
+        float_experts = block.experts
+        assert isinstance(float_experts, nn.Module)
+        served = quantized_experts(tensors, layer, dims, next(float_experts.parameters()).device)
+        if served is None:
+            tally.dequantized.update(tensors.type_name(name) for name in names)
+            continue
+        tally.float_bytes += sum(p.numel() * p.element_size() for p in float_experts.parameters())
+        tally.quantized_bytes += served.nbytes
+        tally.kept.update(tensors.type_name(name) for name in names)
+        block.experts = served
 
 
 def _serve_per_layer_embedding(model: nn.Module, tensors: GGUFTensors, tally: _Tally) -> None:
