@@ -2,7 +2,7 @@
 model, with sliding-window layers in groups of their own (the default) against every layer
 keeping every block (`disable_hybrid_kv_cache_manager`, vLLM's flag), in the same run.
 
-    python bench/kv_groups.py [--prompt-tokens 8192] [--budget-gib 2] [--model gemma4-e2b] [--engine]
+    python bench/kv_groups.py [--prompt-tokens 8192] [--budget-gib 2] [--model gemma4-e2b|deepseek-v3] [--engine]
 
 Gemma 3's layer pattern (18 layers, five sliding layers of window 1,024 per global one,
 1 KV head of 256 dims, bfloat16): the model's config goes through the engine's own
@@ -12,6 +12,10 @@ until the next one's blocks are not free. Prints both counts and their ratio.
 
 `--model gemma4-e2b`: Gemma 4 E2B's pattern instead (`gemma4_e2b_config`), whose global
 layers' keys have another shape and whose last 20 layers hold no cache of their own.
+
+`--model deepseek-v3`: DeepSeek-V3's latent cache (one head of 512 + 64 values per token and
+layer) against the same attention cached in full (128 heads of 192-dim keys and 128-dim
+values): bytes per token and layer as the engine sizes its blocks, and sequences that fit.
 
 With `--engine`, the real engine confirms it on random weights in the same layer pattern
 (hidden 64, so that prefilling takes seconds): as many requests as the grouped cache holds
@@ -25,6 +29,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -82,7 +87,26 @@ def gemma4_e2b_config() -> dict:
     return config.to_dict() | {"architectures": ["Gemma4ForCausalLM"]}
 
 
-SHAPES = {"gemma3": gemma3_config, "gemma4-e2b": gemma4_e2b_config}
+def deepseek_v3_config() -> dict:
+    """DeepSeek-V3's attention (61 layers, 128 heads, a 512-wide latent and 64 RoPE dims
+    cached per token), its experts shrunk: only the cache is measured."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        vocab_size=1024, n_routed_experts=8, n_group=4, topk_group=2, max_position_embeddings=32768
+    )
+    return config.to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]}
+
+
+def full_cache_of(config: ModelConfig) -> ModelConfig:
+    """The same attention cached in full: every head's keys (nope + rope dims) and values."""
+    mla = config.mla
+    assert mla is not None
+    per_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim  # keys' and values' dims
+    return replace(config, mla=None, num_kv_heads=config.num_heads, head_dim=per_head // 2)
+
+
+SHAPES = {"gemma3": gemma3_config, "gemma4-e2b": gemma4_e2b_config, "deepseek-v3": deepseek_v3_config}
 
 
 def sequences_that_fit(config: ModelConfig, hybrid: bool, budget_bytes: int, prompt_tokens: int) -> tuple[int, int]:
@@ -138,6 +162,21 @@ def engine_run(model_dir: Path, hybrid: bool, budget_bytes: int, num_requests: i
     }
 
 
+def latent_cache_report(config: ModelConfig, budget: int, prompt_tokens: int) -> dict:
+    """Bytes per token and layer of the latent cache and of the full one, as the engine sizes
+    its blocks, and the sequences of `prompt_tokens` each budget holds."""
+    report: dict = {"model": "deepseek-v3", "prompt_tokens": prompt_tokens, "budget_gib": budget / (1 << 30)}
+    for name, cached in (("latent", config), ("full", full_cache_of(config))):
+        per_token_layer = kv_bytes_per_block(cached, BLOCK_SIZE, torch.bfloat16) // (BLOCK_SIZE * config.num_layers)
+        fitted, _ = sequences_that_fit(cached, True, budget, prompt_tokens)
+        report[name] = {"bytes_per_token_and_layer": per_token_layer, "sequences": fitted}
+        progress(f"{name}: {per_token_layer} bytes per token and layer, {fitted} sequences of {prompt_tokens}")
+    report["ratio"] = round(
+        report["full"]["bytes_per_token_and_layer"] / report["latent"]["bytes_per_token_and_layer"], 1
+    )
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=8192)
@@ -147,6 +186,9 @@ def main() -> None:
     args = parser.parse_args()
     budget = int(args.budget_gib * (1 << 30))
     config = ModelConfig.from_hf(SHAPES[args.model]())
+    if config.mla:  # the latent cache against the same attention cached in full
+        print(json.dumps(latent_cache_report(config, budget, args.prompt_tokens), indent=2))
+        return
     counts = {}
     for hybrid in (True, False):
         fitted, blocks = sequences_that_fit(config, hybrid, budget, args.prompt_tokens)

@@ -30,7 +30,7 @@ TINY_VOCAB = 384
 TINY_ARCHITECTURES = [
     *("llama", "mistral", "qwen2", "qwen3"),
     *("gemma2", "gemma3", "gemma4", "smollm3", "granite", "olmo2", "phi3"),
-    *("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"),
+    *("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3"),
     "gpt2",
 ]
 # The families of issue 53: their own code is the model, so the scheduler's and the memory
@@ -47,6 +47,7 @@ NEWER_FAMILIES = (
     "qwen2_moe",
     "mixtral",
     "gpt_oss",
+    "deepseek_v3",
 )
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks.",
@@ -129,6 +130,25 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
             rope_parameters=yarn | dict(rope_theta=10000.0, original_max_position_embeddings=16),
             **common,
         )
+    if arch == "deepseek_v3":  # latent attention (a 32-wide latent, 16 RoPE dims, interleaved),
+        # YaRN with mscale past 16 positions, 8 experts in 4 groups (the best 2 eligible), top 2,
+        # a shared expert, the first layer dense
+        yarn = dict(rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=16)
+        latent = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24)
+        return tf.DeepseekV3Config(
+            **sizes | dict(num_key_value_heads=4),
+            **latent,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            rope_parameters=yarn | dict(rope_theta=10000.0),
+            **common,
+        )
     # Gemma: a sliding layer (window 8, shorter than most test prompts) and a global one,
     # a scale from query_pre_attn_scalar unlike head_dim's.
     gemma = sizes | dict(
@@ -203,6 +223,8 @@ def build_random_model(config, directory: Path, seed: int = 0, randomise: bool =
         for name, buffer in model.named_buffers() if randomise else []:
             if name.endswith("layer_scalar"):
                 buffer.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias
+                buffer.normal_(0.0, 0.3)
     model.save_pretrained(directory)
     _build_tokenizer().save_pretrained(directory)
     return directory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,17 +39,44 @@ class MoEOptions:
     keep_float: bool  # the routing weights stay float32 (Mixtral), else take the logits' dtype
     sparse_layers: tuple[bool, ...]  # per layer, experts (True) or a dense MLP
     shared_expert_width: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid (0: none)
-    # gpt-oss: the router has a bias and takes the top k logits before a softmax over them;
-    # experts have biases and gate with a clamped SwiGLU (ExpertActivation "swiglu_oai").
-    top_k_first: bool = False
+    # How tokens choose experts: "softmax_top_k" (Qwen, Mixtral), gpt-oss's "top_k_softmax"
+    # (a softmax over the top k logits), DeepSeek-V3's "grouped_sigmoid" (engine/models/deepseek.py).
+    router: str = "softmax_top_k"
+    # gpt-oss: the router and experts have biases; experts gate with a clamped SwiGLU.
     biases: bool = False
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V3: experts in `num_groups` groups, tokens choose among the best `top_groups`;
+    # the routing weights are scaled by `routed_scaling`.
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scaling: float = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class MLAOptions:
+    """Multi-head latent attention (DeepSeek-V2/V3, engine/models/deepseek.py): queries
+    through a low-rank `q_lora_rank` (0: one projection), keys and values from one latent of
+    `kv_lora_rank` per token (cached with the `qk_rope_head_dim` rotated key dims, and no
+    values: the cache's head is that latent), expanded per head by `kv_b_proj`."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint rotates pairs (x0, x1), (x2, x3), ...
 
 
 # The mixtures of experts on Llama's attention (engine/models/moe.py).
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+MOE_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+    "GptOssForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,6 +123,7 @@ class ModelConfig:
     kv_sources: tuple[int, ...] = ()
     gemma4: Gemma4Options | None = None
     moe: MoEOptions | None = None
+    mla: MLAOptions | None = None  # latent attention: the cache holds keys only (values are their first dims)
     language_model_of: str | None = None  # the image checkpoint's architecture whose text model this is
 
     def layer_window(self, layer: int) -> int | None:
@@ -171,7 +200,41 @@ class ModelConfig:
             return cls._gpt2(raw, common)
         if SUPPORTED_ARCHITECTURES[architecture] in ("gemma", "gemma4"):
             return cls._gemma(raw, architecture, common)
+        if architecture == "DeepseekV3ForCausalLM":
+            return cls._deepseek(raw, cls._llama(raw | {"attention_bias": False}, architecture, common))
         return cls._llama(raw, architecture, common)
+
+    @classmethod
+    def _deepseek(cls, raw: dict[str, Any], llama: ModelConfig) -> ModelConfig:
+        """DeepSeek-V3: Llama's fields, then one cached head per token (the latent and the
+        rotated key dims), the query-key scale with YaRN's `mscale_all_dim` as transformers
+        applies it, and the latent attention's sizes."""
+        if raw.get("attention_bias"):
+            raise UnsupportedModelError("DeepSeek attention_bias=true is not supported")
+        mla = MLAOptions(
+            q_lora_rank=raw.get("q_lora_rank") or 0,
+            kv_lora_rank=raw["kv_lora_rank"],
+            qk_nope_head_dim=raw["qk_nope_head_dim"],
+            qk_rope_head_dim=raw["qk_rope_head_dim"],
+            v_head_dim=raw["v_head_dim"],
+            rope_interleave=bool(raw.get("rope_interleave", True)),
+        )
+        moe = llama.moe
+        if moe is None or moe.num_experts % moe.num_groups or moe.top_groups > moe.num_groups:
+            raise UnsupportedModelError("DeepSeek-V3: n_routed_experts must split into n_group >= topk_group groups")
+        scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+        rope = llama.rope_scaling
+        if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+            factor = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0 if rope["factor"] > 1 else 1.0
+            scale *= factor * factor
+        return replace(
+            llama,
+            num_kv_heads=1,
+            head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim,
+            rotary_dim=mla.qk_rope_head_dim,
+            attn_scale=scale,
+            mla=mla,
+        )
 
     @classmethod
     def _language_model(cls, raw: dict[str, Any], architecture: str, extra_eos: int | list[int] | None) -> ModelConfig:
@@ -316,9 +379,11 @@ def _moe_options(raw: dict[str, Any], architecture: str, num_layers: int) -> MoE
     """Where the experts are and how tokens are routed, as transformers reads each config:
     Mixtral's experts on every layer, as wide as `intermediate_size`, always renormalised;
     Qwen's every `decoder_sparse_step`-th layer but `mlp_only_layers`."""
-    num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    num_experts = raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0
     every_layer = architecture in ("MixtralForCausalLM", "GptOssForCausalLM")  # experts as wide as the MLP
     step, dense = raw.get("decoder_sparse_step") or 1, set(raw.get("mlp_only_layers") or ())
+    if architecture == "DeepseekV3ForCausalLM":  # the first layers dense
+        dense = set(range(raw.get("first_k_dense_replace") or 0))
     sparse = tuple(
         every_layer or (i not in dense and num_experts > 0 and (i + 1) % step == 0) for i in range(num_layers)
     )
@@ -330,13 +395,20 @@ def _moe_options(raw: dict[str, Any], architecture: str, num_layers: int) -> MoE
         normalize=architecture == "MixtralForCausalLM" or bool(raw.get("norm_topk_prob")),
         keep_float=architecture == "MixtralForCausalLM",
         sparse_layers=sparse,
-        shared_expert_width=raw.get("shared_expert_intermediate_size") or 0,
-        top_k_first=gpt_oss,
+        shared_expert_width=raw.get("shared_expert_intermediate_size")
+        or raw.get("moe_intermediate_size", 0) * (raw.get("n_shared_experts") or 0),
+        router=ROUTERS.get(architecture, "softmax_top_k"),
         biases=gpt_oss,
         activation="swiglu_oai" if gpt_oss else "silu",
         swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        num_groups=raw.get("n_group") or 1,
+        top_groups=raw.get("topk_group") or 1,
+        routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
     )
+
+
+ROUTERS = {"GptOssForCausalLM": "top_k_softmax", "DeepseekV3ForCausalLM": "grouped_sigmoid"}
 
 
 def _gemma4_parts(raw: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, Any]:

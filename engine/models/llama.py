@@ -197,8 +197,12 @@ class LlamaForCausalLM(nn.Module):
         None where they cannot be; never while an adapter is attached, nor for a family that
         changes Llama's layers (the compiled loop runs Llama's)."""
         first = self.layers[0]
-        if type(first) is not LlamaDecoderLayer or first.self_attn.qkv_proj.lora is not None:
+        if type(first) is not LlamaDecoderLayer:
             return None
+        attention = first.self_attn
+        assert isinstance(attention, LlamaAttention)
+        if attention.qkv_proj.lora is not None or attention.o_bias is not None or attention.sinks is not None:
+            return None  # the compiled loop has no adapters, output bias or sinks
         if self.compiled is False:
             assert isinstance(backend, CpuAttentionBackend)
             self.compiled = compile_layers(self, self.config.sliding_window or 0)

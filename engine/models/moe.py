@@ -49,7 +49,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         options, logits = self.options, self.gate(hidden)
-        if options.top_k_first:
+        if options.router == "top_k_softmax":
             weights, experts = top_k_softmax(logits, options.experts_per_token)
         else:
             weights, experts = softmax_top_k(logits, options.experts_per_token, options.normalize, options.keep_float)

@@ -32,6 +32,7 @@ FAMILIES = (
         "MoEForCausalLM",
         ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"),
     ),
+    Family("deepseek", "DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",)),
     Family("olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",)),
     Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
     Family("gemma", "GemmaForCausalLM", ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),

@@ -100,10 +100,11 @@ def kv_bytes_per_block(
 ) -> int:
     """Bytes of one block id on one rank (its KV heads only): a page of keys and one of
     values in every cache tensor of `groups` (default: every cache layer's own, as without
-    KV cache groups)."""
+    KV cache groups); latent attention's one page is both."""
     element = torch.empty((), dtype=dtype).element_size()
     groups = groups or KVGroups.of(config.cache_layer_windows, hybrid=False)
-    return 2 * element * sum(tensor_pages(config, groups, block_size, shard))
+    pages_per_tensor = 1 if config.mla else 2
+    return pages_per_tensor * element * sum(tensor_pages(config, groups, block_size, shard))
 
 
 def padded_view(pages: torch.Tensor, block_size: int, heads: int, head_dim: int) -> torch.Tensor:
@@ -137,7 +138,9 @@ class ModelRunner:
         self.block_size, self.device = block_size, device
 
         def cache_pair(blocks: int, shape: tuple[int, int, int], where: torch.device | str) -> KVPair:
-            return allocate_kv_cache(blocks, *shape, dtype, where), allocate_kv_cache(blocks, *shape, dtype, where)
+            keys = allocate_kv_cache(blocks, *shape, dtype, where)
+            # Latent attention caches one head that is keys and values at once.
+            return keys, keys if model_config.mla else allocate_kv_cache(blocks, *shape, dtype, where)
 
         # Per tensor index, its layers' shape, or for layers of several shapes a page that
         # holds the largest (`tensor_pages`).

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.worker.model_runner import kv_bytes_per_block
 from tests.conftest import TINY_ARCHITECTURES, TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts, same_kv_memory
 
@@ -245,6 +247,40 @@ def test_triton_backend_interleaved_windows_with_soft_caps_or_sinks(tiny_models:
     prompts = random_prompts([17, 33], TINY_VOCAB, seed=7)
     _assert_matches_hf(tiny_models[arch], prompts, llm.generate(prompts, _greedy()))
     assert_no_block_leaked(llm)
+
+
+@pytest.mark.triton
+def test_triton_backend_latent_attention(tiny_models: dict[str, Path]) -> None:
+    """DeepSeek-V3's latent cache: one 48-wide head that the kernels read as keys and values."""
+    llm = LLM(str(tiny_models["deepseek_v3"]), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
+    prompts = random_prompts([17, 33], TINY_VOCAB, seed=7)
+    _assert_matches_hf(tiny_models["deepseek_v3"], prompts, llm.generate(prompts, _greedy()))
+    assert_no_block_leaked(llm)
+
+
+def test_deepseek_v3s_latent_cache_holds_one_head_per_token_and_variants_equal_transformers(tmp_path: Path) -> None:
+    """A query without its low-rank projection, RoPE dims not interleaved, every layer's
+    experts, and a multi-token-prediction layer in the checkpoint (unused, as transformers
+    leaves it): equal to transformers. The cache holds per token and layer the latent and
+    the rotated key dims only, (32 + 16) floats, in one tensor that is keys and values."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import _tiny_config, build_random_model
+
+    config = _tiny_config("deepseek_v3")
+    config.q_lora_rank, config.rope_interleave, config.first_k_dense_replace = None, False, 0
+    model_dir = build_random_model(tf.DeepseekV3Config(**config.to_dict()), tmp_path / "deepseek")
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)  # the MTP layer after the decoder's
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(model_dir), dtype="float32", block_size=8, max_num_batched_tokens=16)
+    prompts = random_prompts(PROMPT_LENGTHS, TINY_VOCAB, seed=3)
+    _assert_matches_hf(model_dir, prompts, llm.generate(prompts, _greedy()))
+    runner = llm.engine.runner
+    keys, values = runner.kv_tensors[0]
+    assert keys is values and tuple(keys.shape[1:]) == (8, 1, 32 + 16)
+    assert kv_bytes_per_block(llm.engine.parts.model_config, 8, torch.float32) == 8 * (32 + 16) * 4 * 2  # 2 layers
 
 
 @pytest.mark.triton
