@@ -54,11 +54,13 @@ SOURCES = [
         "cpu_quant.cpp",
         "cpu_int8.cpp",
         "cpu_decoder.cpp",
+        "cpu_experts.cpp",
         "cpu_quant_columns.h",
         "cpu_attention_avx2.h",
         "cpu_quant_vnni.h",
         "cpu_paged.h",
         "cpu_vec.h",
+        "cpu_experts_gemm.h",
     )
 ]
 ISA_FLAGS = {
