@@ -79,7 +79,50 @@ void tile(const float* const* x, const T* const* w, int64_t size, float* out, in
     std::copy(sums, sums + columns, out + r * out_stride);
   }
 }
+
+// bfloat16 rows against bfloat16 weights on CPUs with AVX512_BF16 (`has_bf16_dot()`):
+// `vdpbf16ps` adds two products a lane per step (the pairs of k), twice the multiply-adds
+// of widening to float32, as oneDNN's bfloat16 matmul runs here. Still one chain per (row,
+// output) and the tree above; its bits differ from the float32 chain's, so a CPU keeps one
+// or the other for every batch.
+template <int kRows>
+__attribute__((target("avx512bf16"))) void tile(const c10::BFloat16* const* x, const c10::BFloat16* const* w,
+                                                 int64_t size, float* out, int64_t out_stride, int columns) {
+  __m512 acc[kRows][kTileColumns];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kTileColumns; ++j) acc[r][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= size; k += 32) {
+    __m512bh weights[kTileColumns];
+    for (int j = 0; j < kTileColumns; ++j) weights[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh row = (__m512bh)_mm512_loadu_si512(x[r] + k);
+      for (int j = 0; j < kTileColumns; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], row, weights[j]);
+    }
+  }
+  if (k < size) {  // the same masked step for every row: zero pairs add nothing
+    const __mmask32 mask = static_cast<__mmask32>((1u << (size - k)) - 1);
+    __m512bh weights[kTileColumns];
+    for (int j = 0; j < kTileColumns; ++j) weights[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[j] + k);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh row = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[r] + k);
+      for (int j = 0; j < kTileColumns; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], row, weights[j]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    std::copy(sums, sums + columns, out + r * out_stride);
+  }
+}
+
+inline bool has_bf16_dot() {
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported;
+}
 #else
+inline bool has_bf16_dot() { return false; }
+
 // Without AVX-512: the same shape of sum in plain C++ (16 partial sums, the same tree).
 template <typename T>
 float dot(const float* x, const T* w, int64_t size) {
@@ -101,11 +144,12 @@ void tile(const float* const* x, const T* const* w, int64_t size, float* out, in
 #endif
 
 // out[r][n] = x[r] . w[n] for r < rows, n < outputs; w: [outputs, size] rows of T, x: rows
-// of float32 (pointers, so that float32 activations are read where they are), out: float32
+// of float32, or of bfloat16 where has_bf16_dot() (pointers, so that rows are read where
+// they are), out: float32
 // [rows, out_stride]. Outputs outer, rows inner: a tile's 4 weight rows stay in L1 while
 // every row passes.
-template <typename T>
-void linear_rows(const float* const* x, int64_t rows, const T* w, int64_t size, int64_t outputs, float* out,
+template <typename X, typename T>
+void linear_rows(const X* const* x, int64_t rows, const T* w, int64_t size, int64_t outputs, float* out,
                  int64_t out_stride) {
   for (int64_t n = 0; n < outputs; n += kTileColumns) {
     const int columns = static_cast<int>(std::min<int64_t>(kTileColumns, outputs - n));
