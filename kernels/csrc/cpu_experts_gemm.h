@@ -12,7 +12,7 @@
 //
 // Tiles of 1..4 rows x 4 outputs share each load of x and of w; the tile's shape changes
 // which loads are shared, never the arithmetic of a pair (tests/kernels/test_fused_experts.py
-// checks a token alone against the same token among 63 others).
+// checks a token alone against the same token among 99 others).
 #pragma once
 
 #include <algorithm>
