@@ -1,6 +1,7 @@
 """Paged-attention kernels vs their torch references and vs SDPA on gathered keys.
 
     python bench/kernels.py [--dtype bfloat16] [--batches 1 16 64 256] [--contexts 128 1024 8192]
+    python bench/kernels.py --cases experts [--tokens 1 32 512]
 
 On CUDA: decode and prefill time of the Triton kernels, of their torch references, and of
 `scaled_dot_product_attention` on keys/values gathered into contiguous tensors first (the
@@ -9,7 +10,9 @@ achieved memory bandwidth as a fraction of the device's peak. Shapes are Llama-3
 attention (32 query heads, 8 kv heads, head_dim 128), block size 16.
 
 On a CPU there is no GPU to time the kernels on: it says so and times the CPU decode paths
-instead (the compiled operator, the plain-torch backend, gathered SDPA).
+instead (the compiled operator, the plain-torch backend, gathered SDPA), and the routed
+experts of a mixture-of-experts layer (the compiled fused-experts operator against the
+plain-torch loop over experts, float32 and bfloat16).
 """
 
 from __future__ import annotations
@@ -191,12 +194,44 @@ def bench_cpu_prefill(dtype: torch.dtype) -> None:
         )
 
 
+def bench_cpu_experts(dtypes: list[torch.dtype], token_counts: list[int]) -> None:
+    """Routed experts on a Qwen3-30B-A3B-scaled layer (hidden 1024, 64 experts, top-8, expert
+    width 256): the compiled operator (`torch.ops.pagefleet.fused_experts`) against the
+    plain-torch loop over experts (`RoutedExperts.forward_torch`, its fallback), measured here."""
+    from pagefleet.engine.layers.experts import RoutedExperts
+    from pagefleet.kernels import cpu_ops
+
+    hidden_size, num_experts, top_k, width = 1024, 64, 8, 256
+    assert cpu_ops.load(), "the compiled CPU operators could not be built"
+    print(f"Fused experts (hidden {hidden_size}, {num_experts} experts, top-{top_k}, width {width}), per layer:")
+    print("dtype tokens | compiled ms | torch loop ms (ratio)")
+    device = torch.device("cpu")
+    for dtype in dtypes:
+        module = RoutedExperts(num_experts, hidden_size, width).to(dtype)
+        for parameter in module.parameters():
+            parameter.data.normal_(std=0.02)
+        for num_tokens in token_counts:
+            hidden = torch.randn(num_tokens, hidden_size, dtype=dtype)
+            logits = torch.randn(num_tokens, num_experts)
+            weights, experts = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+            args = (hidden, weights.to(dtype), experts)
+            compiled = _time(partial(module.forward, *args), device)
+            loop = _time(partial(module.forward_torch, *args), device, repeats=5)
+            name = str(dtype).removeprefix("torch.")
+            print(
+                f"{name:8s} {num_tokens:5d} | {compiled * 1e3:9.3f} | {loop * 1e3:9.3f} (x{loop / compiled:.2f})",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 256])
     parser.add_argument("--contexts", nargs="+", type=int, default=[128, 1024, 8192])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cases", nargs="+", default=["attention", "experts"], choices=["attention", "experts"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 512], help="fused experts: tokens per call")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -205,8 +240,11 @@ def main() -> None:
         bench_cuda(args.batches, args.contexts, dtype)
     else:
         progress("no CUDA device: timing the CPU path")
-        bench_cpu(torch.float32 if args.dtype == "float16" else dtype)
-        bench_cpu_prefill(torch.float32 if args.dtype == "float16" else dtype)
+        if "attention" in args.cases:
+            bench_cpu(torch.float32 if args.dtype == "float16" else dtype)
+            bench_cpu_prefill(torch.float32 if args.dtype == "float16" else dtype)
+        if "experts" in args.cases:
+            bench_cpu_experts([torch.float32, torch.bfloat16], args.tokens)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ building and loading them.
   int8 dot products, one kernel for every number of rows (AVX-512 VNNI on GGML's order
   where the CPU has it, else AVX2 on weights repacked with 8 columns interleaved); AVX2 and
   AVX-512 builds (`has_quantized_linear()`, `quantized_packed_layout()`).
+- `fused_experts` (csrc/cpu_experts.cpp, its matmul in cpu_experts_gemm.h; wrapper
+  `RoutedExperts.forward` in pagefleet/engine/layers/experts.py, reference
+  `fused_experts_torch` in fused_experts.py): a mixture-of-experts layer's routed experts in
+  one call, grouped by expert, a token's bits the same alone or in any batch.
 - `LlamaLayers` (csrc/cpu_decoder.cpp; built by pagefleet/engine/models/compiled_layers.py):
   a Llama-family model's decoder layers as one call per step, through the operators above
   (the same bits as the Python loop, without the interpreter between them).
@@ -54,11 +58,13 @@ SOURCES = [
         "cpu_quant.cpp",
         "cpu_int8.cpp",
         "cpu_decoder.cpp",
+        "cpu_experts.cpp",
         "cpu_quant_columns.h",
         "cpu_attention_avx2.h",
         "cpu_quant_vnni.h",
         "cpu_paged.h",
         "cpu_vec.h",
+        "cpu_experts_gemm.h",
     )
 ]
 ISA_FLAGS = {

@@ -28,13 +28,18 @@ _TYPED_POINTERS = {  # pointers whose type is not the activations'
     "block_mapping_ptr": "*i64",
     "slots_ptr": "*i64",
     "sinks_ptr": "*fp32",
+    "sorted_pairs_ptr": "*i64",
+    "block_experts_ptr": "*i64",
+    "weights_ptr": "*fp32",
 }
+_FLOAT_SCALARS = ("scale", "softcap", "alpha", "limit")
 _DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
     """(name, @triton.jit function, constexpr values) for every kernel."""
     from pagefleet.kernels.copy_blocks import _copy_blocks_kernel
+    from pagefleet.kernels.fused_experts import _down_kernel, _gate_up_kernel
     from pagefleet.kernels.lora import _lora_expand_kernel, _lora_shrink_kernel
     from pagefleet.kernels.paged_attention_decode import DEFAULT_TILE_N, _paged_attention_decode_kernel
     from pagefleet.kernels.paged_attention_prefill import DEFAULT_BLOCK_M, _paged_attention_prefill_kernel
@@ -71,6 +76,15 @@ def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
             _quantized_matmul_kernel,
             {"FOUR_BIT": False, "GROUPS_PER_BLOCK": 2, "BLOCK_M": 16, "BLOCK_N": 64},
         ),
+        *(
+            (
+                f"fused_experts_gate_up_{activation}",
+                _gate_up_kernel,
+                {"HAS_BIAS": activation == 2, "ACTIVATION": activation, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
+            )
+            for activation in range(3)
+        ),
+        ("fused_experts_down", _down_kernel, {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}),
     ]
 
 
@@ -83,15 +97,15 @@ def _signature(fn: Any, dtype: str) -> dict[str, str]:
             signature[name] = _TYPED_POINTERS[name]
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
-        elif name in ("scale", "softcap"):
+        elif name in _FLOAT_SCALARS:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
     return signature
 
 
-def compile_all(capabilities: list[int], dtypes: list[str]) -> list[str]:
-    """Compile every kernel for every target and dtype; returns one line per cubin."""
+def compile_all(capabilities: list[int], dtypes: list[str], names: list[str] | None = None) -> list[str]:
+    """Compile every kernel (or those named) for every target and dtype; one line per cubin."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -100,6 +114,8 @@ def compile_all(capabilities: list[int], dtypes: list[str]) -> list[str]:
     for capability in capabilities:
         target = GPUTarget("cuda", capability, 32)
         for name, fn, constexprs in _kernels():
+            if names is not None and name not in names:
+                continue
             for dtype in dtypes:
                 started = time.perf_counter()
                 source = ASTSource(fn=fn, signature=_signature(fn, _DTYPES[dtype]), constexprs=constexprs)
@@ -116,10 +132,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", nargs="+", type=int, default=[90, 80], help="CUDA compute capabilities")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=sorted(_DTYPES))
+    parser.add_argument("--kernels", nargs="+", help="only these kernels (by the names printed)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("gpu_compile: unset TRITON_INTERPRET; interpreted kernels cannot be compiled")
-    for line in compile_all(args.targets, args.dtypes):
+    for line in compile_all(args.targets, args.dtypes, args.kernels):
         print(line, flush=True)
 
 

@@ -1,11 +1,16 @@
 """Routed experts: each token's hidden state through its top-k experts' gated MLPs, weighted
 and summed back in token order (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, Gemma 4's).
 
-Run expert by expert in ascending order, each over the tokens routed to it, as transformers'
+Expert by expert in ascending order, each over the tokens routed to it, as transformers'
 reference does: a token's sum takes its experts in the same order whatever else is in the
-batch. This is the plain-torch path (the oracle of a fused operator to come); the experts
-are held as two matrices, every expert's gate and up rows stacked, then every expert's
-down rows, so that a checkpoint's per-expert tensors load as consecutive parts.
+batch. The experts are held as two matrices, every expert's gate and up rows stacked, then
+every expert's down rows, so that a checkpoint's per-expert tensors load as consecutive
+parts. Three paths compute the same sum (kernels/fused_experts.py draws the layout):
+
+- CPU with the compiled operators loaded: `torch.ops.pagefleet.fused_experts`
+  (csrc/cpu_experts.cpp), one call, a token's bits the same alone or in any batch;
+- CUDA: the Triton grouped matmuls (kernels/fused_experts.py);
+- otherwise, and as the others' oracle: `forward_torch`, the loop over experts.
 """
 
 from __future__ import annotations
@@ -13,32 +18,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.layers.linear import frozen_parameter
+from pagefleet.kernels import cpu_ops
+from pagefleet.kernels.fused_experts import ACTIVATIONS, activation_torch, fused_experts, fused_experts_torch
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertActivation:
     """How an expert gates: `act(gate) * up` with act "silu" or "gelu_tanh", or gpt-oss's
     "swiglu_oai": gate clamped above at `limit`, up clamped to [-limit, limit], then
-    `(up + 1) * gate * sigmoid(alpha * gate)`."""
+    `(up + 1) * gate * sigmoid(alpha * gate)`.
+
+    Raises:
+        ValueError: a kind not among those three.
+    """
 
     kind: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0
 
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {self.kind!r}: expected one of {ACTIVATIONS}")
+
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.kind == "silu":
-            return F.silu(gate) * up
-        if self.kind == "gelu_tanh":
-            return F.gelu(gate, approximate="tanh") * up
-        if self.kind == "swiglu_oai":
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        raise ValueError(f"unknown expert activation {self.kind!r}")
+        return activation_torch(gate, up, self.kind, self.alpha, self.limit)
 
 
 class RoutedExperts(nn.Module):
@@ -59,23 +65,42 @@ class RoutedExperts(nn.Module):
         self.down_bias = frozen_parameter(num_experts * hidden_size) if bias else None
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H]; weights, experts [T, k]: each token's experts and their weights."""
-        num, width = self.num_experts, self.width
-        gate_up = self.gate_up.view(num, 2 * width, -1)
-        down = self.down.view(num, -1, width)
-        gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias.view(num, 2 * width)
-        down_bias = None if self.down_bias is None else self.down_bias.view(num, -1)
-        out = torch.zeros_like(hidden)
-        for expert in experts.unique().tolist():
-            tokens, slots = torch.where(experts == expert)
-            projected = F.linear(hidden[tokens], gate_up[expert])
-            if gate_up_bias is not None:
-                projected = projected + gate_up_bias[expert]
-            routed = F.linear(self.activation(*projected.chunk(2, dim=-1)), down[expert])
-            if down_bias is not None:
-                routed = routed + down_bias[expert]
-            out.index_add_(0, tokens, (routed * weights[tokens, slots, None]).to(out.dtype))
-        return out
+        """hidden [T, H]; weights, experts [T, k]: each token's experts and their weights
+        (experts int64) -> [T, H] in hidden's dtype."""
+        kind, alpha, limit = self.activation.kind, self.activation.alpha, self.activation.limit
+        if self._can_run_compiled(hidden):
+            return torch.ops.pagefleet.fused_experts(  # type: ignore[no-any-return]
+                hidden,
+                weights.float().contiguous(),
+                experts.long().contiguous(),
+                self.gate_up,
+                self.down,
+                self.gate_up_bias,
+                self.down_bias,
+                ACTIVATIONS.index(kind),
+                alpha,
+                limit,
+            )
+        if hidden.is_cuda:
+            biases = (self.gate_up_bias, self.down_bias)
+            return fused_experts(hidden, weights, experts, self.gate_up, self.down, *biases, kind, alpha, limit)
+        return self.forward_torch(hidden, weights, experts)
+
+    def forward_torch(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The plain-torch loop over experts: the other paths' oracle."""
+        kind, alpha, limit = self.activation.kind, self.activation.alpha, self.activation.limit
+        biases = (self.gate_up_bias, self.down_bias)
+        return fused_experts_torch(hidden, weights, experts, self.gate_up, self.down, *biases, kind, alpha, limit)
+
+    def _can_run_compiled(self, hidden: torch.Tensor) -> bool:
+        return (
+            hidden.device.type == "cpu"
+            and hidden.dtype in (torch.float32, torch.bfloat16)
+            and hidden.dim() == 2
+            and hidden.stride(1) == 1
+            and self.gate_up.dtype == hidden.dtype
+            and cpu_ops.is_loaded()
+        )
 
 
 def softmax_top_k(

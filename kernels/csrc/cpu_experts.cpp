@@ -1,0 +1,372 @@
+// Routed experts in one call: every token through its top-k experts' gated MLPs, weighted
+// and summed back in token order (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, Gemma 4).
+//
+//   fused_experts(hidden [T, H], weights [T, k] float32, experts [T, k] int64,
+//                 gate_up [E*2I, H], down [E*H, I], gate_up_bias [E*2I]?, down_bias [E*H]?,
+//                 activation (0 silu, 1 gelu_tanh, 2 swiglu_oai), alpha, limit) -> [T, H]
+//
+//   1. group: (token, slot) pairs counted per expert, prefix-summed, and listed by expert,
+//      in token order within an expert;
+//   2. per item (up to 64 rows of one expert; items spread over torch's threads, so a
+//      decode step's 8 experts of one row run side by side): gate/up rows, bias and
+//      activation in one pass over them, down rows, bias, the routing weight: one
+//      contribution row per pair;
+//   3. per token: its k contributions summed in ascending expert order, in the output dtype.
+//
+// Rounding follows the torch reference (RoutedExperts.forward_torch, engine/layers/experts.py)
+// op by op: each matmul accumulates in float32 and is rounded to the dtype as F.linear's
+// output; each bias add, activation step and product is rounded as its torch op is; the
+// sum adds in the dtype as index_add_ does. Each matmul is cpu_experts_gemm.h's, whose bits
+// for a row never depend on the other rows: a token's output is the same alone or in any
+// batch. bfloat16 results equal the reference's within a rounding step or two (its matmul
+// sums in another order); float32 ones within summation order.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_experts_gemm.h"
+#include "cpu_vec.h"
+
+namespace {
+
+using namespace pagefleet;
+using experts::linear_rows;
+
+constexpr int64_t kRowsPerItem = 64;  // rows of one expert sharing each read of its weights (32: 6% slower at 512 tokens)
+// Multiply-adds below which the experts run on the calling thread (a tiny test model's).
+constexpr int64_t kSerialMacs = 1 << 18;
+
+enum ActivationKind : int64_t { kSilu = 0, kGeluTanh = 1, kSwigluOai = 2 };
+
+struct Activation {
+  int64_t kind;
+  float alpha, limit;
+};
+
+template <typename T>
+struct Problem {
+  const T* hidden;
+  int64_t hidden_stride;
+  const float* weights;  // [T, k]
+  const T* gate_up;      // [E, 2I, H]
+  const T* down;         // [E, H, I]
+  const T* gate_up_bias;  // [E, 2I] or null
+  const T* down_bias;     // [E, H] or null
+  int64_t top_k, hidden_size, width;
+  Activation activation;
+  T* contributions;  // [T * k, H]: pair p = token * k + slot
+};
+
+// The value as a T holds it, as float32 (float: itself; bfloat16: rounded to nearest even).
+template <typename T>
+inline float round_to(float value) {
+  T rounded;
+  narrow(value, &rounded);
+  return widen(rounded);
+}
+
+// Pairs (token * k + slot) listed by expert, in token order within one: expert e's are
+// pairs[offsets[e] .. offsets[e + 1]].
+struct Groups {
+  std::vector<int64_t> offsets, pairs;
+};
+
+Groups group_by_expert(const int64_t* experts, int64_t num_pairs, int64_t num_experts) {
+  Groups groups{std::vector<int64_t>(num_experts + 1, 0), std::vector<int64_t>(num_pairs)};
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    TORCH_CHECK(experts[p] >= 0 && experts[p] < num_experts, "experts: ", experts[p], " is not below ", num_experts);
+    ++groups.offsets[experts[p] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) groups.offsets[e + 1] += groups.offsets[e];
+  std::vector<int64_t> next(groups.offsets.begin(), groups.offsets.end() - 1);
+  for (int64_t p = 0; p < num_pairs; ++p) groups.pairs[next[experts[p]]++] = p;
+  return groups;
+}
+
+#if defined(__AVX512F__)
+// act(gate) * up on 16 lanes, every step rounded as its torch op rounds.
+template <typename T>
+__m512 activate16(__m512 gate, __m512 up, const Activation& activation) {
+  constexpr T* tag = nullptr;
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  if (activation.kind == kSwigluOai) {
+    const __m512 limit = _mm512_set1_ps(activation.limit);
+    gate = _mm512_min_ps(gate, limit);
+    up = _mm512_max_ps(_mm512_min_ps(up, limit), _mm512_sub_ps(zero, limit));
+    const __m512 up_plus_one = round_as(tag, _mm512_add_ps(up, one));
+    const __m512 scaled = round_as(tag, _mm512_mul_ps(gate, _mm512_set1_ps(activation.alpha)));
+    const __m512 sigmoid = round_as(tag, _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, scaled)))));
+    return round_as(tag, _mm512_mul_ps(up_plus_one, round_as(tag, _mm512_mul_ps(gate, sigmoid))));
+  }
+  __m512 a = gate;  // silu: g / (1 + exp(-g)); GELU's tanh form: the same with a = 2 sqrt(2/pi) (g + 0.044715 g^3)
+  if (activation.kind == kGeluTanh)
+    a = _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f),
+                      _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), gate), _mm512_mul_ps(gate, gate), gate));
+  const __m512 act = _mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, a))));
+  return round_as(tag, _mm512_mul_ps(round_as(tag, act), up));
+}
+#endif
+
+template <typename T>
+float activate(float gate, float up, const Activation& activation) {
+  if (activation.kind == kSwigluOai) {
+    gate = std::min(gate, activation.limit);
+    up = std::max(std::min(up, activation.limit), -activation.limit);
+    const float scaled = round_to<T>(gate * activation.alpha);
+    const float sigmoid = round_to<T>(1.f / (1.f + std::exp(-scaled)));
+    return round_to<T>(round_to<T>(up + 1.f) * round_to<T>(gate * sigmoid));
+  }
+  const float a = activation.kind == kGeluTanh ? 1.5957691216057308f * std::fma(0.044715f * gate, gate * gate, gate)
+                                               : gate;
+  return round_to<T>(round_to<T>(gate / (1.f + std::exp(-a))) * up);
+}
+
+// One row of gate/up sums [2I] -> activated [I]: rounded as F.linear's output, the bias
+// added (rounded), then the activation.
+template <typename T>
+void activate_row(const float* projected, const T* bias, int64_t width, const Activation& activation, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  constexpr T* tag = nullptr;
+  for (; i + 16 <= width; i += 16) {
+    __m512 gate = round_as(tag, _mm512_loadu_ps(projected + i));
+    __m512 up = round_as(tag, _mm512_loadu_ps(projected + width + i));
+    if (bias != nullptr) {
+      gate = round_as(tag, _mm512_add_ps(gate, load16(bias + i)));
+      up = round_as(tag, _mm512_add_ps(up, load16(bias + width + i)));
+    }
+    _mm512_storeu_ps(out + i, activate16<T>(gate, up, activation));
+  }
+#endif
+  for (; i < width; ++i) {
+    float gate = round_to<T>(projected[i]), up = round_to<T>(projected[width + i]);
+    if (bias != nullptr) {
+      gate = round_to<T>(gate + widen(bias[i]));
+      up = round_to<T>(up + widen(bias[width + i]));
+    }
+    out[i] = activate<T>(gate, up, activation);
+  }
+}
+
+// One row of down sums [H] -> the pair's contribution: rounded, the bias added (rounded),
+// times the routing weight (rounded), as `(routed * weight).to(dtype)`.
+template <typename T>
+void finish_row(const float* routed, const T* bias, float weight, int64_t size, T* out) {
+  int64_t h = 0;
+#if defined(__AVX512F__)
+  constexpr T* tag = nullptr;
+  const __m512 scale = _mm512_set1_ps(weight);
+  for (; h + 16 <= size; h += 16) {
+    __m512 value = round_as(tag, _mm512_loadu_ps(routed + h));
+    if (bias != nullptr) value = round_as(tag, _mm512_add_ps(value, load16(bias + h)));
+    store16(out + h, _mm512_mul_ps(value, scale));
+  }
+#endif
+  for (; h < size; ++h) {
+    float value = round_to<T>(routed[h]);
+    if (bias != nullptr) value = round_to<T>(value + widen(bias[h]));
+    narrow(value * weight, out + h);
+  }
+}
+
+struct Item {
+  int64_t expert, first, end;  // pairs[first .. end] of one expert
+};
+
+// Per thread, kRowsPerItem rows each. X: the type of the rows the matmuls read (float32,
+// or bfloat16 for the bfloat16 dot): `inputs` and `activated_rows` point at them.
+template <typename X>
+struct Workspace {
+  std::vector<X> gathered, activated_x;
+  std::vector<float> projected, activated, routed;
+  std::vector<const X*> inputs, activated_rows;
+  Workspace(int64_t hidden, int64_t width)
+      : gathered(kRowsPerItem * hidden), activated_x(kRowsPerItem * width), projected(kRowsPerItem * 2 * width),
+        activated(kRowsPerItem * width), routed(kRowsPerItem * hidden), inputs(kRowsPerItem),
+        activated_rows(kRowsPerItem) {}
+};
+
+// The row a matmul reads for a token: the hidden row in place where it is of type X, else
+// widened into `buffer`.
+template <typename X, typename T>
+const X* input_row(const Problem<T>& problem, int64_t token, X* buffer) {
+  const T* row = problem.hidden + token * problem.hidden_stride;
+  if constexpr (std::is_same_v<T, X>) {
+    return row;
+  } else {
+    for (int64_t h = 0; h < problem.hidden_size; ++h) buffer[h] = widen(row[h]);
+    return buffer;
+  }
+}
+
+// Activated row r as X reads it: in place for float32; narrowed for bfloat16 (exact: the
+// activation already rounded every value to the dtype).
+template <typename X>
+void expose_activated(Workspace<X>& space, int64_t r, int64_t width) {
+  float* row = space.activated.data() + r * width;
+  if constexpr (std::is_same_v<X, float>) {
+    space.activated_rows[r] = row;
+  } else {
+    X* narrowed = space.activated_x.data() + r * width;
+    for (int64_t i = 0; i < width; ++i) narrow(row[i], narrowed + i);
+    space.activated_rows[r] = narrowed;
+  }
+}
+
+template <typename T, typename X>
+void run_item(const Problem<T>& problem, const Groups& groups, const Item& item, Workspace<X>& space) {
+  const int64_t hidden = problem.hidden_size, width = problem.width, rows = item.end - item.first;
+  const int64_t* pairs = groups.pairs.data() + item.first;
+  for (int64_t r = 0; r < rows; ++r)
+    space.inputs[r] = input_row(problem, pairs[r] / problem.top_k, space.gathered.data() + r * hidden);
+  const T* gate_up = problem.gate_up + item.expert * 2 * width * hidden;
+  linear_rows(space.inputs.data(), rows, gate_up, hidden, 2 * width, space.projected.data(), 2 * width);
+  const T* gate_up_bias = problem.gate_up_bias ? problem.gate_up_bias + item.expert * 2 * width : nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    activate_row(space.projected.data() + r * 2 * width, gate_up_bias, width, problem.activation,
+                 space.activated.data() + r * width);
+    expose_activated(space, r, width);
+  }
+  const T* down = problem.down + item.expert * hidden * width;
+  linear_rows(space.activated_rows.data(), rows, down, width, hidden, space.routed.data(), hidden);
+  const T* down_bias = problem.down_bias ? problem.down_bias + item.expert * hidden : nullptr;
+  for (int64_t r = 0; r < rows; ++r)
+    finish_row(space.routed.data() + r * hidden, down_bias, problem.weights[pairs[r]], hidden,
+               problem.contributions + pairs[r] * hidden);
+}
+
+std::vector<Item> split_into_items(const Groups& groups) {
+  std::vector<Item> items;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(groups.offsets.size()); ++e)
+    for (int64_t first = groups.offsets[e]; first < groups.offsets[e + 1]; first += kRowsPerItem)
+      items.push_back({e, first, std::min(groups.offsets[e + 1], first + kRowsPerItem)});
+  return items;
+}
+
+// out[t] = sum of token t's contributions in ascending expert order, each add rounded to T.
+template <typename T>
+void sum_in_expert_order(const T* contributions, const int64_t* experts, int64_t num_tokens, int64_t top_k,
+                         int64_t size, T* out) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, size * top_k));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> order(top_k);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t s = 0; s < top_k; ++s) order[s] = s;
+      const int64_t* mine = experts + t * top_k;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return mine[a] < mine[b]; });
+      int64_t h = 0;
+#if defined(__AVX512F__)
+      for (; h + 16 <= size; h += 16) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t s : order)
+          sum = round_as(static_cast<T*>(nullptr), _mm512_add_ps(sum, load16(contributions + (t * top_k + s) * size + h)));
+        store16(out + t * size + h, sum);
+      }
+#endif
+      for (; h < size; ++h) {
+        float sum = 0.f;
+        for (int64_t s : order) sum = round_to<T>(sum + widen(contributions[(t * top_k + s) * size + h]));
+        narrow(sum, out + t * size + h);
+      }
+    }
+  });
+}
+
+template <typename T, typename X>
+void run_items(const Problem<T>& problem, const Groups& groups) {
+  const std::vector<Item> items = split_into_items(groups);
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t macs = static_cast<int64_t>(groups.pairs.size()) * 3 * problem.hidden_size * problem.width;
+  at::parallel_for(0, count, macs < kSerialMacs ? std::max<int64_t>(count, 1) : 1, [&](int64_t begin, int64_t end) {
+    Workspace<X> space(problem.hidden_size, problem.width);
+    for (int64_t i = begin; i < end; ++i) run_item(problem, groups, items[i], space);
+  });
+}
+
+// bfloat16 rows through the bfloat16 dot where the CPU has one, else everything in float32.
+template <typename T>
+void run_experts(const Problem<T>& problem, const Groups& groups) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (experts::has_bf16_dot()) return run_items<T, c10::BFloat16>(problem, groups);
+  }
+#endif
+  run_items<T, float>(problem, groups);
+}
+
+void check_arguments(const at::Tensor& hidden, const at::Tensor& weights, const at::Tensor& experts,
+                     const at::Tensor& gate_up, const at::Tensor& down, const c10::optional<at::Tensor>& gate_up_bias,
+                     const c10::optional<at::Tensor>& down_bias) {
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2 && hidden.stride(1) == 1,
+              "hidden: [T, H] on the CPU, rows contiguous");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 2 &&
+                  weights.size(0) == hidden.size(0),
+              "weights: [T, k] float32, contiguous");
+  TORCH_CHECK(experts.scalar_type() == at::kLong && experts.is_contiguous() && experts.sizes() == weights.sizes(),
+              "experts: [T, k] int64, contiguous, the shape of weights");
+  const int64_t size = hidden.size(1), width = down.size(1);
+  TORCH_CHECK(down.dim() == 2 && down.is_contiguous() && down.size(0) % size == 0, "down: [E*H, I], contiguous");
+  const int64_t num_experts = down.size(0) / size;
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(0) == num_experts * 2 * width &&
+                  gate_up.size(1) == size,
+              "gate_up: [E*2I, H], contiguous");
+  TORCH_CHECK(gate_up.scalar_type() == hidden.scalar_type() && down.scalar_type() == hidden.scalar_type(),
+              "gate_up, down: the dtype of hidden");
+  TORCH_CHECK(gate_up_bias.has_value() == down_bias.has_value(), "gate_up_bias and down_bias: both or neither");
+  if (gate_up_bias.has_value()) {
+    TORCH_CHECK(gate_up_bias->is_contiguous() && gate_up_bias->numel() == gate_up.size(0) &&
+                    gate_up_bias->scalar_type() == hidden.scalar_type(),
+                "gate_up_bias: [E*2I] contiguous, the dtype of hidden");
+    TORCH_CHECK(down_bias->is_contiguous() && down_bias->numel() == down.size(0) &&
+                    down_bias->scalar_type() == hidden.scalar_type(),
+                "down_bias: [E*H] contiguous, the dtype of hidden");
+  }
+}
+
+at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& weights, const at::Tensor& experts,
+                         const at::Tensor& gate_up, const at::Tensor& down,
+                         const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
+                         int64_t activation, double alpha, double limit) {
+  check_arguments(hidden, weights, experts, gate_up, down, gate_up_bias, down_bias);
+  TORCH_CHECK(activation >= kSilu && activation <= kSwigluOai, "activation: 0 silu, 1 gelu_tanh, 2 swiglu_oai");
+  const int64_t num_tokens = hidden.size(0), top_k = weights.size(1), size = hidden.size(1);
+  const int64_t width = down.size(1), num_experts = down.size(0) / size;
+  const Groups groups = group_by_expert(experts.data_ptr<int64_t>(), num_tokens * top_k, num_experts);
+  at::Tensor out = at::empty({num_tokens, size}, hidden.options());
+  at::Tensor contributions = at::empty({num_tokens * top_k, size}, hidden.options());
+  dispatch_float(hidden, [&](auto tag) {
+    using T = decltype(tag);
+    const Problem<T> problem{hidden.data_ptr<T>(),
+                             hidden.stride(0),
+                             weights.data_ptr<float>(),
+                             gate_up.data_ptr<T>(),
+                             down.data_ptr<T>(),
+                             gate_up_bias.has_value() ? gate_up_bias->data_ptr<T>() : nullptr,
+                             down_bias.has_value() ? down_bias->data_ptr<T>() : nullptr,
+                             top_k,
+                             size,
+                             width,
+                             {activation, static_cast<float>(alpha), static_cast<float>(limit)},
+                             contributions.data_ptr<T>()};
+    run_experts(problem, groups);
+    sum_in_expert_order(contributions.data_ptr<T>(), experts.data_ptr<int64_t>(), num_tokens, top_k, size,
+                        out.data_ptr<T>());
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
+  m.def(
+      "fused_experts(Tensor hidden, Tensor weights, Tensor experts, Tensor gate_up, Tensor down, "
+      "Tensor? gate_up_bias, Tensor? down_bias, int activation, float alpha, float limit) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagefleet, CPU, m) { m.impl("fused_experts", &fused_experts); }

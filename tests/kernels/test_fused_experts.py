@@ -1,0 +1,183 @@
+"""The fused-experts operators against the plain-torch loop over experts.
+
+The compiled CPU operator (`torch.ops.pagefleet.fused_experts`) and the Triton kernels
+(interpreted) equal `fused_experts_torch` for float32 and bfloat16, every activation, with
+and without biases, with experts that receive no token, one token, and top-1. The CPU
+operator's contract is checked bit for bit: a token's output is the same alone and among 99
+others, and its contributions are added in ascending expert order whatever the slot order.
+Sizes are not multiples of the 16-lane vectors, so every tail runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagefleet.engine.layers.experts import ExpertActivation, RoutedExperts
+from pagefleet.kernels import cpu_ops
+from pagefleet.kernels.checks import KernelArgumentError
+from pagefleet.kernels.fused_experts import ACTIVATIONS, fused_experts, fused_experts_torch, moe_align
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+HIDDEN = 40  # every module here; 2 x 16 lanes + 8
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@pytest.fixture(scope="module")
+def operators() -> None:
+    assert cpu_ops.load(), "g++ and ninja are on every machine here: the operators must build"
+
+
+def _experts(
+    num_experts: int, hidden: int, width: int, kind: str, bias: bool, dtype: torch.dtype, seed: int = 0
+) -> RoutedExperts:
+    generator = torch.Generator().manual_seed(seed)
+    module = RoutedExperts(num_experts, hidden, width, ExpertActivation(kind), bias)
+    for parameter in module.parameters():
+        # std 0.3: gates reach gpt-oss's clamp at 7 now and then
+        parameter.data = (torch.randn(parameter.shape, generator=generator) * 0.3).to(dtype)
+    return module
+
+
+def _routes(
+    num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, unused: int = 0, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [T, HIDDEN], weights, experts): random routes, the last `unused` experts never chosen, each
+    token's experts in the router's order (by weight, not by id)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    logits[:, num_experts - unused :] = float("-inf")
+    weights, experts = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=generator)
+    return hidden, weights, experts
+
+
+def _compiled(module: RoutedExperts, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor):  # type: ignore[no-untyped-def]
+    activation = module.activation
+    return torch.ops.pagefleet.fused_experts(
+        hidden,
+        weights.float().contiguous(),
+        experts.contiguous(),
+        module.gate_up,
+        module.down,
+        module.gate_up_bias,
+        module.down_bias,
+        ACTIVATIONS.index(activation.kind),
+        activation.alpha,
+        activation.limit,
+    )
+
+
+@DTYPES
+@pytest.mark.parametrize("kind", ACTIVATIONS)
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_cpu_operator_equals_the_reference(operators: None, dtype: torch.dtype, kind: str, bias: bool) -> None:
+    module = _experts(7, 40, 24, kind, bias, dtype)
+    hidden, weights, experts = _routes(13, 7, 3, dtype, unused=2)
+    hidden, weights = hidden.to(dtype), weights.to(dtype)
+    expected = module.forward_torch(hidden, weights, experts)
+    torch.testing.assert_close(_compiled(module, hidden, weights, experts), expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(module(hidden, weights, experts), expected, **TOLERANCE[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 1), (1, 4), (5, 1), (150, 2)])
+def test_cpu_operator_on_few_tokens_and_top_1(operators: None, dtype: torch.dtype, num_tokens: int, top_k: int) -> None:
+    """Wider shapes (vectors with tails: 40 = 2 x 16 + 8, width 56 = 3 x 16 + 8); 150 tokens
+    on 3 experts fill several 64-row items of one expert; float32 routing weights, as
+    Mixtral and Gemma 4 keep them."""
+    module = _experts(5, 40, 56, "silu", False, dtype)
+    hidden, weights, experts = _routes(num_tokens, 5, top_k, dtype, unused=2 if top_k < 3 else 0)
+    hidden = hidden.to(dtype)
+    expected = module.forward_torch(hidden, weights, experts)
+    torch.testing.assert_close(module(hidden, weights, experts), expected, **TOLERANCE[dtype])
+
+
+def test_no_token_gives_an_empty_output(operators: None) -> None:
+    module = _experts(4, 40, 24, "silu", True, torch.float32)
+    out = module(torch.zeros(0, 40), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int64))
+    assert out.shape == (0, 40)
+
+
+@DTYPES
+def test_a_token_has_the_same_bits_alone_and_in_a_batch(operators: None, dtype: torch.dtype) -> None:
+    """100 tokens on 3 experts: groups of 50-80 rows, cut into items and tiles of every size,
+    against each token run alone (a group of one row), and the batch in another order."""
+    module = _experts(3, 40, 24, "swiglu_oai", True, dtype)
+    hidden, weights, experts = _routes(100, 3, 2, dtype)
+    hidden = hidden.to(dtype)
+    batch = _compiled(module, hidden, weights, experts)
+    for token in range(100):
+        alone = _compiled(module, hidden[token : token + 1], weights[token : token + 1], experts[token : token + 1])
+        assert torch.equal(alone[0], batch[token]), f"token {token} changed with the batch"
+    reordered = torch.randperm(100, generator=torch.Generator().manual_seed(2))
+    shuffled = _compiled(module, hidden[reordered], weights[reordered], experts[reordered])
+    assert torch.equal(shuffled, batch[reordered])
+
+
+@DTYPES
+def test_contributions_add_in_ascending_expert_order(operators: None, dtype: torch.dtype) -> None:
+    """Each (token, expert) contribution alone (top-1 with its weight: 0 + c is c), then the
+    token's sum in the dtype by ascending expert id: the operator's bits, whatever order the
+    router listed the experts in. The same sums in slot order differ somewhere, so the order
+    is what this test sees."""
+    module = _experts(6, 40, 24, "gelu_tanh", False, dtype)
+    hidden, weights, experts = _routes(32, 6, 4, dtype)
+    hidden = hidden.to(dtype)
+    out = _compiled(module, hidden, weights, experts)
+    parts = [_compiled(module, hidden, weights[:, s : s + 1], experts[:, s : s + 1]) for s in range(4)]
+    by_expert, by_slot = torch.zeros_like(out), torch.zeros_like(out)
+    for token in range(32):
+        for slot in sorted(range(4), key=lambda s: int(experts[token, s])):
+            by_expert[token] += parts[slot][token]
+        for slot in range(4):
+            by_slot[token] += parts[slot][token]
+    assert torch.equal(out, by_expert)
+    assert not torch.equal(out, by_slot), "no token's sum depends on the order: the test proves nothing"
+
+
+def test_unknown_activation_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown expert activation 'relu'"):
+        ExpertActivation("relu")
+
+
+def test_moe_align_pads_each_expert_to_whole_blocks() -> None:
+    experts = torch.tensor([[2, 0], [2, 3], [0, 2]])  # pairs 0..5: e2, e0, e2, e3, e0, e2
+    sorted_pairs, block_experts = moe_align(experts, 5, 4)
+    pad = 6
+    assert sorted_pairs.tolist()[:12] == [1, 4, pad, pad, 0, 2, 5, pad, 3, pad, pad, pad]
+    assert block_experts.tolist()[:3] == [0, 2, 3] and set(block_experts.tolist()[3:]) == {-1}
+
+
+@pytest.mark.triton
+@DTYPES
+@pytest.mark.parametrize("kind", ACTIVATIONS)
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_triton_kernels_equal_the_reference(dtype: torch.dtype, kind: str, bias: bool) -> None:
+    """Interpreted: blocks of 16 rows over 7 experts (2 unused), 24 columns in tiles of 16."""
+    module = _experts(7, 40, 24, kind, bias, dtype)
+    hidden, weights, experts = _routes(11, 7, 2, dtype, unused=2)
+    hidden, weights = hidden.to(dtype), weights.to(dtype)
+    biases = (module.gate_up_bias, module.down_bias)
+    out = fused_experts(hidden, weights, experts, module.gate_up, module.down, *biases, kind, block_n=16, block_k=32)
+    expected = fused_experts_torch(hidden, weights, experts, module.gate_up, module.down, *biases, kind)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.triton
+def test_triton_on_one_token_top_1() -> None:
+    module = _experts(3, 40, 24, "silu", False, torch.float32)
+    hidden, weights, experts = _routes(1, 3, 1, torch.float32)
+    out = fused_experts(hidden, weights, experts, module.gate_up, module.down, block_n=32, block_k=64)
+    torch.testing.assert_close(out, module.forward_torch(hidden, weights, experts), **TOLERANCE[torch.float32])
+
+
+def test_launcher_names_a_wrong_argument() -> None:
+    module = _experts(3, 40, 24, "silu", True, torch.float32)
+    hidden, weights, experts = _routes(2, 3, 2, torch.float32)
+    with pytest.raises(KernelArgumentError, match="gate_up_bias and down_bias"):
+        fused_experts(hidden, weights, experts, module.gate_up, module.down, module.gate_up_bias, None)
+    with pytest.raises(KernelArgumentError, match="gate_up: expected shape"):
+        fused_experts(hidden, weights, experts, module.gate_up[:-2], module.down)
+    with pytest.raises(KernelArgumentError, match="activation: 'relu'"):
+        fused_experts(hidden, weights, experts, module.gate_up, module.down, activation="relu")
