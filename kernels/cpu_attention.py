@@ -40,6 +40,7 @@ def paged_attention_decode_cpu(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Decode attention -> [num_seqs, num_heads, head_dim], like `paged_attention_decode_torch`.
 
@@ -47,13 +48,23 @@ def paged_attention_decode_cpu(
     block_size, num_kv_heads, head_dim] (any strides, head_dim contiguous); block_tables:
     [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32; softcap: the logit
     soft-cap (None: none, and the same bits as before it existed); sinks: [num_heads]
-    logits (gpt-oss; None: none). Call `cpu_ops.load()` first.
+    logits (gpt-oss; None: none); chunk: each row sees only its own chunk of this many
+    positions (Llama 4's chunked attention; None: no chunks). Call `cpu_ops.load()` first.
     """
     _check(query, key_cache, value_cache, block_tables, context_lens)
     check_sinks(sinks, query)
     block_tables, context_lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
     return torch.ops.pagefleet.paged_attention_decode(
-        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window or 0, softcap or 0.0, sinks
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        scale,
+        sliding_window or 0,
+        softcap or 0.0,
+        sinks,
+        chunk or 0,
     )
 
 
@@ -68,6 +79,7 @@ def paged_attention_prefill_cpu(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention -> [num_tokens, num_heads, head_dim], like `paged_attention_prefill_torch`.
 
@@ -93,4 +105,5 @@ def paged_attention_prefill_cpu(
         sliding_window or 0,
         softcap or 0.0,
         sinks,
+        chunk or 0,
     )

@@ -9,7 +9,8 @@ accumulates in float32 whatever the cache dtype, and head sizes need not be powe
 first key), so the running maximum is always finite. A `softcap` > 0 caps every scaled score
 as softcap * tanh(score / softcap) before the softmax (Gemma 2's attn_logit_softcapping).
 `sinks` (gpt-oss): one learned logit per query head that joins each softmax's denominator
-and has no value, so a head can attend to nothing.
+and has no value, so a head can attend to nothing. A `chunk` > 0 (Llama 4's chunked
+attention) shows each query only the keys of its own chunk of `chunk` positions.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def _paged_attention_decode_kernel(
     group_size,
     sliding_window,  # <= 0: none
     softcap,  # <= 0: none
+    chunk,  # <= 0: none
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -76,6 +78,7 @@ def _paged_attention_decode_kernel(
 
     # The query sits at context_len - 1; with a window it sees only the last `window` keys.
     first = tl.where(sliding_window > 0, tl.maximum(context_len - sliding_window, 0), 0)
+    first = tl.where(chunk > 0, (context_len - 1) // tl.maximum(chunk, 1) * chunk, first)
     start = (first // TILE_N) * TILE_N
 
     m = tl.max(tl.full([TILE_N], float("-inf"), tl.float32), axis=0)
@@ -138,12 +141,14 @@ def paged_attention_decode(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
     tile_n: int = DEFAULT_TILE_N,
 ) -> torch.Tensor:
     """query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] (entries past a
     sequence's context are ignored); context_lens: [num_seqs], each >= 1; softcap: the
-    logit soft-cap (None: none); sinks: [num_heads] logits (None: none).
+    logit soft-cap (None: none); sinks: [num_heads] logits (None: none); chunk: the
+    chunked-attention size (None: none).
 
     Returns [num_seqs, num_heads, head_dim] in the query's dtype.
     """
@@ -175,6 +180,7 @@ def paged_attention_decode(
         num_heads // key_cache.shape[2],
         sliding_window or 0,
         float(softcap or 0.0),
+        chunk or 0,
         BLOCK_D=triton.next_power_of_2(head_dim),
         TILE_N=tile_n,
         HAS_SINKS=sinks is not None,
@@ -192,6 +198,7 @@ def paged_attention_decode_torch(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """The reference: each sequence's keys gathered through its table, plain softmax."""
     _check(query, key_cache, value_cache, block_tables, context_lens)
@@ -200,7 +207,11 @@ def paged_attention_decode_torch(
     for seq in range(query.shape[0]):
         length = int(context_lens[seq])
         keys, values = gather_context(key_cache, value_cache, block_tables[seq], length)
-        first = max(0, length - sliding_window) if sliding_window else 0
+        first = 0
+        if sliding_window:
+            first = max(0, length - sliding_window)
+        elif chunk:
+            first = (length - 1) // chunk * chunk
         out[seq] = attend(
             query[seq : seq + 1], keys[first:], values[first:], scale, None, softcap=softcap, sinks=sinks
         )[0]
@@ -226,6 +237,7 @@ def attend(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Float32 softmax attention with grouped-query heads -> [q_len, num_heads, head_dim].
 
@@ -233,6 +245,7 @@ def attend(
     at key position causal_offset + i and sees keys up to it (the last `sliding_window`).
     With `softcap`, each scaled score becomes softcap * tanh(score / softcap), before the mask.
     With `sinks` [H], each head's softmax has one more logit, dropped after it (gpt-oss).
+    With `chunk`, query i sees only the keys of its own chunk of `chunk` positions.
     """
     group = query.shape[1] // keys.shape[1]
     q = query.float().transpose(0, 1)  # [H, q, D]
@@ -247,6 +260,8 @@ def attend(
         hidden = key_pos > query_pos
         if sliding_window:
             hidden |= key_pos <= query_pos - sliding_window
+        if chunk:
+            hidden |= key_pos < query_pos // chunk * chunk
         scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)

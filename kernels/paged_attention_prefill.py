@@ -8,7 +8,8 @@ chunked prefill and prefix-cache hits alike. One program per (sequence, tile of 
 queries, query head) runs an online softmax over `TILE_N` keys at a time, stopping at the
 tile's last visible key; float32 throughout. A `softcap` > 0 caps every scaled score as
 softcap * tanh(score / softcap) before the mask and the softmax (Gemma 2); `sinks` add one
-logit per head to every softmax's denominator (gpt-oss).
+logit per head to every softmax's denominator (gpt-oss); a `chunk` > 0 shows each query
+only the keys of its own chunk of `chunk` positions (Llama 4).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _paged_attention_prefill_kernel(
     group_size,
     sliding_window,  # <= 0: none
     softcap,  # <= 0: none
+    chunk,  # <= 0: none
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -82,6 +84,8 @@ def _paged_attention_prefill_kernel(
     tile_first_pos = prefix + tile_m * BLOCK_M
     hi = tl.where(tile_m * BLOCK_M < q_len, tl.minimum(context_len, tile_first_pos + BLOCK_M), 0)
     lo = tl.where(sliding_window > 0, tl.maximum(tile_first_pos - sliding_window + 1, 0), 0)
+    chunk_size = tl.maximum(chunk, 1)  # read only where chunk > 0
+    lo = tl.where(chunk > 0, tile_first_pos // chunk_size * chunk_size, lo)
     lo = (lo // TILE_N) * TILE_N
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -101,6 +105,8 @@ def _paged_attention_prefill_kernel(
             scores = soft_cap(scores, softcap)
         visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
         visible = visible & ((sliding_window <= 0) | (key_pos[None, :] > query_pos[:, None] - sliding_window))
+        same_chunk = key_pos[None, :] // chunk_size == query_pos[:, None] // chunk_size
+        visible = visible & ((chunk <= 0) | same_chunk)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
@@ -155,6 +161,7 @@ def paged_attention_prefill(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
     block_m: int = DEFAULT_BLOCK_M,
     tile_n: int = DEFAULT_TILE_N,
 ) -> torch.Tensor:
@@ -162,7 +169,7 @@ def paged_attention_prefill(
     cu_seqlens: [num_seqs + 1] chunk boundaries; context_lens: [num_seqs] cached prefix +
     chunk; block_tables: [num_seqs, max_blocks]; max_query_len: the longest chunk (sizes
     the grid without reading the device); softcap: the logit soft-cap (None: none); sinks:
-    [num_heads] logits (None: none).
+    [num_heads] logits (None: none); chunk: the chunked-attention size (None: none).
 
     Returns [num_tokens, num_heads, head_dim] in the query's dtype.
     """
@@ -197,6 +204,7 @@ def paged_attention_prefill(
         num_heads // key_cache.shape[2],
         sliding_window or 0,
         float(softcap or 0.0),
+        chunk or 0,
         BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         TILE_N=tile_n,
@@ -217,6 +225,7 @@ def paged_attention_prefill_torch(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """The reference: each sequence's context gathered through its table, masked softmax."""
     _check(query, key_cache, value_cache, block_tables, cu_seqlens, context_lens)
@@ -230,5 +239,5 @@ def paged_attention_prefill_torch(
         length = int(context_lens[seq])
         keys, values = gather_context(key_cache, value_cache, block_tables[seq], length)
         prefix = length - (end - start)
-        out[start:end] = attend(query[start:end], keys, values, scale, prefix, sliding_window, softcap, sinks)
+        out[start:end] = attend(query[start:end], keys, values, scale, prefix, sliding_window, softcap, sinks, chunk)
     return out

@@ -30,7 +30,7 @@ TINY_VOCAB = 384
 TINY_ARCHITECTURES = [
     *("llama", "mistral", "qwen2", "qwen3"),
     *("gemma2", "gemma3", "gemma4", "smollm3", "granite", "olmo2", "phi3"),
-    *("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3"),
+    *("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4"),
     "gpt2",
 ]
 # The families of issue 53: their own code is the model, so the scheduler's and the memory
@@ -48,6 +48,7 @@ NEWER_FAMILIES = (
     "mixtral",
     "gpt_oss",
     "deepseek_v3",
+    "llama4",
 )
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks.",
@@ -128,6 +129,23 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
             num_experts_per_tok=2,
             swiglu_limit=2.0,
             rope_parameters=yarn | dict(rope_theta=10000.0, original_max_position_embeddings=16),
+            **common,
+        )
+    if arch == "llama4":  # layers of 8-position chunks with RoPE (interleaved pairs) and L2-normed
+        # q and k, between global NoPE layers whose queries' temperature rises every 4 positions;
+        # experts (top 1) and a shared expert on the second and fourth layers
+        return tf.Llama4TextConfig(
+            **sizes | dict(num_hidden_layers=4, intermediate_size=32),
+            head_dim=16,
+            intermediate_size_mlp=128,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            moe_layers=[1, 3],
+            no_rope_layers=[1, 0, 1, 0],
+            attention_chunk_size=8,
+            floor_scale=4,
+            attn_scale=0.5,
+            architectures=["Llama4ForCausalLM"],
             **common,
         )
     if arch == "deepseek_v3":  # latent attention (a 32-wide latent, 16 RoPE dims, interleaved),

@@ -148,13 +148,15 @@ class AttentionBackend(Protocol):
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads,
         head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]; metadata: what
         this backend's `prepare` built; the layer's own attention: each query sees the last
         `window` keys (None: all), its scores scaled by `scale`, then capped as
         `softcap * tanh(score / softcap)` (None: no cap); `sinks` [num_heads]: one
-        more logit per head in each softmax's denominator, with no value (gpt-oss; None: none).
+        more logit per head in each softmax's denominator, with no value (gpt-oss; None: none);
+        `chunk`: each query sees only its own chunk of that many positions (Llama 4; None: none).
 
         Returns: [num_tokens, num_heads, head_dim] in the query's dtype.
         """

@@ -67,6 +67,7 @@ class CpuAttentionBackend:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         batch = metadata
         assert isinstance(batch, CpuMetadata), "metadata from another backend's prepare()"
@@ -89,4 +90,5 @@ class CpuAttentionBackend:
             window or 0,
             softcap or 0.0,
             sinks,
+            chunk or 0,
         )

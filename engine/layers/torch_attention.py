@@ -42,9 +42,9 @@ class DecodeBucket:
     head_block_ids: torch.Tensor  # [kv_heads * b * num_blocks] rows of the head-major storage
     block_ids: torch.Tensor  # [b * num_blocks] the blocks themselves (padded pages read these)
     row_lengths: torch.Tensor  # [b] each row's context length (the query sits at length - 1)
-    # Per window (None: all keys), [kv_heads * b, 1, num_blocks * block_size] additive masks,
-    # 0 or -inf, made by the first layer that asks.
-    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # Per (window, chunk) (None: all keys), [kv_heads * b, 1, num_blocks * block_size]
+    # additive masks, 0 or -inf, made by the first layer that asks.
+    biases: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -96,17 +96,20 @@ class TorchAttentionBackend:
             row_lengths=torch.tensor([lengths[i] for i in group]),
         )
 
-    def _bias(self, bucket: DecodeBucket, window: int | None) -> torch.Tensor:
-        """The bucket's additive mask for layers that see the last `window` keys (None: all)."""
-        bias = bucket.biases.get(window)
+    def _bias(self, bucket: DecodeBucket, window: int | None, chunk: int | None) -> torch.Tensor:
+        """The bucket's additive mask for layers that see the last `window` keys, or the keys
+        of the query's own `chunk` (None: all)."""
+        bias = bucket.biases.get((window, chunk))
         if bias is None:
             spec, lengths = self.spec, bucket.row_lengths[:, None]
             key_positions = torch.arange(bucket.num_blocks * spec.block_size)[None, :]
             masked = key_positions >= lengths
             if window is not None:  # the query sits at length - 1
                 masked |= key_positions <= lengths - 1 - window
+            if chunk is not None:
+                masked |= key_positions < (lengths - 1) // chunk * chunk
             bias = torch.zeros(masked.shape, dtype=spec.dtype).masked_fill_(masked, float("-inf"))
-            bias = bucket.biases[window] = bias.repeat(spec.num_kv_heads, 1).unsqueeze(1).to(spec.device)
+            bias = bucket.biases[window, chunk] = bias.repeat(spec.num_kv_heads, 1).unsqueeze(1).to(spec.device)
         return bias
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -133,20 +136,21 @@ class TorchAttentionBackend:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchMetadata), "metadata from another backend's prepare()"
         reshape_and_cache_torch(key, value, key_cache, value_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
-        shape = Shape(scale, window, softcap, sinks)
+        shape = Shape(scale, window, softcap, sinks, chunk)
         for bucket in metadata.decode_buckets:
             output[bucket.rows] = self._decode_bucket(query, key_cache, value_cache, bucket, shape)
-        for chunk in metadata.prefills:
-            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            if chunk.context_len == chunk.query_len:  # nothing cached before: attend to itself
+        for prefill in metadata.prefills:
+            rows = slice(prefill.query_start, prefill.query_start + prefill.query_len)
+            if prefill.context_len == prefill.query_len:  # nothing cached before: attend to itself
                 chunk_keys, chunk_values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
             else:
-                chunk_keys, chunk_values = _context(key_cache, chunk), _context(value_cache, chunk)
-            output[rows] = _prefill_chunk(query[rows], chunk_keys, chunk_values, chunk, shape)
+                chunk_keys, chunk_values = _context(key_cache, prefill), _context(value_cache, prefill)
+            output[rows] = _prefill_chunk(query[rows], chunk_keys, chunk_values, prefill, shape)
         return output
 
     def _gathered(self, cache: torch.Tensor, bucket: DecodeBucket, name: str) -> torch.Tensor:
@@ -181,7 +185,7 @@ class TorchAttentionBackend:
         # Batch over (kv head, row): [kv*b, group, D] @ [kv*b, D, L] -> [kv*b, group, L].
         q = query.index_select(0, bucket.rows).view(num_rows, num_kv_heads, -1, head_dim)
         q = q.transpose(0, 1).reshape(num_kv_heads * num_rows, -1, head_dim)
-        bias = self._bias(bucket, shape.window)[: num_kv_heads * num_rows]
+        bias = self._bias(bucket, shape.window, shape.chunk)[: num_kv_heads * num_rows]
         if shape.softcap is None:
             scores = torch.baddbmm(bias, q, batch_keys.transpose(1, 2), alpha=shape.scale)
         else:  # capped before the mask, as transformers does
@@ -205,12 +209,13 @@ def _context(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
 @dataclass(slots=True, frozen=True)
 class Shape:
     """One layer's attention: its scale, the keys it sees (the last `window`; None: all), its
-    soft-cap and its sinks [num_heads] (None: none)."""
+    soft-cap, its sinks [num_heads] and its attention chunk (None: none)."""
 
     scale: float
     window: int | None
     softcap: float | None
     sinks: torch.Tensor | None = None
+    chunk: int | None = None
 
 
 def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -238,7 +243,8 @@ def _prefill_chunk(
     prefix = chunk.context_len - chunk.query_len
     window, scale = shape.window, shape.scale
     plain = shape.softcap is None and shape.sinks is None
-    if plain and prefix == 0 and (window is None or window >= chunk.query_len):
+    chunk_size = shape.chunk
+    if plain and prefix == 0 and (window is None or window >= chunk.query_len) and chunk_size is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
@@ -249,6 +255,9 @@ def _prefill_chunk(
     visible = visible.tril(diagonal=prefix)
     if window is not None:
         visible = visible.triu(diagonal=prefix - window + 1)
+    if chunk_size is not None:  # query i (at prefix + i) sees from its chunk's start
+        query_chunks = (prefix + torch.arange(chunk.query_len, device=q.device)) // chunk_size
+        visible &= query_chunks[:, None] == torch.arange(chunk.context_len, device=q.device)[None, :] // chunk_size
     if plain:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=scale, enable_gqa=True

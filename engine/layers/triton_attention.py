@@ -39,6 +39,7 @@ class TritonAttentionBackend:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         batch = metadata
         assert isinstance(batch, PagedBatch), "metadata from another backend's prepare()"
@@ -56,6 +57,7 @@ class TritonAttentionBackend:
                 window,
                 softcap=softcap,
                 sinks=sinks,
+                chunk=chunk,
             )
         if decodes < query.shape[0]:
             output[decodes:] = paged_attention_prefill(
@@ -70,5 +72,6 @@ class TritonAttentionBackend:
                 window,
                 softcap=softcap,
                 sinks=sinks,
+                chunk=chunk,
             )
         return output

@@ -13,6 +13,7 @@ from pagefleet.engine.models.registry import LANGUAGE_MODEL_OF, SUPPORTED_ARCHIT
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional", "yarn")
 SLIDING = "sliding_attention"  # a `layer_types` entry: the layer sees the last `sliding_window` keys
+CHUNKED = "chunked_attention"  # the layer sees the keys of its query's chunk of `attention_chunk` positions
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,6 +53,16 @@ class MoEOptions:
     num_groups: int = 1
     top_groups: int = 1
     routed_scaling: float = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class Llama4Options:
+    """What only Llama 4 has (engine/models/llama4.py)."""
+
+    qk_l2_norm: bool  # RoPE layers L2-normalise q and k per head (`use_qk_norm`)
+    temperature_tuning: bool  # NoPE layers scale queries by log1p(floor((p + 1) / floor_scale)) * scale + 1
+    temperature_scale: float  # `attn_scale`
+    floor_scale: float
 
 
 @dataclass(slots=True, frozen=True)
@@ -123,6 +134,8 @@ class ModelConfig:
     kv_sources: tuple[int, ...] = ()
     gemma4: Gemma4Options | None = None
     moe: MoEOptions | None = None
+    attention_chunk: int | None = None  # "chunked_attention" layers see their own chunk of this many positions
+    llama4: Llama4Options | None = None
     mla: MLAOptions | None = None  # latent attention: the cache holds keys only (values are their first dims)
     language_model_of: str | None = None  # the image checkpoint's architecture whose text model this is
 
@@ -159,9 +172,17 @@ class ModelConfig:
         layers the KV cache groups and the KV connectors count."""
         return [layer for layer in range(self.num_layers) if self.kv_source(layer) == layer]
 
+    def layer_chunk(self, layer: int) -> int | None:
+        """The chunk of positions layer `layer` attends within (Llama 4's RoPE layers), or None."""
+        chunked = self.layer_types and self.layer_types[layer] == CHUNKED
+        return self.attention_chunk if chunked else None
+
     @property
     def cache_layer_windows(self) -> list[int | None]:
-        return [self.layer_window(layer) for layer in self.cache_layers]
+        """Per cache layer, the most recent keys it can still read (None: all): its window,
+        or its chunk (a query never sees further back than its chunk's size): how the KV
+        cache groups layers and frees the blocks they no longer need."""
+        return [self.layer_window(layer) or self.layer_chunk(layer) for layer in self.cache_layers]
 
     def layer_uses_rope(self, layer: int) -> bool:
         return not self.layer_rope or self.layer_rope[layer]
@@ -202,7 +223,44 @@ class ModelConfig:
             return cls._gemma(raw, architecture, common)
         if architecture == "DeepseekV3ForCausalLM":
             return cls._deepseek(raw, cls._llama(raw | {"attention_bias": False}, architecture, common))
+        if architecture == "Llama4ForCausalLM":
+            return cls._llama4(raw, cls._llama(raw, architecture, common))
         return cls._llama(raw, architecture, common)
+
+    @classmethod
+    def _llama4(cls, raw: dict[str, Any], llama: ModelConfig) -> ModelConfig:
+        """Llama 4's text model: Llama's fields, its chunked and global layers, dense layers
+        `intermediate_size_mlp` wide, experts and a shared expert `intermediate_size` wide."""
+        if raw.get("num_experts_per_tok", 1) != 1:
+            raise UnsupportedModelError("Llama 4 with more than one routed expert per token is not supported")
+        num_layers, moe_layers = llama.num_layers, set(raw.get("moe_layers") or ())
+        experts = MoEOptions(
+            num_experts=raw["num_local_experts"],
+            experts_per_token=1,
+            width=raw["intermediate_size"],
+            normalize=False,
+            keep_float=False,
+            sparse_layers=tuple(i in moe_layers for i in range(num_layers)),
+            shared_expert_width=raw["intermediate_size"],
+            router="sigmoid_top_1",
+        )
+        options = Llama4Options(
+            qk_l2_norm=bool(raw.get("use_qk_norm", True)),
+            temperature_tuning=bool(raw.get("attn_temperature_tuning", True)),
+            temperature_scale=float(raw.get("attn_scale", 0.1)),
+            floor_scale=float(raw.get("floor_scale", 8192)),
+        )
+        layer_types = tuple(raw.get("layer_types") or ())
+        return replace(
+            llama,
+            intermediate_size=raw.get("intermediate_size_mlp") or raw["intermediate_size"],
+            layer_types=layer_types,
+            attention_chunk=raw.get("attention_chunk_size") if CHUNKED in layer_types else None,
+            qkv_bias=bool(raw.get("attention_bias")),
+            o_bias=bool(raw.get("attention_bias")),
+            moe=experts,
+            llama4=options,
+        )
 
     @classmethod
     def _deepseek(cls, raw: dict[str, Any], llama: ModelConfig) -> ModelConfig:

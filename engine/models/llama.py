@@ -25,7 +25,7 @@ from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.compiled_layers import compile_layers, run_compiled
 from pagefleet.engine.models.config import ModelConfig
-from pagefleet.engine.models.weights import WeightLoader
+from pagefleet.engine.models.weights import Transform, WeightLoader
 
 # Each fused projection of a decoder layer and the Hugging Face projections it stacks, in
 # row order (quantized checkpoints are read by these names: engine/loader/).
@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         hidden = self.embed(input_ids)
-        rope = self.rotary.lookup(positions, hidden.dtype)
+        rope = self.position_inputs(positions, hidden.dtype)
         first = metadata[0]
         one_group = all(m is first for m in metadata)
         compiled = self._compiled_layers(backend) if one_group and isinstance(first, CpuMetadata) else None
@@ -184,6 +184,10 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
                 hidden, residual = layer(hidden, residual, rope, kv_cache, layer_metadata, backend)
         return self.norm.add_and_norm(residual, hidden)[1]
+
+    def position_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """What every layer takes from the step's positions: RoPE's cos and sin."""
+        return self.rotary.lookup(positions, dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings (looked up in a GGUF's quantized table where it has one)."""
@@ -243,12 +247,14 @@ def load_decoder_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     layer_norms: tuple[str, ...] = (),
     declare_mlp: Callable[[WeightLoader, int], bool] | None = None,
+    qk_transform: Transform | None = None,
 ) -> None:
     """A Llama-shaped decoder's weights from the checkpoint's tensors, one at a time (a rank
     keeps only its part of each): the embedding, the final norm, the head unless tied, and
     per layer q/k/v fused, o, the q/k norms, gate/up fused, down and each of `layer_norms`
     (default: the input and post-attention norms). `declare_mlp(loader, layer)` declares a
-    layer's feed-forward weights where it returns True (a mixture of experts' layers)."""
+    layer's feed-forward weights where it returns True (a mixture of experts' layers);
+    `qk_transform` reorders the q and k projections' rows (Llama 4's RoPE pairs)."""
     config: ModelConfig = model.config  # type: ignore[assignment]
     shard: Shard = model.shard  # type: ignore[assignment]
     vocab = vocab_rows(*shard.vocab(config.vocab_size)) if shard.size > 1 else None
@@ -257,7 +263,10 @@ def load_decoder_weights(
     heads = rows(*head_range) if shard.size > 1 else None  # per-head tensors (gpt-oss's sinks)
     kv_first, kv_count = shard.kv_heads(config.num_heads, config.num_kv_heads)
     kv = rows(kv_first * config.head_dim, (kv_first + kv_count) * config.head_dim)
-    qkv = [rows(q_start, q_end), kv, kv] if shard.size > 1 else None
+    qkv: list[Transform | None] | None = [rows(q_start, q_end), kv, kv] if shard.size > 1 else None
+    if qk_transform is not None:
+        parts = qkv or [None, None, None]
+        qkv = [_then(parts[0], qk_transform), _then(parts[1], qk_transform), parts[2]]
     mlp_start, mlp_end = shard.split(config.intermediate_size, "intermediate_size")
     gate_up = rows(mlp_start, mlp_end) if shard.size > 1 else None
     o_cols = columns(q_start, q_end) if shard.size > 1 else None
@@ -290,3 +299,8 @@ def load_decoder_weights(
         )
         loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_proj.weight", down_cols)
     loader.load(weights, ignore=("rotary_emb.inv_freq",))
+
+
+def _then(first: Transform | None, then: Transform) -> Transform:
+    """`then` after `first` (if any)."""
+    return then if first is None else lambda tensor: then(first(tensor))

@@ -33,6 +33,7 @@ FAMILIES = (
         ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"),
     ),
     Family("deepseek", "DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",)),
+    Family("llama4", "Llama4ForCausalLM", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")),
     Family("olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",)),
     Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
     Family("gemma", "GemmaForCausalLM", ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
@@ -45,6 +46,7 @@ FAMILIES = (
 LANGUAGE_MODEL_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
 
 # HF architecture name -> our model family.

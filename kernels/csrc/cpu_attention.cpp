@@ -427,7 +427,7 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
 template <typename T>
 void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, const std::vector<int64_t>& row_groups,
-                 double scale, int64_t sliding_window, double softcap, const float* sinks) {
+                 double scale, int64_t sliding_window, double softcap, const float* sinks, int64_t chunk) {
   const int64_t num_rows = query.size(0);
   const Geometry g(query, key_cache, block_tables);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -436,19 +436,22 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   std::vector<int64_t> first(num_rows), slot_offset(num_rows + 1, 0);
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t length = lengths[r];
-    first[r] = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+    // A window: the last sliding_window keys; chunked attention (Llama 4): the row's chunk.
+    first[r] = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window)
+               : chunk > 0        ? std::max<int64_t>(0, (length - 1) / chunk * chunk)
+                                  : 0;
     const int64_t visible = std::max<int64_t>(length - first[r], 0);
     slot_offset[r + 1] = slot_offset[r] + std::max<int64_t>(1, (visible + kPartition - 1) / kPartition);
   }
   const int64_t slots_per_head = slot_offset[num_rows];
-  // Work items: (table, block of rows, partition). With a sliding window rows start their
-  // partitions at different positions, so each row is a block of its own.
+  // Work items: (table, block of rows, partition). With a sliding window or chunks rows start
+  // their partitions at different positions, so each row is a block of its own.
   struct Item {
     int64_t table, first_row, num_rows, partition;
   };
   std::vector<Item> items;
   for (int64_t i = 0; i + 1 < static_cast<int64_t>(row_groups.size()); ++i) {
-    const int64_t block = sliding_window > 0 ? 1 : kRowBlock;
+    const int64_t block = sliding_window > 0 || chunk > 0 ? 1 : kRowBlock;
     for (int64_t r0 = row_groups[i]; r0 < row_groups[i + 1]; r0 += block) {
       const int64_t n = std::min(block, row_groups[i + 1] - r0);
       int64_t partitions = 0;
@@ -542,7 +545,8 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
 
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, const std::vector<int64_t>& row_groups,
-                  double scale, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
+                  double scale, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
+                  int64_t chunk) {
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
   if (query.size(0) == 0) return out;
   at::Tensor sink_logits;
@@ -554,11 +558,11 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at
   switch (query.scalar_type()) {
     case at::kFloat:
       attend_rows<float>(out, query, key_cache, value_cache, block_tables, context_lens, row_groups, scale, sliding_window,
-                         softcap, sink_data);
+                         softcap, sink_data, chunk);
       break;
     case at::kBFloat16:
       attend_rows<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, row_groups, scale,
-                                 sliding_window, softcap, sink_data);
+                                 sliding_window, softcap, sink_data, chunk);
       break;
     default:
       TORCH_CHECK(false, "float32 or bfloat16 only, got ", query.scalar_type());
@@ -569,14 +573,15 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_cache, const at
 // One query token per sequence: row s over its table s.
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
+                                  int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
+                                  int64_t chunk) {
   check_paged_args(query, key_cache, value_cache, {block_tables, context_lens});
   TORCH_CHECK(block_tables.size(0) == query.size(0) && context_lens.size(0) == query.size(0),
               "a block table and a length per query row");
   std::vector<int64_t> row_groups(query.size(0) + 1);
   std::iota(row_groups.begin(), row_groups.end(), 0);
   return attend(query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), row_groups, scale,
-                sliding_window, softcap, sinks);
+                sliding_window, softcap, sinks, chunk);
 }
 
 // Any rows: row r sees the first context_lens[r] tokens of the sequence whose block table is
@@ -585,7 +590,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
 at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
                                 const at::Tensor& row_groups, double scale, int64_t sliding_window,
-                                double softcap, const std::optional<at::Tensor>& sinks) {
+                                double softcap, const std::optional<at::Tensor>& sinks, int64_t chunk) {
   check_paged_args(query, key_cache, value_cache, {block_tables, context_lens, row_groups});
   const at::Tensor groups = row_groups.contiguous();
   const int32_t* offsets = groups.data_ptr<int32_t>();
@@ -596,7 +601,7 @@ at::Tensor paged_attention_rows(const at::Tensor& query, const at::Tensor& key_c
   std::vector<int64_t> bounds(offsets, offsets + num_groups + 1);
   for (int64_t i = 0; i < num_groups; ++i) TORCH_CHECK(bounds[i] <= bounds[i + 1], "row_groups must not decrease");
   return attend(query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), bounds, scale,
-                sliding_window, softcap, sinks);
+                sliding_window, softcap, sinks, chunk);
 }
 
 // Writes each new token's keys and values into its cache slot (block * block_size + offset;
@@ -642,11 +647,12 @@ TORCH_LIBRARY(pagefleet, m) {
       "Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int sliding_window, float softcap=0.0, Tensor? sinks=None) -> Tensor");
+      "Tensor context_lens, float scale, int sliding_window, float softcap=0.0, Tensor? sinks=None, "
+      "int chunk=0) -> Tensor");
   m.def(
       "paged_attention_rows(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor context_lens, Tensor row_groups, float scale, int sliding_window, float softcap=0.0, "
-      "Tensor? sinks=None) -> Tensor");
+      "Tensor? sinks=None, int chunk=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {

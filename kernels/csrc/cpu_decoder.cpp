@@ -39,9 +39,9 @@ struct Operators {
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)> cache_write =
       handle<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)>("reshape_and_cache");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, double, int64_t, double, const std::optional<Tensor>&)>
+                                  const Tensor&, double, int64_t, double, const std::optional<Tensor>&, int64_t)>
       attention = handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                const Tensor&, double, int64_t, double, const std::optional<Tensor>&)>("paged_attention_rows");
+                                const Tensor&, double, int64_t, double, const std::optional<Tensor>&, int64_t)>("paged_attention_rows");
 
   template <typename Signature>
   static c10::TypedOperatorHandle<Signature> handle(const char* name) {
@@ -158,7 +158,7 @@ class LlamaLayers : public torch::CustomClassHolder {
       op.cache_write.call(k.to(cache_type), v.to(cache_type), key_cache, value_cache, slot_mapping);
       const Tensor attended =
           op.attention.call(q, key_cache, value_cache, tables, lengths, row_groups, scale_, sliding_window_,
-                            /*softcap=*/0.0, /*sinks=*/std::nullopt);  // the Llama family has neither
+                            /*softcap=*/0.0, /*sinks=*/std::nullopt, /*chunk=*/0);  // the Llama family has none
       const Tensor projected = layer.projections[kOut](attended.view({tokens, q_size}));
       std::tie(residual, normed) = op.add_rms_norm.call(residual, projected, layer.post_norm, eps_);
       hidden = layer.projections[kDown](op.silu_and_mul.call(layer.projections[kGateUp](normed)));

@@ -129,13 +129,13 @@ def test_gemma3s_head_size_256_equals_transformers_batched_chunked_and_cached(tm
     assert_no_block_leaked(llm)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4", "llama4"])
 def test_the_language_model_of_an_image_checkpoint_equals_transformers(
     tiny_models: dict[str, Path], tmp_path: Path, arch: str
 ) -> None:
-    """Gemma 3 (4B and up) and Gemma 4 are released as image (and audio) checkpoints: their
-    text model is served from them, the towers' weights skipped, head tied as the whole
-    model says."""
+    """Gemma 3 (4B and up), Gemma 4 and Llama 4 are released as image (and audio)
+    checkpoints: their text model is served from them, the towers' weights skipped, head
+    tied as the whole model says."""
     import torch
     import transformers as tf
 
@@ -146,11 +146,18 @@ def test_the_language_model_of_an_image_checkpoint_equals_transformers(
         vision = tf.SiglipVisionConfig(**tiny_tower, image_size=28, patch_size=14)
         config: tf.PretrainedConfig = tf.Gemma3Config(text_config=text_config, vision_config=vision.to_dict())
         model: torch.nn.Module = tf.Gemma3ForConditionalGeneration(config)
-    else:
+    elif arch == "gemma4":
         vision = tf.Gemma4VisionConfig(**tiny_tower, num_key_value_heads=2, head_dim=16)
         config = tf.Gemma4Config(text_config=text_config, vision_config=vision.to_dict(), audio_config=None)
         model = tf.Gemma4ForConditionalGeneration(config)
-    model.model.language_model.load_state_dict(text.model.state_dict())
+    else:
+        vision = tf.Llama4VisionConfig(**tiny_tower, image_size=28, patch_size=14, vision_output_dim=32)
+        config = tf.Llama4Config(text_config=text_config, vision_config=vision.to_dict())
+        model = tf.Llama4ForConditionalGeneration(config)
+    language_model = model.model.language_model if hasattr(model, "model") else model.language_model.model
+    language_model.load_state_dict(text.model.state_dict())
+    if arch == "llama4":  # its head is not tied
+        model.get_output_embeddings().load_state_dict(text.lm_head.state_dict())
     model.save_pretrained(tmp_path)
     tf.AutoTokenizer.from_pretrained(tiny_models[arch]).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", block_size=8)
@@ -250,11 +257,13 @@ def test_triton_backend_interleaved_windows_with_soft_caps_or_sinks(tiny_models:
 
 
 @pytest.mark.triton
-def test_triton_backend_latent_attention(tiny_models: dict[str, Path]) -> None:
-    """DeepSeek-V3's latent cache: one 48-wide head that the kernels read as keys and values."""
-    llm = LLM(str(tiny_models["deepseek_v3"]), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "llama4"])
+def test_triton_backend_latent_and_chunked_attention(tiny_models: dict[str, Path], arch: str) -> None:
+    """DeepSeek-V3's latent cache (one 48-wide head that the kernels read as keys and values)
+    and Llama 4's chunked layers (8 positions) beside its global ones, chunked prefills."""
+    llm = LLM(str(tiny_models[arch]), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
     prompts = random_prompts([17, 33], TINY_VOCAB, seed=7)
-    _assert_matches_hf(tiny_models["deepseek_v3"], prompts, llm.generate(prompts, _greedy()))
+    _assert_matches_hf(tiny_models[arch], prompts, llm.generate(prompts, _greedy()))
     assert_no_block_leaked(llm)
 
 

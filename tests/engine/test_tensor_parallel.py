@@ -34,13 +34,13 @@ def tp_models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     Gemma 2 (soft-caps, sandwich norms), Gemma 4 (global layers' KV heads replicated, shared
     KV, replicated experts and per-layer embeddings), Qwen2-MoE (replicated experts, its shared
     expert split as an MLP), gpt-oss (sinks split with their heads, the output bias added
-    once), DeepSeek-V3 (latent attention's heads split, its one cached head replicated), Phi-3
-    (fused checkpoint tensors), GPT-2."""
+    once), DeepSeek-V3 (latent attention's heads split, its one cached head replicated), Llama 4
+    (RoPE rows reordered per head, shared expert split), Phi-3 (fused checkpoint tensors), GPT-2."""
     root = tmp_path_factory.mktemp("tp-models")
     extra = {arch: build_tiny_model(arch, root / arch) for arch in ("llama_kv4", "llama_kv1")}
     shared = {
         arch: tiny_models[arch]
-        for arch in ("qwen2", "gemma2", "gemma4", "qwen2_moe", "gpt_oss", "deepseek_v3", "phi3", "gpt2")
+        for arch in ("qwen2", "gemma2", "gemma4", "qwen2_moe", "gpt_oss", "deepseek_v3", "llama4", "phi3", "gpt2")
     }
     return {"llama_kv2": tiny_models["llama"], **extra, **shared}
 
@@ -66,7 +66,7 @@ ARCH_SCHEDULES = [("llama_kv2", "plain"), ("llama_kv2", "preempt_recompute")] + 
     (arch, "chunked_swap")
     for arch in (
         *("llama_kv2", "llama_kv4", "llama_kv1", "qwen2", "gemma2", "gemma4"),
-        *("qwen2_moe", "gpt_oss", "deepseek_v3", "phi3", "gpt2"),
+        *("qwen2_moe", "gpt_oss", "deepseek_v3", "llama4", "phi3", "gpt2"),
     )
 ]
 

@@ -206,6 +206,34 @@ def test_attention_with_sinks_equals_the_reference(dtype: torch.dtype, head_dim:
     assert torch.equal(decoded, rows[last])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("chunk", [16, 100, 256])
+def test_chunked_attention_equals_the_reference(dtype: torch.dtype, head_dim: int, chunk: int) -> None:
+    """Llama 4's chunked attention: each row sees its own chunk only, rows on both sides of a
+    chunk boundary, chunks smaller and larger than a partition; a decode is its prompt row."""
+    generator = torch.Generator().manual_seed(head_dim + chunk)
+    num_heads, num_kv_heads, block_size = 6, 2, 16
+    chunks = [(1, 0), (40, 0), (5, 300), (20, 700)]  # (new tokens, cached prefix)
+    num_blocks = sum(-(-(n + p) // block_size) for n, p in chunks) + 3
+    key_cache, value_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, "head_major")
+    width = -(-max(n + p for n, p in chunks) // block_size)
+    tables, cu_seqlens, context_lens = _scattered_tables(chunks, num_blocks, width, block_size, generator)
+    query = torch.randn(int(cu_seqlens[-1]), num_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    tolerance = dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    args = (query, key_cache, value_cache, tables, cu_seqlens, context_lens, scale)
+    expected = paged_attention_prefill_torch(*args, chunk=chunk)
+    assert not torch.allclose(expected.float(), paged_attention_prefill_torch(*args).float())
+    rows = paged_attention_prefill_cpu(*args, chunk=chunk)
+    torch.testing.assert_close(rows.float(), expected.float(), **tolerance)
+    last = cu_seqlens[1:].long() - 1  # each chunk's last row, as a decode
+    decode = (query[last], key_cache, value_cache, tables, context_lens, scale)
+    decoded = paged_attention_decode_cpu(*decode, chunk=chunk)
+    torch.testing.assert_close(decoded.float(), paged_attention_decode_torch(*decode, chunk=chunk).float(), **tolerance)
+    assert torch.equal(decoded, rows[last])
+
+
 def test_operators_called_without_a_softcap_have_none() -> None:
     """Callers written before the soft-cap (the schemas' default 0.0) get the uncapped bits."""
     key_cache, value_cache = _caches(8, 16, 2, 64, torch.float32, "head_major")

@@ -228,6 +228,20 @@ def test_prefill_sinks(window: int | None) -> None:
     torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("chunk", [4, 7])
+def test_decode_and_prefill_chunked_attention(chunk: int) -> None:
+    """Llama 4's chunks, smaller than a tile (and not a multiple of it)."""
+    decode = _softcap_decode_args(torch.float32)
+    expected = paged_attention_decode_torch(*decode, chunk=chunk)
+    assert (expected - paged_attention_decode_torch(*decode)).abs().max() > 0.1
+    got = paged_attention_decode(*decode, chunk=chunk, tile_n=16)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+    prefill = _softcap_prefill_args(torch.float32)
+    expected = paged_attention_prefill_torch(*prefill, chunk=chunk)
+    got = paged_attention_prefill(*prefill, 20, chunk=chunk, block_m=16, tile_n=16)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_major", [True, False])
 def test_reshape_and_cache_matches_reference(head_major: bool, dtype: torch.dtype) -> None:
