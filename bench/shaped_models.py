@@ -44,7 +44,36 @@ def _gemma3_270m() -> Any:
     )
 
 
-SHAPES: dict[str, Callable[[], Any]] = {"gemma3-270m": _gemma3_270m}
+def _qwen3_30b_a3b_scaled() -> Any:
+    """Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B: 48 layers, hidden 2,048, 128 experts of width 768,
+    8 a token, q/k norms, a 151,936-token vocabulary) scaled to two cores as issue 54 asks:
+    hidden 1,024, 16 layers, 64 experts of width 256, 8 a token; 16 query heads and 2 KV
+    heads of 64 dims; the real vocabulary, RoPE base and renormalised top k."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        moe_intermediate_size=256,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=None,
+    )
+
+
+SHAPES: dict[str, Callable[[], Any]] = {"gemma3-270m": _gemma3_270m, "qwen3-30b-a3b-scaled": _qwen3_30b_a3b_scaled}
 
 
 def shaped_model_dir(name: str) -> Path:

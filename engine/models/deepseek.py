@@ -39,7 +39,7 @@ from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.models.config import MLAOptions, ModelConfig, MoEOptions
 from pagefleet.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from pagefleet.engine.models.weights import Transform, WeightLoader
+from pagefleet.engine.models.weights import Transform, WeightLoader, chained
 
 
 def _mla(config: ModelConfig) -> MLAOptions:
@@ -181,7 +181,7 @@ def _declare_attention(loader: WeightLoader, config: ModelConfig, shard: Shard, 
     hf, ours = f"model.layers.{layer}.self_attn.", f"layers.{layer}.self_attn."
     first, last = shard.split(config.num_heads, "num_attention_heads")
     qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    query_rows = _chain(
+    query_rows = chained(
         rows(first * qk_head_dim, last * qk_head_dim) if shard.size > 1 else None, _query_rope_order(mla)
     )
     if mla.q_lora_rank:
@@ -245,9 +245,3 @@ def _rotate_half_order(kept: int, rope: int) -> torch.Tensor:
     """Row order: the first `kept` rows as they are, then the RoPE rows' even ones, then odd."""
     interleaved = torch.arange(kept, kept + rope)
     return torch.cat((torch.arange(kept), interleaved[0::2], interleaved[1::2]))
-
-
-def _chain(first: Transform | None, then: Transform | None) -> Transform | None:
-    if first is None or then is None:
-        return first or then
-    return lambda tensor: then(first(tensor))

@@ -25,7 +25,7 @@ from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.compiled_layers import compile_layers, run_compiled
 from pagefleet.engine.models.config import ModelConfig
-from pagefleet.engine.models.weights import Transform, WeightLoader
+from pagefleet.engine.models.weights import Transform, WeightLoader, chained
 
 # Each fused projection of a decoder layer and the Hugging Face projections it stacks, in
 # row order (quantized checkpoints are read by these names: engine/loader/).
@@ -266,7 +266,7 @@ def load_decoder_weights(
     qkv: list[Transform | None] | None = [rows(q_start, q_end), kv, kv] if shard.size > 1 else None
     if qk_transform is not None:
         parts = qkv or [None, None, None]
-        qkv = [_then(parts[0], qk_transform), _then(parts[1], qk_transform), parts[2]]
+        qkv = [chained(parts[0], qk_transform), chained(parts[1], qk_transform), parts[2]]
     mlp_start, mlp_end = shard.split(config.intermediate_size, "intermediate_size")
     gate_up = rows(mlp_start, mlp_end) if shard.size > 1 else None
     o_cols = columns(q_start, q_end) if shard.size > 1 else None
@@ -299,8 +299,3 @@ def load_decoder_weights(
         )
         loader.direct(hf + "mlp.down_proj.weight", ours + "mlp.down_proj.weight", down_cols)
     loader.load(weights, ignore=("rotary_emb.inv_freq",))
-
-
-def _then(first: Transform | None, then: Transform) -> Transform:
-    """`then` after `first` (if any)."""
-    return then if first is None else lambda tensor: then(first(tensor))

@@ -18,6 +18,13 @@ from pagefleet.engine.errors import UnsupportedModelError
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
+def chained(first: Transform | None, then: Transform | None) -> Transform | None:
+    """`then` after `first`, either of them possibly absent (a rank's rows, then a reordering)."""
+    if first is None or then is None:
+        return first or then
+    return lambda tensor: then(first(tensor))
+
+
 @dataclass(slots=True)
 class _Target:
     param: str
