@@ -58,8 +58,13 @@ def is_int8_checkpoint(model_dir: Path) -> bool:
     if config is None:
         return False
     method = config.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts, dequantized as they load (engine/loader/mxfp4.py)
+        return False
     if method != "compressed-tensors":
-        _refuse(f"{method!r} checkpoints are not served; pagefleet serves GGUF files and int8 W8A8 compressed-tensors")
+        _refuse(
+            f"{method!r} checkpoints are not served; pagefleet serves GGUF files, int8 W8A8 compressed-tensors "
+            "and gpt-oss's MXFP4 experts"
+        )
     for name, group in config.get("config_groups", {}).items():
         if group.get("format", config.get("format")) != "int-quantized":
             _refuse(f"config group {name}: format must be int-quantized (int8 W8A8)")

@@ -18,6 +18,7 @@ from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMe
 from pagefleet.engine.layers.linear import pack_linears
 from pagefleet.engine.loader.compressed_tensors import Int8Checkpoint, is_int8_checkpoint
 from pagefleet.engine.loader.gguf_weights import quantize_from_gguf
+from pagefleet.engine.loader.mxfp4 import dequantized_mxfp4, is_mxfp4_checkpoint
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.registry import model_class
@@ -63,6 +64,8 @@ def load_model(
     weights = iter_weights(model_dir)
     if config.language_model_of is not None:
         weights = language_model_weights(weights)
+    if is_mxfp4_checkpoint(model_dir):  # gpt-oss as released
+        weights = dequantized_mxfp4(weights)
     checkpoint = None
     if is_int8_checkpoint(model_dir):
         checkpoint = Int8Checkpoint(iter_weights(model_dir, select=Int8Checkpoint.wants))
