@@ -6,11 +6,17 @@ matmuls over the (token, slot) pairs sorted by expert, like vLLM's fused_moe.
     gate_up_bias [E*2I], down_bias [E*H] (gpt-oss), or neither
     out[t] = sum over t's experts e, ascending: weight * (down_e(act(gate_e(x), up_e(x))) + b)
 
+An expert id below 0 means "held by another tensor-parallel rank" (expert parallelism): its
+pair is computed by no path here and adds nothing, so a token whose experts are all
+elsewhere gets zeros.
+
 `moe_align` (torch) sorts the pairs by expert and pads each expert's run to a multiple of
 `block_m`, so that a block of rows belongs to one expert:
 
-    sorted_pairs  | e0 e0 e0 -- | e2 e2 e2 e2 | e2 -- -- -- | e5 -- -- -- |   (--: padding)
-    block_experts |     0       |      2      |      2      |      5      |  -1 ...
+    sorted_pairs  | e0 e0 e0 -- | e2 e2 e2 e2 | e2 -- -- -- | e5 -- -- -- | x  x  -- -- |  (--: padding)
+    block_experts |     0       |      2      |      2      |      5      |     -1      |  -1 ...
+
+(x: pairs of experts on another rank, after every expert's run, in blocks no kernel computes.)
 
 `_gate_up_kernel`, one program per (block, tile of I columns), computes the block's gate
 and up tiles side by side and writes the activation; `_down_kernel`, per (block, tile of H
@@ -71,6 +77,8 @@ def fused_experts_torch(
     down_stack = down.view(num_experts, -1, width)
     out = torch.zeros_like(hidden)
     for expert in experts.unique().tolist():
+        if expert < 0:  # on another rank
+            continue
         tokens, slots = torch.where(experts == expert)
         projected = F.linear(hidden[tokens], gate_up_stack[expert])
         if gate_up_bias is not None:
@@ -86,19 +94,21 @@ def fused_experts_torch(
 def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs, block_experts): pairs (token * k + slot) by expert, token order within
     one, each expert's run padded to a multiple of `block_m` with the pair count T*k; and
-    each block's expert (-1 past the last). Sized for the worst case, so no host sync."""
+    each block's expert (-1 past the last). Pairs of negative experts (another rank's) come
+    last, as one more run whose blocks are -1. Sized for the worst case, so no host sync."""
     flat = experts.flatten()
     num_pairs = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    buckets = flat.masked_fill(flat < 0, num_experts)  # bucket num_experts: another rank's pairs
+    order = torch.argsort(buckets, stable=True)
+    counts = torch.bincount(buckets, minlength=num_experts + 1)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = torch.cumsum(padded, 0)
     firsts = torch.cumsum(counts, 0) - counts
-    by_expert = flat[order]
+    by_bucket = buckets[order]
     positions = (
-        padded_ends[by_expert] - padded[by_expert] + torch.arange(num_pairs, device=flat.device) - firsts[by_expert]
+        padded_ends[by_bucket] - padded[by_bucket] + torch.arange(num_pairs, device=flat.device) - firsts[by_bucket]
     )
-    capacity = num_pairs + num_experts * (block_m - 1)
+    capacity = num_pairs + (num_experts + 1) * (block_m - 1)
     sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int64, device=flat.device)
     sorted_pairs[positions] = order
     block_starts = torch.arange(0, capacity, block_m, device=flat.device)
@@ -351,7 +361,10 @@ def fused_experts(
 
 def _add_in_expert_order(contributions: torch.Tensor, experts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[t] += contributions[t, s] for t's slots s by ascending expert, each add in out's
-    dtype, as the reference's index_add_ of one expert after another."""
+    dtype, as the reference's index_add_ of one expert after another. The slots of negative
+    experts were never written: zeroed here (in place: the launcher's scratch), they sort
+    first and 0 + 0 leaves out's 0."""
+    contributions.masked_fill_(experts[:, :, None] < 0, 0.0)
     order = torch.argsort(experts, dim=1, stable=True)
     ordered = torch.take_along_dim(contributions, order[:, :, None], dim=1)
     for slot in range(ordered.shape[1]):

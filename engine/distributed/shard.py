@@ -3,8 +3,10 @@
 Megatron-style: q/k/v and gate/up are split by output rows (column-parallel), the output
 and down projections by input columns (row-parallel, one all-reduce each), the embedding
 and LM head by vocabulary rows. With fewer KV heads than ranks, each rank keeps the one KV
-head its query heads read (replicated, as vLLM does). A `Shard` of size 1 is the whole
-model and its collectives do nothing, so the model code has one path.
+head its query heads read (replicated, as vLLM does). A mixture of experts' routed experts
+are split whole (expert parallelism): each rank holds an equal share of them and all-reduces
+its partial sum. A `Shard` of size 1 is the whole model and its collectives do nothing, so
+the model code has one path.
 """
 
 from __future__ import annotations
@@ -51,6 +53,20 @@ class Shard:
             )
         return self.rank * num_kv_heads // self.size, 1
 
+    def experts(self, num_experts: int) -> range:
+        """This rank's routed experts (expert parallelism): an equal share, in id order.
+
+        Raises:
+            UnsupportedModelError: num_experts does not divide evenly between the ranks.
+        """
+        return range(*self.split(num_experts, "num_experts"))
+
+    def stacked_experts(self, num_experts: int) -> Transform | None:
+        """A weight transform: this rank's experts of a checkpoint tensor stacking every
+        expert's along dim 0 (`[E, ...]`); None with one rank (the whole tensor)."""
+        mine = self.experts(num_experts)
+        return rows(mine.start, mine.stop) if self.size > 1 else None
+
     def vocab(self, vocab_size: int) -> tuple[int, int]:
         """[start, end) of this rank's vocabulary rows, every rank's part padded to one size."""
         part = -(-vocab_size // self.size)
@@ -92,6 +108,13 @@ class Shard:
 def rows(start: int, end: int) -> Transform:
     """A weight transform: rows [start, end) of a checkpoint tensor."""
     return lambda tensor: tensor[start:end].clone()  # a copy: the whole tensor is freed
+
+
+def chain(first: Transform | None, then: Transform | None) -> Transform | None:
+    """A weight transform: `first`, then `then` (either may be None: no transform)."""
+    if first is None or then is None:
+        return first or then
+    return lambda tensor: then(first(tensor))
 
 
 def columns(start: int, end: int) -> Transform:

@@ -11,6 +11,18 @@ parts. Three paths compute the same sum (kernels/fused_experts.py draws the layo
   (csrc/cpu_experts.cpp), one call, a token's bits the same alone or in any batch;
 - CUDA: the Triton grouped matmuls (kernels/fused_experts.py);
 - otherwise, and as the others' oracle: `forward_torch`, the loop over experts.
+
+Expert parallelism: with tensor parallelism each rank holds an equal share of the experts
+(`Shard.experts`), in id order, and runs the tokens' pairs routed to them; the others' are
+given as -1, which every path skips. The ranks' partial sums are all-reduced, so every
+rank returns the whole output:
+
+    experts [T, k] (global)  3 0 5 2  --rank 1 of 2, E=8, holds 4..7-->  -1 -1 1 -1
+    out = all_reduce(rank 0's sum over experts 0..3, rank 1's over 4..7)
+
+A token's sum then adds its experts in ascending order within each rank, then the ranks'
+sums: other bits than one rank's (greedy tokens equal transformers' all the same). With one
+rank the ids are passed as they are and nothing is reduced: the same bits as without a shard.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.layers.linear import frozen_parameter
 from pagefleet.kernels import cpu_ops
 from pagefleet.kernels.fused_experts import ACTIVATIONS, activation_torch, fused_experts, fused_experts_torch
@@ -48,6 +61,20 @@ class ExpertActivation:
 
 
 class RoutedExperts(nn.Module):
+    """This rank's routed experts, returning every expert's contribution summed.
+
+    Args:
+        num_experts: experts in the layer, over every rank.
+        hidden_size, width: each expert's input/output size and intermediate size.
+        activation: how the experts gate.
+        bias: gpt-oss's biases on gate/up and down.
+        shard: the tensor-parallel rank; it holds experts `shard.experts(num_experts)` only
+            (parameters sized for them, loaded from their checkpoint tensors).
+
+    Raises:
+        UnsupportedModelError: num_experts does not divide between the ranks.
+    """
+
     def __init__(
         self,
         num_experts: int,
@@ -55,24 +82,29 @@ class RoutedExperts(nn.Module):
         width: int,
         activation: ExpertActivation = ExpertActivation(),
         bias: bool = False,
+        shard: Shard | None = None,
     ) -> None:
         super().__init__()
+        self.shard = shard = shard or Shard()
         self.num_experts, self.width, self.activation = num_experts, width, activation
-        self.gate_up = frozen_parameter(num_experts * 2 * width, hidden_size)  # per expert: gate rows, then up rows
-        self.down = frozen_parameter(num_experts * hidden_size, width)
+        self.local_experts = shard.experts(num_experts)
+        held = len(self.local_experts)
+        self.gate_up = frozen_parameter(held * 2 * width, hidden_size)  # per expert: gate rows, then up rows
+        self.down = frozen_parameter(held * hidden_size, width)
         # gpt-oss: per expert a bias on its gate and up rows (same order) and on its output.
-        self.gate_up_bias = frozen_parameter(num_experts * 2 * width) if bias else None
-        self.down_bias = frozen_parameter(num_experts * hidden_size) if bias else None
+        self.gate_up_bias = frozen_parameter(held * 2 * width) if bias else None
+        self.down_bias = frozen_parameter(held * hidden_size) if bias else None
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H]; weights, experts [T, k]: each token's experts and their weights
-        (experts int64) -> [T, H] in hidden's dtype."""
+        """hidden [T, H]; weights, experts [T, k]: each token's experts (global ids, int64)
+        and their weights -> [T, H] in hidden's dtype, on every rank."""
         kind, alpha, limit = self.activation.kind, self.activation.alpha, self.activation.limit
+        local = self.local_ids(experts)
         if self._can_run_compiled(hidden):
-            return torch.ops.pagefleet.fused_experts(  # type: ignore[no-any-return]
+            out = torch.ops.pagefleet.fused_experts(
                 hidden,
                 weights.float().contiguous(),
-                experts.long().contiguous(),
+                local.long().contiguous(),
                 self.gate_up,
                 self.down,
                 self.gate_up_bias,
@@ -81,16 +113,29 @@ class RoutedExperts(nn.Module):
                 alpha,
                 limit,
             )
-        if hidden.is_cuda:
+        elif hidden.is_cuda:
             biases = (self.gate_up_bias, self.down_bias)
-            return fused_experts(hidden, weights, experts, self.gate_up, self.down, *biases, kind, alpha, limit)
-        return self.forward_torch(hidden, weights, experts)
+            out = fused_experts(hidden, weights, local, self.gate_up, self.down, *biases, kind, alpha, limit)
+        else:
+            out = self._forward_torch_local(hidden, weights, local)
+        return self.shard.all_reduce(out)
+
+    def local_ids(self, experts: torch.Tensor) -> torch.Tensor:
+        """experts [T, k] global ids -> this rank's indices of them, -1 where another rank
+        holds the expert (the ids themselves with one rank)."""
+        if self.shard.size == 1:
+            return experts
+        local = experts - self.local_experts.start
+        return local.masked_fill((local < 0) | (local >= len(self.local_experts)), -1)
 
     def forward_torch(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The plain-torch loop over experts: the other paths' oracle."""
+        """`forward` by the plain-torch loop over experts: the other paths' oracle."""
+        return self.shard.all_reduce(self._forward_torch_local(hidden, weights, self.local_ids(experts)))
+
+    def _forward_torch_local(self, hidden: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         kind, alpha, limit = self.activation.kind, self.activation.alpha, self.activation.limit
         biases = (self.gate_up_bias, self.down_bias)
-        return fused_experts_torch(hidden, weights, experts, self.gate_up, self.down, *biases, kind, alpha, limit)
+        return fused_experts_torch(hidden, weights, local, self.gate_up, self.down, *biases, kind, alpha, limit)
 
     def _can_run_compiled(self, hidden: torch.Tensor) -> bool:
         return (

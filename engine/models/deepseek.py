@@ -20,8 +20,9 @@ Experts: a float32 sigmoid router; the choice adds `e_score_correction_bias`, ke
 `topk_group` best groups of experts (a group's score: its two best) and takes the top k
 there; the weights are the unbiased scores, renormalised and scaled by
 `routed_scaling_factor`. Shared experts (one MLP) are always added; the first
-`first_k_dense_replace` layers are dense. Heads are split across tensor-parallel ranks; the
-latent cache and the routed experts are replicated.
+`first_k_dense_replace` layers are dense. Heads are split across tensor-parallel ranks and
+so are the routed experts, each rank holding an equal share (expert parallelism); the
+latent cache is replicated.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
+from pagefleet.engine.distributed.shard import Shard, chain, columns, rows, vocab_rows
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pagefleet.engine.layers.experts import RoutedExperts
 from pagefleet.engine.layers.fused import rotary
@@ -39,7 +40,8 @@ from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.models.config import MLAOptions, ModelConfig, MoEOptions
 from pagefleet.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from pagefleet.engine.models.weights import Transform, WeightLoader, chained
+from pagefleet.engine.models.moe import declare_expert_tensors
+from pagefleet.engine.models.weights import Transform, WeightLoader
 
 
 def _mla(config: ModelConfig) -> MLAOptions:
@@ -121,7 +123,7 @@ class DeepseekMoE(nn.Module):
         options = self.options = config.moe
         self.gate = frozen_parameter(options.num_experts, config.hidden_size)  # routed in float32
         self.e_score_correction_bias = frozen_parameter(options.num_experts)
-        self.experts = RoutedExperts(options.num_experts, config.hidden_size, options.width)
+        self.experts = RoutedExperts(options.num_experts, config.hidden_size, options.width, shard=shard)
         self.shared_experts = (
             LlamaMLP(config, shard, options.shared_expert_width) if options.shared_expert_width else None
         )
@@ -181,7 +183,7 @@ def _declare_attention(loader: WeightLoader, config: ModelConfig, shard: Shard, 
     hf, ours = f"model.layers.{layer}.self_attn.", f"layers.{layer}.self_attn."
     first, last = shard.split(config.num_heads, "num_attention_heads")
     qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    query_rows = chained(
+    query_rows = chain(
         rows(first * qk_head_dim, last * qk_head_dim) if shard.size > 1 else None, _query_rope_order(mla)
     )
     if mla.q_lora_rank:
@@ -199,18 +201,16 @@ def _declare_attention(loader: WeightLoader, config: ModelConfig, shard: Shard, 
 
 
 def _declare_mlp(loader: WeightLoader, config: ModelConfig, shard: Shard, layer: int) -> None:
-    """A dense layer's MLP, or the router, the routed experts (each expert's gate and up
-    rows, then every expert's down rows) and the shared experts split as an MLP."""
+    """A dense layer's MLP, or the router, this rank's routed experts (each expert's gate
+    and up rows, then every expert's down rows; the others' tensors skipped) and the shared
+    experts split as an MLP."""
     options = config.moe
     assert options is not None
     hf, ours = f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp."
     if not options.sparse_layers[layer]:
         _declare_gated_mlp(loader, shard, hf, ours, config.intermediate_size)
         return
-    experts = range(options.num_experts)
-    names = [hf + f"experts.{e}.{p}.weight" for e in experts for p in ("gate_proj", "up_proj")]
-    loader.fused(names, ours + "experts.gate_up")
-    loader.fused([hf + f"experts.{e}.down_proj.weight" for e in experts], ours + "experts.down")
+    declare_expert_tensors(loader, hf, ours, ("gate_proj", "up_proj", "down_proj"), shard, options.num_experts)
     loader.direct(hf + "gate.weight", ours + "gate")
     loader.direct(hf + "gate.e_score_correction_bias", ours + "e_score_correction_bias")
     if options.shared_expert_width:

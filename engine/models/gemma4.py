@@ -13,7 +13,8 @@ What differs from Gemma 3, each as transformers computes it (`Gemma4TextModel`):
 - per-layer embeddings: a second table gives each layer a small input of its own, mixed
   with a projection of the token embeddings, which gates a residual branch after the MLP;
 - each layer's output is scaled by a learned scalar;
-- with `enable_moe_block` (26B-A4B), routed experts run beside each layer's MLP.
+- with `enable_moe_block` (26B-A4B), routed experts run beside each layer's MLP; with
+  tensor parallelism each rank holds an equal share of them (engine/layers/experts.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.engine.distributed.shard import Shard, Transform, columns, rows, vocab_rows
+from pagefleet.engine.distributed.shard import Shard, Transform, chain, columns, rows, vocab_rows
 from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
 from pagefleet.engine.layers.experts import ExpertActivation, RoutedExperts, softmax_top_k
 from pagefleet.engine.layers.fused import rotary
@@ -114,11 +115,12 @@ class Gemma4Attention(nn.Module):
 
 
 class Gemma4Experts(nn.Module):
-    """The routed experts beside the MLP (replicated on every tensor-parallel rank): the
-    router reads the normed residual, keeps the top k, renormalises them and scales each by
-    its expert's learned scale; each expert is a GELU-gated MLP."""
+    """The routed experts beside the MLP (each tensor-parallel rank holds its share; the
+    router and the per-expert scales are whole on every rank): the router reads the normed
+    residual, keeps the top k, renormalises them and scales each by its expert's learned
+    scale; each expert is a GELU-gated MLP."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         options = _options(config)
         hidden, experts = config.hidden_size, options.num_experts
@@ -127,7 +129,8 @@ class Gemma4Experts(nn.Module):
         self.router = Linear(hidden, experts)
         self.router_scale = frozen_parameter(hidden)
         self.per_expert_scale = frozen_parameter(experts)
-        self.routed = RoutedExperts(experts, hidden, options.moe_intermediate_size, ExpertActivation("gelu_tanh"))
+        width, activation = options.moe_intermediate_size, ExpertActivation("gelu_tanh")
+        self.routed = RoutedExperts(experts, hidden, width, activation, shard=shard)
         self.root_size = hidden**-0.5
 
     def forward(self, residual: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -154,7 +157,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.per_layer_input_gate = Linear(hidden, width) if width else None
         self.per_layer_projection = Linear(width, hidden) if width else None
         self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps) if width else None
-        self.experts = Gemma4Experts(config) if options.num_experts else None
+        self.experts = Gemma4Experts(config, shard) if options.num_experts else None
         expert_norms = [Gemma4RMSNorm(hidden, eps) for _ in _EXPERT_NORMS] if self.experts is not None else []
         self.expert_norms = nn.ModuleDict(dict(zip(_EXPERT_NORMS, expert_norms, strict=False)))
 
@@ -316,7 +319,8 @@ def _declare_layer(loader: WeightLoader, shard: Shard, i: int, layer: Gemma4Deco
             ("router.per_expert_scale", "per_expert_scale"),
         ):
             loader.direct(hf + theirs, ours + f"experts.{mine}")
-        stacked = _rows_of_every_expert  # the checkpoint's [experts, rows, columns] as our rows
+        # The checkpoint's [experts, rows, columns], this rank's experts, as our rows.
+        stacked = chain(shard.stacked_experts(layer.experts.routed.num_experts), _rows_of_every_expert)
         loader.direct(hf + "experts.gate_up_proj", ours + "experts.routed.gate_up", stacked)
         loader.direct(hf + "experts.down_proj", ours + "experts.routed.down", stacked)
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
+from pagefleet.engine.distributed.shard import Shard, chain, columns, rows, vocab_rows
 from pagefleet.engine.errors import UnsupportedModelError
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache, LayerMetadata
 from pagefleet.engine.layers.cpu_attention import CpuAttentionBackend, CpuMetadata
@@ -25,7 +25,7 @@ from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.compiled_layers import compile_layers, run_compiled
 from pagefleet.engine.models.config import ModelConfig
-from pagefleet.engine.models.weights import Transform, WeightLoader, chained
+from pagefleet.engine.models.weights import Transform, WeightLoader
 
 # Each fused projection of a decoder layer and the Hugging Face projections it stacks, in
 # row order (quantized checkpoints are read by these names: engine/loader/).
@@ -266,7 +266,7 @@ def load_decoder_weights(
     qkv: list[Transform | None] | None = [rows(q_start, q_end), kv, kv] if shard.size > 1 else None
     if qk_transform is not None:
         parts = qkv or [None, None, None]
-        qkv = [chained(parts[0], qk_transform), chained(parts[1], qk_transform), parts[2]]
+        qkv = [chain(parts[0], qk_transform), chain(parts[1], qk_transform), parts[2]]
     mlp_start, mlp_end = shard.split(config.intermediate_size, "intermediate_size")
     gate_up = rows(mlp_start, mlp_end) if shard.size > 1 else None
     o_cols = columns(q_start, q_end) if shard.size > 1 else None

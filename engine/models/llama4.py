@@ -12,6 +12,8 @@ What differs from Llama, as transformers computes it:
 - Experts: the router takes the top k logits and their sigmoids scale each token's input to
   its expert (not the output); a shared expert is always added. Released models route to
   one expert (top 1), the only setting served. Dense layers are `intermediate_size_mlp` wide.
+  With tensor parallelism each rank holds an equal share of the routed experts (their
+  stacked tensors cut at load) and the shared expert is split as an MLP.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagefleet.engine.distributed.shard import Shard, columns, rows
+from pagefleet.engine.distributed.shard import Shard, chain, columns, rows
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pagefleet.engine.layers.experts import RoutedExperts
 from pagefleet.engine.layers.fused import rotary
@@ -90,7 +92,7 @@ class Llama4MoE(nn.Module):
         assert config.moe is not None
         options = config.moe
         self.router = Linear(config.hidden_size, options.num_experts)
-        self.experts = RoutedExperts(options.num_experts, config.hidden_size, options.width)
+        self.experts = RoutedExperts(options.num_experts, config.hidden_size, options.width, shard=shard)
         self.shared_expert = LlamaMLP(config, shard, options.shared_expert_width)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -133,16 +135,18 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         return weight.view(-1, head_dim, *weight.shape[1:])[:, order].reshape(weight.shape)
 
     def _declare_experts(self, loader: WeightLoader, layer: int) -> bool:
-        """A MoE layer's router, experts (stored `[E, H, 2I]`, gate columns then up) and shared expert."""
+        """A MoE layer's router, this rank's experts (stored `[E, H, 2I]`, gate columns then
+        up) and shared expert."""
         assert self.config.moe is not None
         options = self.config.moe
         if not options.sparse_layers[layer]:
             return False
         hf, ours = f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp."
         loader.direct(hf + "router.weight", ours + "router.weight")
-        loader.direct(hf + "experts.gate_up_proj", ours + "experts.gate_up", _expert_rows)
-        loader.direct(hf + "experts.down_proj", ours + "experts.down", _expert_rows)
         shard, width = self.shard, options.shared_expert_width
+        stacked = chain(shard.stacked_experts(options.num_experts), _expert_rows)
+        loader.direct(hf + "experts.gate_up_proj", ours + "experts.gate_up", stacked)
+        loader.direct(hf + "experts.down_proj", ours + "experts.down", stacked)
         start, end = shard.split(width, "intermediate_size")
         part = rows(start, end) if shard.size > 1 else None
         names = [hf + "shared_expert.gate_proj.weight", hf + "shared_expert.up_proj.weight"]

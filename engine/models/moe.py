@@ -4,8 +4,10 @@ What differs from Llama, each as transformers computes it: on the sparse layers 
 a router (a linear layer, softmax in float32, top k, renormalised where `norm_topk_prob` or
 always for Mixtral) and the routed experts' SiLU-gated MLPs (engine/layers/experts.py);
 Qwen2-MoE adds a shared expert, always on, scaled by the sigmoid of its own gate. Qwen's
-`mlp_only_layers` and `decoder_sparse_step` keep a dense MLP on some layers. The experts
-are replicated on every tensor-parallel rank (the shared expert is split as an MLP).
+`mlp_only_layers` and `decoder_sparse_step` keep a dense MLP on some layers. With tensor
+parallelism each rank holds an equal share of the routed experts (expert parallelism: the
+router runs on every rank, each computes its experts' part and the parts are all-reduced)
+and loads only their tensors; the shared expert is split as an MLP.
 
 gpt-oss: the router has a bias and softmaxes only its top k logits; the experts have biases
 and a clamped SwiGLU, their gate and up columns interleaved in the checkpoint (`[E, H, 2I]`,
@@ -21,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagefleet.engine.distributed.shard import Shard, columns, rows
+from pagefleet.engine.distributed.shard import Shard, Transform, chain, columns, rows
 from pagefleet.engine.layers.experts import ExpertActivation, RoutedExperts, softmax_top_k, top_k_softmax
 from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.models.config import ModelConfig, MoEOptions
@@ -41,7 +43,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(config.hidden_size, options.num_experts, bias=options.biases)
         activation = ExpertActivation(options.activation, options.swiglu_alpha, options.swiglu_limit)
         self.experts = RoutedExperts(
-            options.num_experts, config.hidden_size, options.width, activation, bias=options.biases
+            options.num_experts, config.hidden_size, options.width, activation, options.biases, shard
         )
         shared = options.shared_expert_width
         self.shared_expert = LlamaMLP(config, shard, shared) if shared else None
@@ -73,22 +75,20 @@ class MoEForCausalLM(LlamaForCausalLM):
         load_decoder_weights(self, weights, declare_mlp=self._declare_experts)
 
     def _declare_experts(self, loader: WeightLoader, layer: int) -> bool:
-        """A sparse layer's router, experts (each expert's gate and up rows, then every
-        expert's down rows) and shared expert; False for a dense layer."""
+        """A sparse layer's router, this rank's experts (each expert's gate and up rows, then
+        every expert's down rows; the others' tensors skipped) and shared expert; False for
+        a dense layer."""
         options = _options(self.config)
         if not options.sparse_layers[layer]:
             return False
         if self.config.architecture == "GptOssForCausalLM":
-            _declare_gpt_oss_experts(loader, layer, options.num_experts)
+            _declare_gpt_oss_experts(loader, layer, self.shard.stacked_experts(options.num_experts))
             return True
         mixtral = self.config.architecture == "MixtralForCausalLM"
         block = f"model.layers.{layer}.block_sparse_moe." if mixtral else f"model.layers.{layer}.mlp."
         ours = f"layers.{layer}.mlp."
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        experts = range(options.num_experts)
-        gate_up = [block + f"experts.{e}.{name}.weight" for e in experts for name in (gate, up)]
-        loader.fused(gate_up, ours + "experts.gate_up")
-        loader.fused([block + f"experts.{e}.{down}.weight" for e in experts], ours + "experts.down")
+        declare_expert_tensors(loader, block, ours, (gate, up, down), self.shard, options.num_experts)
         loader.direct(block + "gate.weight", ours + "gate.weight")
         if options.shared_expert_width:
             shard, width = self.shard, options.shared_expert_width
@@ -104,16 +104,31 @@ class MoEForCausalLM(LlamaForCausalLM):
         return True
 
 
-def _declare_gpt_oss_experts(loader: WeightLoader, layer: int, num_experts: int) -> None:
+def declare_expert_tensors(
+    loader: WeightLoader, block: str, ours: str, projections: tuple[str, str, str], shard: Shard, num_experts: int
+) -> None:
+    """Checkpoint tensors `{block}experts.{e}.{projection}.weight`, one per expert and
+    projection (gate, up, down), into `{ours}experts.gate_up` (each of this rank's experts'
+    gate rows then up rows) and `{ours}experts.down`; the other ranks' experts skipped."""
+    mine = shard.experts(num_experts)
+    names = {e: [block + f"experts.{e}.{projection}.weight" for projection in projections] for e in range(num_experts)}
+    loader.fused([name for e in mine for name in names[e][:2]], ours + "experts.gate_up")
+    loader.fused([names[e][2] for e in mine], ours + "experts.down")
+    loader.skip(name for e, expert in names.items() if e not in mine for name in expert)
+
+
+def _declare_gpt_oss_experts(loader: WeightLoader, layer: int, held: Transform | None) -> None:
     """gpt-oss's router and experts: its stacked `[E, H, 2I]` gate/up (gate at even columns)
-    and `[E, I, H]` down, transposed to our per-expert rows, and their biases likewise."""
+    and `[E, I, H]` down, cut to this rank's experts by `held`, transposed to our per-expert
+    rows, and their biases likewise."""
     block, ours = f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp."
     loader.direct(block + "router.weight", ours + "gate.weight")
     loader.direct(block + "router.bias", ours + "gate.bias")
-    loader.direct(block + "experts.gate_up_proj", ours + "experts.gate_up", _gate_rows_then_up_rows)
-    loader.direct(block + "experts.gate_up_proj_bias", ours + "experts.gate_up_bias", _gate_rows_then_up_rows)
-    loader.direct(block + "experts.down_proj", ours + "experts.down", _expert_rows)
-    loader.direct(block + "experts.down_proj_bias", ours + "experts.down_bias", lambda bias: bias.reshape(-1))
+    loader.direct(block + "experts.gate_up_proj", ours + "experts.gate_up", chain(held, _gate_rows_then_up_rows))
+    gate_up_bias = chain(held, _gate_rows_then_up_rows)
+    loader.direct(block + "experts.gate_up_proj_bias", ours + "experts.gate_up_bias", gate_up_bias)
+    loader.direct(block + "experts.down_proj", ours + "experts.down", chain(held, _expert_rows))
+    loader.direct(block + "experts.down_proj_bias", ours + "experts.down_bias", chain(held, _flattened))
 
 
 def _gate_rows_then_up_rows(stacked: torch.Tensor) -> torch.Tensor:
@@ -126,3 +141,7 @@ def _gate_rows_then_up_rows(stacked: torch.Tensor) -> torch.Tensor:
 def _expert_rows(stacked: torch.Tensor) -> torch.Tensor:
     """[E, I, H] (x @ W per expert) -> [E * H, I], each expert's rows as a Linear's."""
     return stacked.transpose(1, 2).flatten(0, 1)
+
+
+def _flattened(bias: torch.Tensor) -> torch.Tensor:
+    return bias.reshape(-1)

@@ -1,8 +1,9 @@
 """Explicit mapping from Hugging Face weight names to our parameters.
 
 Each model declares, name by name, where every HF tensor goes (directly, transposed, or as
-one part of a fused matrix). Loading fails loudly on a missing or unexpected tensor, so a
-naming mismatch can never leave random weights behind.
+one part of a fused matrix), or that it is skipped (another tensor-parallel rank's experts).
+Loading fails loudly on a missing or unexpected tensor, so a naming mismatch can never
+leave random weights behind.
 """
 
 from __future__ import annotations
@@ -18,13 +19,6 @@ from pagefleet.engine.errors import UnsupportedModelError
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
-def chained(first: Transform | None, then: Transform | None) -> Transform | None:
-    """`then` after `first`, either of them possibly absent (a rank's rows, then a reordering)."""
-    if first is None or then is None:
-        return first or then
-    return lambda tensor: then(first(tensor))
-
-
 @dataclass(slots=True)
 class _Target:
     param: str
@@ -38,6 +32,7 @@ class WeightLoader:
         self._model = model
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._targets: dict[str, _Target] = {}
+        self._skipped: set[str] = set()
 
     def direct(self, hf_name: str, param: str, transform: Transform | None = None) -> None:
         self._targets[hf_name] = _Target(param, 0, 1, transform)
@@ -51,12 +46,17 @@ class WeightLoader:
             transform = transforms[index] if isinstance(transforms, list) else transforms
             self._targets[name] = _Target(param, index, len(hf_names), transform)
 
+    def skip(self, hf_names: Iterable[str]) -> None:
+        """Drop these tensors if the checkpoint has them: they are known, and not this
+        model's to hold (the experts of another tensor-parallel rank)."""
+        self._skipped.update(hf_names)
+
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], ignore: tuple[str, ...] = ()) -> None:
         parts: dict[str, list[torch.Tensor | None]] = {}
         for name, tensor in weights:
             target = self._targets.get(name)
             if target is None:
-                if name.endswith(ignore):
+                if name in self._skipped or name.endswith(ignore):
                     continue
                 raise UnsupportedModelError(f"unexpected weight {name!r} in checkpoint")
             if target.transform is not None:

@@ -6,7 +6,8 @@
 //                 activation (0 silu, 1 gelu_tanh, 2 swiglu_oai), alpha, limit) -> [T, H]
 //
 //   1. group: (token, slot) pairs counted per expert, prefix-summed, and listed by expert,
-//      in token order within an expert;
+//      in token order within an expert; a negative expert id means "held by another
+//      tensor-parallel rank": its pair is never computed and adds nothing;
 //   2. per item (up to 64 rows of one expert; items spread over torch's threads, so a
 //      decode step's 8 experts of one row run side by side): gate/up rows, bias and
 //      activation in one pass over them, down rows, bias, the routing weight: one
@@ -72,20 +73,23 @@ inline float round_to(float value) {
 }
 
 // Pairs (token * k + slot) listed by expert, in token order within one: expert e's are
-// pairs[offsets[e] .. offsets[e + 1]].
+// pairs[offsets[e] .. offsets[e + 1]]. A pair whose expert is negative (held by another
+// rank) is in no group: it is never computed.
 struct Groups {
   std::vector<int64_t> offsets, pairs;
 };
 
 Groups group_by_expert(const int64_t* experts, int64_t num_pairs, int64_t num_experts) {
-  Groups groups{std::vector<int64_t>(num_experts + 1, 0), std::vector<int64_t>(num_pairs)};
+  Groups groups{std::vector<int64_t>(num_experts + 1, 0), {}};
   for (int64_t p = 0; p < num_pairs; ++p) {
-    TORCH_CHECK(experts[p] >= 0 && experts[p] < num_experts, "experts: ", experts[p], " is not below ", num_experts);
-    ++groups.offsets[experts[p] + 1];
+    TORCH_CHECK(experts[p] < num_experts, "experts: ", experts[p], " is not below ", num_experts);
+    if (experts[p] >= 0) ++groups.offsets[experts[p] + 1];
   }
   for (int64_t e = 0; e < num_experts; ++e) groups.offsets[e + 1] += groups.offsets[e];
+  groups.pairs.resize(groups.offsets[num_experts]);
   std::vector<int64_t> next(groups.offsets.begin(), groups.offsets.end() - 1);
-  for (int64_t p = 0; p < num_pairs; ++p) groups.pairs[next[experts[p]]++] = p;
+  for (int64_t p = 0; p < num_pairs; ++p)
+    if (experts[p] >= 0) groups.pairs[next[experts[p]]++] = p;
   return groups;
 }
 
@@ -249,16 +253,20 @@ std::vector<Item> split_into_items(const Groups& groups) {
   return items;
 }
 
-// out[t] = sum of token t's contributions in ascending expert order, each add rounded to T.
+// out[t] = sum of token t's contributions in ascending expert order, each add rounded to T;
+// slots of negative experts (never computed) are left out, so a token with none gives 0.
 template <typename T>
 void sum_in_expert_order(const T* contributions, const int64_t* experts, int64_t num_tokens, int64_t top_k,
                          int64_t size, T* out) {
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, size * top_k));
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> order(top_k);
+    std::vector<int64_t> order;
+    order.reserve(top_k);
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t s = 0; s < top_k; ++s) order[s] = s;
       const int64_t* mine = experts + t * top_k;
+      order.clear();
+      for (int64_t s = 0; s < top_k; ++s)
+        if (mine[s] >= 0) order.push_back(s);
       std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return mine[a] < mine[b]; });
       int64_t h = 0;
 #if defined(__AVX512F__)

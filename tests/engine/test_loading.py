@@ -99,3 +99,18 @@ def test_the_tokenizer_is_the_one_autotokenizer_gives(tiny_llama: Path, tmp_path
     config = json.loads((own_class / "tokenizer_config.json").read_text())
     (own_class / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
     assert isinstance(load_tokenizer(own_class), GPT2TokenizerFast)
+
+
+def test_the_weight_loader_drops_skipped_tensors_and_still_refuses_unknown_ones() -> None:
+    """`skip` names tensors that are known but not this model's to hold (another rank's
+    experts): dropped, while a tensor nobody declared still fails the load."""
+    from pagefleet.engine.models.weights import WeightLoader
+
+    model = torch.nn.Linear(3, 2, bias=False)
+    loader = WeightLoader(model)
+    loader.direct("mine.weight", "weight")
+    loader.skip(["theirs.weight"])
+    loader.load([("mine.weight", torch.ones(2, 3)), ("theirs.weight", torch.zeros(5))])
+    assert torch.equal(model.weight, torch.ones(2, 3))
+    with pytest.raises(UnsupportedModelError, match="unexpected weight 'stray.weight'"):
+        loader.load([("mine.weight", torch.ones(2, 3)), ("stray.weight", torch.zeros(5))])

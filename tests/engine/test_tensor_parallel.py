@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: two ranks (the engine and one spawned worker, gloo, one
 OpenMP thread each) give transformers' greedy output token for token, hold half the
-weights each, fail clearly when a worker dies, and leave no process behind."""
+weights each (half of every mixture's routed experts: expert parallelism), fail clearly
+when a worker dies, and leave no process behind."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import pytest
 import torch
 
 from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.errors import EngineDeadError
+from pagefleet.engine.layers.experts import RoutedExperts
+from pagefleet.engine.models.loading import load_model
 from tests.conftest import TINY_VOCAB, build_tiny_model
 from tests.engine.helpers import assert_no_block_leaked, hf_greedy, random_prompts, same_kv_memory
 
@@ -32,15 +36,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 def tp_models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Llama with 2 KV heads (one per rank), 4 (two per rank) and 1 (replicated), Qwen2,
     Gemma 2 (soft-caps, sandwich norms), Gemma 4 (global layers' KV heads replicated, shared
-    KV, replicated experts and per-layer embeddings), Qwen2-MoE (replicated experts, its shared
-    expert split as an MLP), gpt-oss (sinks split with their heads, the output bias added
-    once), DeepSeek-V3 (latent attention's heads split, its one cached head replicated), Llama 4
-    (RoPE rows reordered per head, shared expert split), Phi-3 (fused checkpoint tensors), GPT-2."""
+    KV, stacked experts split and per-layer embeddings), Qwen3-MoE and Mixtral (per-expert
+    tensors, half the experts on each rank), Qwen2-MoE (experts split, its shared expert split
+    as an MLP), gpt-oss (sinks split with their heads, the output bias added once, stacked
+    experts and their biases split), DeepSeek-V3 (latent attention's heads split, its one
+    cached head replicated, experts split), Llama 4 (RoPE rows reordered per head, top-1
+    experts split, shared expert split), Phi-3 (fused checkpoint tensors), GPT-2."""
     root = tmp_path_factory.mktemp("tp-models")
     extra = {arch: build_tiny_model(arch, root / arch) for arch in ("llama_kv4", "llama_kv1")}
     shared = {
         arch: tiny_models[arch]
-        for arch in ("qwen2", "gemma2", "gemma4", "qwen2_moe", "gpt_oss", "deepseek_v3", "llama4", "phi3", "gpt2")
+        for arch in (
+            *("qwen2", "gemma2", "gemma4", "qwen3_moe", "qwen2_moe", "mixtral"),
+            *("gpt_oss", "deepseek_v3", "llama4", "phi3", "gpt2"),
+        )
     }
     return {"llama_kv2": tiny_models["llama"], **extra, **shared}
 
@@ -66,7 +75,7 @@ ARCH_SCHEDULES = [("llama_kv2", "plain"), ("llama_kv2", "preempt_recompute")] + 
     (arch, "chunked_swap")
     for arch in (
         *("llama_kv2", "llama_kv4", "llama_kv1", "qwen2", "gemma2", "gemma4"),
-        *("qwen2_moe", "gpt_oss", "deepseek_v3", "llama4", "phi3", "gpt2"),
+        *("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4", "phi3", "gpt2"),
     )
 ]
 
@@ -109,6 +118,71 @@ def test_each_rank_holds_about_half_the_weights(tp_models: dict[str, Path]) -> N
         assert rank_kv.shape[2] * 2 == whole_kv.shape[2], "each rank keeps half the KV heads"
     finally:
         split.engine.shutdown()
+
+
+EXPERT_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4", "gemma4")
+
+
+def _routed_experts(model: torch.nn.Module) -> dict[str, RoutedExperts]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, RoutedExperts)}
+
+
+@pytest.mark.parametrize("arch", EXPERT_ARCHS)
+def test_each_rank_holds_half_of_every_layers_experts(tp_models: dict[str, Path], arch: str) -> None:
+    """Loaded as rank 0 and as rank 1 of 2 (loading joins no collective): each rank's routed
+    experts are half the bytes of the whole model's, and exactly its rows of its experts
+    (the first half's, then the second's: the layout is expert by expert)."""
+    model_dir, cpu = tp_models[arch], torch.device("cpu")
+    whole = _routed_experts(load_model(model_dir, torch.float32, cpu)[0])  # type: ignore[arg-type]
+    assert whole, f"{arch} has routed experts"
+    for rank in range(2):
+        part = _routed_experts(load_model(model_dir, torch.float32, cpu, Shard(rank, 2))[0])  # type: ignore[arg-type]
+        assert part.keys() == whole.keys()
+        for name, experts in part.items():
+            half = whole[name].num_experts // 2
+            assert experts.local_experts == range(rank * half, (rank + 1) * half)
+            whole_params = dict(whole[name].named_parameters())
+            for param_name, param in experts.named_parameters():
+                everything = whole_params[param_name].flatten()
+                assert param.numel() * 2 == everything.numel(), f"{name}.{param_name}: half the bytes"
+                mine = everything[rank * param.numel() : (rank + 1) * param.numel()]
+                assert torch.equal(param.flatten(), mine), f"{name}.{param_name}: rank {rank}'s experts"
+
+
+class _EachRankAlone:
+    """An all-reduce that leaves each rank's part as it is, to see the parts in one process."""
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return True
+
+    def __call__(self, x: torch.Tensor) -> None:
+        pass
+
+
+def test_two_ranks_experts_sum_to_the_whole() -> None:
+    """Each rank computes only the pairs routed to its experts (the others' ids are -1 to
+    it); the two parts add up to one rank's output on every path, tokens with all their
+    experts on one rank included."""
+    num_experts, hidden_size, width = 6, 40, 24
+    whole = RoutedExperts(num_experts, hidden_size, width, bias=True)
+    generator = torch.Generator().manual_seed(0)
+    for parameter in whole.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator) * 0.3
+    parts = []
+    for rank in range(2):
+        shard = Shard(rank, 2, shared_memory=_EachRankAlone())  # type: ignore[arg-type]
+        part = RoutedExperts(num_experts, hidden_size, width, bias=True, shard=shard)
+        for name, parameter in part.named_parameters():
+            parameter.data = dict(whole.named_parameters())[name].data.chunk(2)[rank].clone()
+        parts.append(part)
+    hidden = torch.randn(9, hidden_size, generator=generator)
+    weights, experts = torch.rand(9, 2, generator=generator), torch.randint(0, num_experts, (9, 2), generator=generator)
+    experts[0], experts[1] = torch.tensor([0, 2]), torch.tensor([5, 3])  # all on rank 0; all on rank 1
+    assert parts[1].local_ids(experts)[1].tolist() == [2, 0] and parts[1].local_ids(experts)[0].tolist() == [-1, -1]
+    for run in ("forward", "forward_torch"):
+        expected = getattr(whole, run)(hidden, weights, experts)
+        summed = sum(getattr(part, run)(hidden, weights, experts) for part in parts)
+        torch.testing.assert_close(summed, expected, atol=2e-5, rtol=2e-5)
 
 
 def test_a_dead_worker_fails_the_requests_clearly_and_stopping_leaves_no_process(

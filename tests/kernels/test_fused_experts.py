@@ -5,7 +5,9 @@ The compiled CPU operator (`torch.ops.pagefleet.fused_experts`) and the Triton k
 and without biases, with experts that receive no token, one token, and top-1. The CPU
 operator's contract is checked bit for bit: a token's output is the same alone and among 99
 others, and its contributions are added in ascending expert order whatever the slot order.
-Sizes are not multiples of the 16-lane vectors, so every tail runs.
+Sizes are not multiples of the 16-lane vectors, so every tail runs. Expert ids of -1 (held
+by another tensor-parallel rank) are skipped by all three: the sum is the one whose skipped
+pairs weigh 0, and a token with every slot elsewhere gets zeros.
 """
 
 from __future__ import annotations
@@ -136,6 +138,33 @@ def test_contributions_add_in_ascending_expert_order(operators: None, dtype: tor
     assert not torch.equal(out, by_slot), "no token's sum depends on the order: the test proves nothing"
 
 
+def _elsewhere(experts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts with about a third of the pairs and all of token 0's set to -1, as another
+    rank's; weights with those pairs' zeroed): the first as a rank routes, the second the
+    same sum over every expert, by which to check it."""
+    dropped = torch.rand(experts.shape, generator=torch.Generator().manual_seed(3)) < 0.35
+    dropped[0] = True
+    assert 0 < int(dropped[1:].sum()) < dropped[1:].numel(), "some pairs kept, some dropped"
+    return experts.masked_fill(dropped, -1), weights.masked_fill(dropped, 0.0)
+
+
+@DTYPES
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_experts_of_another_rank_are_skipped(operators: None, dtype: torch.dtype, bias: bool) -> None:
+    """The CPU operator's bits equal its own sum with the skipped pairs' weights at 0 (each
+    such contribution is a zero, and x + 0 is x); the reference's within rounding."""
+    module = _experts(7, 40, 24, "swiglu_oai", bias, dtype)
+    hidden, weights, experts = _routes(13, 7, 3, dtype)
+    hidden, weights = hidden.to(dtype), weights.to(dtype)
+    local, zeroed = _elsewhere(experts, weights)
+    out = _compiled(module, hidden, weights, local)
+    assert torch.equal(out, _compiled(module, hidden, zeroed, experts))
+    assert torch.equal(out[0], torch.zeros(40, dtype=dtype)), "a token with no expert here gets zeros"
+    expected = module.forward_torch(hidden, zeroed, experts)
+    torch.testing.assert_close(module.forward_torch(hidden, weights, local), expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
 def test_unknown_activation_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown expert activation 'relu'"):
         ExpertActivation("relu")
@@ -162,6 +191,32 @@ def test_triton_kernels_equal_the_reference(dtype: torch.dtype, kind: str, bias:
     out = fused_experts(hidden, weights, experts, module.gate_up, module.down, *biases, kind, block_n=16, block_k=32)
     expected = fused_experts_torch(hidden, weights, experts, module.gate_up, module.down, *biases, kind)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_moe_align_puts_another_ranks_pairs_in_no_computed_block() -> None:
+    experts = torch.tensor([[2, -1], [-1, 3], [0, 2]])  # pairs 0..5: e2, x, x, e3, e0, e2
+    sorted_pairs, block_experts = moe_align(experts, 5, 4)
+    pad = 6
+    assert sorted_pairs.tolist()[:16] == [4, pad, pad, pad, 0, 5, pad, pad, 3, pad, pad, pad, 1, 2, pad, pad]
+    assert block_experts.tolist()[:3] == [0, 2, 3] and set(block_experts.tolist()[3:]) == {-1}
+
+
+@pytest.mark.triton
+@DTYPES
+def test_triton_skips_experts_of_another_rank(dtype: torch.dtype) -> None:
+    """As the CPU operator: its own bits with the skipped pairs weighing 0, the reference's
+    within rounding (the routes of test_triton_kernels_equal_the_reference)."""
+    module = _experts(7, 40, 24, "silu", True, dtype)
+    hidden, weights, experts = _routes(11, 7, 2, dtype, unused=2)
+    hidden, weights = hidden.to(dtype), weights.to(dtype)
+    local, zeroed = _elsewhere(experts, weights)
+    biases = (module.gate_up_bias, module.down_bias)
+    out = fused_experts(hidden, weights, local, module.gate_up, module.down, *biases, block_n=16, block_k=32)
+    same = fused_experts(hidden, zeroed, experts, module.gate_up, module.down, *biases, block_n=16, block_k=32)
+    assert torch.equal(out, same)
+    expected = fused_experts_torch(hidden, zeroed, experts, module.gate_up, module.down, *biases)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    assert torch.equal(out[0], torch.zeros(40, dtype=dtype)), "a token with no expert here gets zeros"
 
 
 @pytest.mark.triton
