@@ -245,6 +245,17 @@ void run_item(const Problem<T>& problem, const Groups& groups, const Item& item,
                problem.contributions + pairs[r] * hidden);
 }
 
+// The per-pair contributions [pairs, size], kept from call to call on this thread: a
+// prefill chunk's are tens of MB, which a fresh allocation would map and page-fault in
+// again on every layer (half a million faults in a short run).
+at::Tensor contributions_buffer(int64_t pairs, int64_t size, const at::TensorOptions& options) {
+  static thread_local at::Tensor cached;
+  const int64_t needed = pairs * size;
+  if (!cached.defined() || cached.scalar_type() != options.dtype().toScalarType() || cached.numel() < needed)
+    cached = at::empty({std::max<int64_t>(needed, 1)}, options);
+  return cached.narrow(0, 0, needed).view({pairs, size});
+}
+
 std::vector<Item> split_into_items(const Groups& groups) {
   std::vector<Item> items;
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(groups.offsets.size()); ++e)
@@ -347,7 +358,7 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& weights, co
   const int64_t width = down.size(1), num_experts = down.size(0) / size;
   const Groups groups = group_by_expert(experts.data_ptr<int64_t>(), num_tokens * top_k, num_experts);
   at::Tensor out = at::empty({num_tokens, size}, hidden.options());
-  at::Tensor contributions = at::empty({num_tokens * top_k, size}, hidden.options());
+  at::Tensor contributions = contributions_buffer(num_tokens * top_k, size, hidden.options());
   dispatch_float(hidden, [&](auto tag) {
     using T = decltype(tag);
     const Problem<T> problem{hidden.data_ptr<T>(),
