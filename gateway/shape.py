@@ -85,8 +85,9 @@ def _input_text(value: Any) -> str:
     texts = []
     for item in value:
         content = item.get("content", item.get("output")) if isinstance(item, dict) else None
-        if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if isinstance(content, list):  # content parts; a part's text that is not a string counts as none
+            texts_of_parts = (part.get("text") for part in content if isinstance(part, dict))
+            content = "".join(text for text in texts_of_parts if isinstance(text, str))
         texts.append(content if isinstance(content, str) else "")
     return "\n".join(texts)
 

@@ -59,10 +59,10 @@ def test_beam_search_equals_transformers(tiny_models: dict[str, Path], arch: str
     model_dir = tiny_models[arch]
     llm = LLM(str(model_dir), dtype="float32", block_size=4)
     prompts = random_prompts([5, 17, 33, 9], TINY_VOCAB, seed=1)
-    # A stop token the model really emits (its third greedy token after prompt 0), so some
+    # A stop token the beams really emit (the third token of prompt 0's best beam), so some
     # beams finish early and the finished-beam ranking is exercised, not only the length limit.
-    greedy = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    stop = greedy[0].outputs[0].token_ids[2]
+    best = llm.generate(prompts[0], _beam_params(k, *BEAM_SETTINGS[0]))[0].outputs[0]
+    stop = best.token_ids[2]
     finished_early = 0
     for length_penalty, early_stopping in BEAM_SETTINGS:
         params = _beam_params(k, length_penalty, early_stopping, stop_token_ids=[stop])

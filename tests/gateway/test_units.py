@@ -527,3 +527,14 @@ def test_both_front_doors_name_the_routes_kv_peer_and_only_the_routes() -> None:
         mutation = routed_headers("10.0.0.1:8000", no_peer, 12)
         assert {h.header.key for h in mutation.set_headers} == {DESTINATION, "content-length"}
         assert list(mutation.remove_headers) == [KV_PEER_HEADER]  # a client's own never reaches the replica
+
+
+def test_a_responses_input_with_parts_of_any_json_is_described_not_raised() -> None:
+    """Found by the fuzz test: content parts whose `text` is not a string (a number, a list)
+    count as no text; the replica refuses the body with a 400."""
+    from pagefleet.gateway.shape import describe
+
+    item = {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": 5.6e16}]}
+    body = {"model": "tiny", "input": [item, {"role": "user", "content": [{"text": ["x"]}, {"text": "hello"}]}]}
+    shape = describe(json.dumps(body).encode(), chat=True)
+    assert shape.model == "tiny" and shape.prompt_tokens > 0
