@@ -2,6 +2,7 @@
 `--peer vllm`), measured in the same run.
 
     python bench/throughput.py [--model gemma3-270m] [--dtypes float32 bfloat16] [--threads 2] [--peer vllm --rounds 2]
+                               [--requests 1]
 
 Workload: 64 requests, prompt lengths 64..512 tokens (fixed seed), 128 output tokens each
 with ignore_eos, on SmolLM2-135M-Instruct, or with `--model` a random-weight model in a real
@@ -203,6 +204,12 @@ def main() -> None:
     parser.add_argument("--static-requests", type=int, default=32, help="prompts for static batches of 16")
     parser.add_argument("--peer", choices=["vllm"], help="also run this peer engine on the workload")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds against the peer")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=64,
+        help="the workload's first N requests (1: batch-1 decode, a prompt then 128 tokens)",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -212,7 +219,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    workload = fixed_workload()
+    workload = fixed_workload(num_requests=args.requests)
     if args.peer == "vllm":
         peer_results = compare_with_vllm(workload, args.model, args.dtypes, args.threads, args.rounds)
         if args.json:
