@@ -12,6 +12,7 @@ scheduler computes a request again when it outgrows the short one, as transforme
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -134,3 +135,13 @@ class RotaryEmbedding(torch.nn.Module):
         """cos and sin for these positions, [num_tokens, 1, head_dim]: once per step, shared
         by every layer."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def interleaved_rope_rows_as_halves(head_size: int, kept: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A weight transform for checkpoints that rotate interleaved pairs (x0, x1), (x2, x3)
+    (DeepSeek, Llama 4): in each head of `head_size` rows, the first `kept` rows stay, the
+    RoPE rows after them become their even rows then their odd ones, so the rotate-half
+    RoPE here applies (q . k is unchanged, as both move alike)."""
+    rope_rows = torch.arange(kept, head_size)
+    order = torch.cat((torch.arange(kept), rope_rows[0::2], rope_rows[1::2]))
+    return lambda weight: weight.view(-1, head_size, *weight.shape[1:])[:, order].reshape(weight.shape)

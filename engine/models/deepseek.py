@@ -38,6 +38,7 @@ from pagefleet.engine.layers.experts import RoutedExperts
 from pagefleet.engine.layers.fused import rotary
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
+from pagefleet.engine.layers.rotary import interleaved_rope_rows_as_halves
 from pagefleet.engine.models.config import MLAOptions, ModelConfig, MoEOptions
 from pagefleet.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pagefleet.engine.models.moe import declare_expert_tensors
@@ -184,7 +185,8 @@ def _declare_attention(loader: WeightLoader, config: ModelConfig, shard: Shard, 
     first, last = shard.split(config.num_heads, "num_attention_heads")
     qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     query_rows = chain(
-        rows(first * qk_head_dim, last * qk_head_dim) if shard.size > 1 else None, _query_rope_order(mla)
+        rows(first * qk_head_dim, last * qk_head_dim) if shard.size > 1 else None,
+        _rope_order(mla, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim),
     )
     if mla.q_lora_rank:
         loader.direct(hf + "q_a_proj.weight", ours + "q_a_proj.weight")
@@ -192,7 +194,11 @@ def _declare_attention(loader: WeightLoader, config: ModelConfig, shard: Shard, 
         loader.direct(hf + "q_b_proj.weight", ours + "q_b_proj.weight", query_rows)
     else:
         loader.direct(hf + "q_proj.weight", ours + "q_proj.weight", query_rows)
-    loader.direct(hf + "kv_a_proj_with_mqa.weight", ours + "kv_a_proj_with_mqa.weight", _latent_rope_order(mla))
+    loader.direct(
+        hf + "kv_a_proj_with_mqa.weight",
+        ours + "kv_a_proj_with_mqa.weight",
+        _rope_order(mla, mla.kv_lora_rank + mla.qk_rope_head_dim, mla.kv_lora_rank),
+    )
     loader.direct(hf + "kv_a_layernorm.weight", ours + "kv_a_layernorm.weight")
     per_head = mla.qk_nope_head_dim + mla.v_head_dim
     loader.direct(hf + "kv_b_proj.weight", ours + "kv_b_proj", rows(first * per_head, last * per_head))
@@ -224,24 +230,6 @@ def _declare_gated_mlp(loader: WeightLoader, shard: Shard, hf: str, ours: str, w
     loader.direct(hf + "down_proj.weight", ours + "down_proj.weight", columns(start, end) if shard.size > 1 else None)
 
 
-def _query_rope_order(mla: MLAOptions) -> Transform | None:
-    """Each head's query rows with its RoPE rows de-interleaved (even dims, then odd)."""
-    if not mla.rope_interleave:
-        return None
-    head = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    order = _rotate_half_order(mla.qk_nope_head_dim, mla.qk_rope_head_dim)
-    return lambda weight: weight.view(-1, head, *weight.shape[1:])[:, order].reshape(weight.shape)
-
-
-def _latent_rope_order(mla: MLAOptions) -> Transform | None:
-    """The latent projection's rows with its RoPE rows (after the latent's) de-interleaved."""
-    if not mla.rope_interleave:
-        return None
-    order = _rotate_half_order(mla.kv_lora_rank, mla.qk_rope_head_dim)
-    return lambda weight: weight[order]
-
-
-def _rotate_half_order(kept: int, rope: int) -> torch.Tensor:
-    """Row order: the first `kept` rows as they are, then the RoPE rows' even ones, then odd."""
-    interleaved = torch.arange(kept, kept + rope)
-    return torch.cat((torch.arange(kept), interleaved[0::2], interleaved[1::2]))
+def _rope_order(mla: MLAOptions, head_size: int, kept: int) -> Transform | None:
+    """Rows of `head_size` per head with their RoPE rows (after `kept`) in rotate-half order."""
+    return interleaved_rope_rows_as_halves(head_size, kept) if mla.rope_interleave else None

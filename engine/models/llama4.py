@@ -29,6 +29,7 @@ from pagefleet.engine.layers.experts import RoutedExperts
 from pagefleet.engine.layers.fused import rotary
 from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.layers.norm import RMSNorm
+from pagefleet.engine.layers.rotary import interleaved_rope_rows_as_halves
 from pagefleet.engine.models.config import Llama4Options, ModelConfig
 from pagefleet.engine.models.llama import (
     LlamaAttention,
@@ -37,6 +38,7 @@ from pagefleet.engine.models.llama import (
     LlamaMLP,
     load_decoder_weights,
 )
+from pagefleet.engine.models.moe import expert_rows
 from pagefleet.engine.models.weights import WeightLoader
 
 # Per step: RoPE's cos and sin, and each token's query scale on the NoPE layers.
@@ -126,13 +128,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         renamed = ((name.replace(".feed_forward.", ".mlp."), tensor) for name, tensor in weights)
-        load_decoder_weights(self, renamed, declare_mlp=self._declare_experts, qk_transform=self._rope_order)
-
-    def _rope_order(self, weight: torch.Tensor) -> torch.Tensor:
-        """q or k rows per head in rotate-half order: each head's even rows, then its odd."""
-        head_dim = self.config.head_dim
-        order = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
-        return weight.view(-1, head_dim, *weight.shape[1:])[:, order].reshape(weight.shape)
+        rope_order = interleaved_rope_rows_as_halves(self.config.head_dim)
+        load_decoder_weights(self, renamed, declare_mlp=self._declare_experts, qk_transform=rope_order)
 
     def _declare_experts(self, loader: WeightLoader, layer: int) -> bool:
         """A MoE layer's router, this rank's experts (stored `[E, H, 2I]`, gate columns then
@@ -144,7 +141,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         hf, ours = f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp."
         loader.direct(hf + "router.weight", ours + "router.weight")
         shard, width = self.shard, options.shared_expert_width
-        stacked = chain(shard.stacked_experts(options.num_experts), _expert_rows)
+        stacked = chain(shard.stacked_experts(options.num_experts), expert_rows)
         loader.direct(hf + "experts.gate_up_proj", ours + "experts.gate_up", stacked)
         loader.direct(hf + "experts.down_proj", ours + "experts.down", stacked)
         start, end = shard.split(width, "intermediate_size")
@@ -154,8 +151,3 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         down_part = columns(start, end) if shard.size > 1 else None
         loader.direct(hf + "shared_expert.down_proj.weight", ours + "shared_expert.down_proj.weight", down_part)
         return True
-
-
-def _expert_rows(stacked: torch.Tensor) -> torch.Tensor:
-    """[E, in, out] (x @ W per expert) -> [E * out, in], each expert's rows as a Linear's."""
-    return stacked.transpose(1, 2).flatten(0, 1)

@@ -127,7 +127,7 @@ def _declare_gpt_oss_experts(loader: WeightLoader, layer: int, held: Transform |
     loader.direct(block + "experts.gate_up_proj", ours + "experts.gate_up", chain(held, _gate_rows_then_up_rows))
     gate_up_bias = chain(held, _gate_rows_then_up_rows)
     loader.direct(block + "experts.gate_up_proj_bias", ours + "experts.gate_up_bias", gate_up_bias)
-    loader.direct(block + "experts.down_proj", ours + "experts.down", chain(held, _expert_rows))
+    loader.direct(block + "experts.down_proj", ours + "experts.down", chain(held, expert_rows))
     loader.direct(block + "experts.down_proj_bias", ours + "experts.down_bias", chain(held, _flattened))
 
 
@@ -138,8 +138,8 @@ def _gate_rows_then_up_rows(stacked: torch.Tensor) -> torch.Tensor:
     return torch.cat((interleaved[:, 0::2], interleaved[:, 1::2]), dim=1).flatten(0, 1)
 
 
-def _expert_rows(stacked: torch.Tensor) -> torch.Tensor:
-    """[E, I, H] (x @ W per expert) -> [E * H, I], each expert's rows as a Linear's."""
+def expert_rows(stacked: torch.Tensor) -> torch.Tensor:
+    """[E, in, out] (x @ W per expert) -> [E * out, in], each expert's rows as a Linear's."""
     return stacked.transpose(1, 2).flatten(0, 1)
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -149,61 +150,54 @@ def _scattered_tables(
 SOFTCAP = 30.0  # Gemma 2's attn_logit_softcapping
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 80, 20], ids=["avx512", "avx2", "any"])  # which kernel scores
-@pytest.mark.parametrize("window", [None, 100])
-def test_softcapped_attention_equals_the_reference(dtype: torch.dtype, head_dim: int, window: int | None) -> None:
-    """Prompt rows and decodes, over one and several partitions, with scores large enough
-    (a query 8 times the usual) for the cap to matter; a decode is still its prompt row."""
-    generator = torch.Generator().manual_seed(head_dim)
+def _rows_and_decodes_equal_the_reference(
+    dtype: torch.dtype, head_dim: int, seed: int, query_scale: float, differs: bool, **layer: Any
+) -> None:
+    """Prompt chunks over one and several partitions (a row alone, a whole prompt, chunks
+    after 300 and 700 cached tokens), attended with the layer's options `layer` by the
+    operator and the reference; each chunk's last row, as a decode, is its prompt row's bits.
+    `differs`: the options must change the reference's result (they cannot be ignored)."""
+    generator = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, block_size = 6, 2, 16
     chunks = [(1, 0), (40, 0), (5, 300), (20, 700)]  # (new tokens, cached prefix)
     num_blocks = sum(-(-(n + p) // block_size) for n, p in chunks) + 3
     key_cache, value_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, "head_major")
     width = -(-max(n + p for n, p in chunks) // block_size)
     tables, cu_seqlens, context_lens = _scattered_tables(chunks, num_blocks, width, block_size, generator)
-    query = (8 * torch.randn(int(cu_seqlens[-1]), num_heads, head_dim, generator=generator)).to(dtype)
+    query = (query_scale * torch.randn(int(cu_seqlens[-1]), num_heads, head_dim, generator=generator)).to(dtype)
     scale = head_dim**-0.5
     tolerance = dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     args = (query, key_cache, value_cache, tables, cu_seqlens, context_lens, scale)
-    expected = paged_attention_prefill_torch(*args, sliding_window=window, softcap=SOFTCAP)
-    rows = paged_attention_prefill_cpu(*args, sliding_window=window, softcap=SOFTCAP)
+    expected = paged_attention_prefill_torch(*args, **layer)
+    if differs:
+        plain = {"sliding_window": layer.get("sliding_window")}
+        assert not torch.allclose(expected.float(), paged_attention_prefill_torch(*args, **plain).float())
+    rows = paged_attention_prefill_cpu(*args, **layer)
     torch.testing.assert_close(rows.float(), expected.float(), **tolerance)
-    last = cu_seqlens[1:].long() - 1  # each chunk's last row, as a decode
-    decode = (query[last], key_cache, value_cache, tables, context_lens, scale, window, SOFTCAP)
-    decoded = paged_attention_decode_cpu(*decode)
-    torch.testing.assert_close(decoded.float(), paged_attention_decode_torch(*decode).float(), **tolerance)
+    last = cu_seqlens[1:].long() - 1
+    decode = (query[last], key_cache, value_cache, tables, context_lens, scale)
+    decoded = paged_attention_decode_cpu(*decode, **layer)
+    torch.testing.assert_close(decoded.float(), paged_attention_decode_torch(*decode, **layer).float(), **tolerance)
     assert torch.equal(decoded, rows[last])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 20], ids=["avx512", "avx2", "any"])  # which kernel scores
+@pytest.mark.parametrize("window", [None, 100])
+def test_softcapped_attention_equals_the_reference(dtype: torch.dtype, head_dim: int, window: int | None) -> None:
+    """Scores large enough (a query 8 times the usual) for the cap to matter."""
+    _rows_and_decodes_equal_the_reference(dtype, head_dim, head_dim, 8.0, False, sliding_window=window, softcap=SOFTCAP)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 80], ids=["avx512", "avx2"])
 @pytest.mark.parametrize("window", [None, 100])
 def test_attention_with_sinks_equals_the_reference(dtype: torch.dtype, head_dim: int, window: int | None) -> None:
-    """gpt-oss's sinks (one logit per head in each denominator): prompt rows and decodes over
-    one and several partitions, including a row whose only key is itself; a sink as large as
-    the scores (it takes a real share) and one far below (it takes none)."""
-    generator = torch.Generator().manual_seed(head_dim + 1)
-    num_heads, num_kv_heads, block_size = 6, 2, 16
-    chunks = [(1, 0), (40, 0), (5, 300), (20, 700)]  # (new tokens, cached prefix)
-    num_blocks = sum(-(-(n + p) // block_size) for n, p in chunks) + 3
-    key_cache, value_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, "head_major")
-    width = -(-max(n + p for n, p in chunks) // block_size)
-    tables, cu_seqlens, context_lens = _scattered_tables(chunks, num_blocks, width, block_size, generator)
-    query = (4 * torch.randn(int(cu_seqlens[-1]), num_heads, head_dim, generator=generator)).to(dtype)
+    """gpt-oss's sinks (one logit per head in each denominator), including a row whose only
+    key is itself; a sink as large as the scores (it takes a real share) and one far below
+    (it takes none)."""
     sinks = torch.tensor([0.0, 3.0, -1.0, 8.0, -30.0, 1.5])
-    scale = head_dim**-0.5
-    tolerance = dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    args = (query, key_cache, value_cache, tables, cu_seqlens, context_lens, scale)
-    expected = paged_attention_prefill_torch(*args, sliding_window=window, sinks=sinks)
-    assert not torch.allclose(expected.float(), paged_attention_prefill_torch(*args, sliding_window=window).float())
-    rows = paged_attention_prefill_cpu(*args, sliding_window=window, sinks=sinks)
-    torch.testing.assert_close(rows.float(), expected.float(), **tolerance)
-    last = cu_seqlens[1:].long() - 1  # each chunk's last row, as a decode
-    decode = (query[last], key_cache, value_cache, tables, context_lens, scale, window, None, sinks)
-    decoded = paged_attention_decode_cpu(*decode)
-    torch.testing.assert_close(decoded.float(), paged_attention_decode_torch(*decode).float(), **tolerance)
-    assert torch.equal(decoded, rows[last])
+    _rows_and_decodes_equal_the_reference(dtype, head_dim, head_dim + 1, 4.0, True, sliding_window=window, sinks=sinks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -211,27 +205,8 @@ def test_attention_with_sinks_equals_the_reference(dtype: torch.dtype, head_dim:
 @pytest.mark.parametrize("chunk", [16, 100, 256])
 def test_chunked_attention_equals_the_reference(dtype: torch.dtype, head_dim: int, chunk: int) -> None:
     """Llama 4's chunked attention: each row sees its own chunk only, rows on both sides of a
-    chunk boundary, chunks smaller and larger than a partition; a decode is its prompt row."""
-    generator = torch.Generator().manual_seed(head_dim + chunk)
-    num_heads, num_kv_heads, block_size = 6, 2, 16
-    chunks = [(1, 0), (40, 0), (5, 300), (20, 700)]  # (new tokens, cached prefix)
-    num_blocks = sum(-(-(n + p) // block_size) for n, p in chunks) + 3
-    key_cache, value_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, "head_major")
-    width = -(-max(n + p for n, p in chunks) // block_size)
-    tables, cu_seqlens, context_lens = _scattered_tables(chunks, num_blocks, width, block_size, generator)
-    query = torch.randn(int(cu_seqlens[-1]), num_heads, head_dim, generator=generator).to(dtype)
-    scale = head_dim**-0.5
-    tolerance = dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    args = (query, key_cache, value_cache, tables, cu_seqlens, context_lens, scale)
-    expected = paged_attention_prefill_torch(*args, chunk=chunk)
-    assert not torch.allclose(expected.float(), paged_attention_prefill_torch(*args).float())
-    rows = paged_attention_prefill_cpu(*args, chunk=chunk)
-    torch.testing.assert_close(rows.float(), expected.float(), **tolerance)
-    last = cu_seqlens[1:].long() - 1  # each chunk's last row, as a decode
-    decode = (query[last], key_cache, value_cache, tables, context_lens, scale)
-    decoded = paged_attention_decode_cpu(*decode, chunk=chunk)
-    torch.testing.assert_close(decoded.float(), paged_attention_decode_torch(*decode, chunk=chunk).float(), **tolerance)
-    assert torch.equal(decoded, rows[last])
+    chunk boundary, chunks smaller and larger than a partition."""
+    _rows_and_decodes_equal_the_reference(dtype, head_dim, head_dim + chunk, 1.0, True, chunk=chunk)
 
 
 def test_operators_called_without_a_softcap_have_none() -> None:
