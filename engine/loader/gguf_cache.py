@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagefleet.engine.loader import gguf_gemma4, gguf_moe
+from pagefleet.engine.loader import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_moe
 from pagefleet.engine.loader.gguf_config import complete_config, read_gguf
 
 logger = logging.getLogger(__name__)
@@ -76,25 +76,40 @@ def _load_gemma4(gguf_path: Path, metadata: dict[str, Any], tensors: dict[str, A
 
 def _load_moe(gguf_path: Path, metadata: dict[str, Any], tensors: dict[str, Any]) -> Any:
     """A mixture of experts' model (engine/loader/gguf_moe.py): its expert tensors checked
-    first; Qwen's read by transformers with the experts' widths from the metadata, Mixtral's
-    built from the metadata and given the file's tensors."""
+    first; Qwen's read by transformers with the experts' widths from the metadata; Mixtral's,
+    DeepSeek-V3's and gpt-oss's, which transformers does not read, built from the metadata
+    and given the file's tensors."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     def shape(name: str) -> tuple[int, ...] | None:
         return tuple(int(d) for d in tensors[name].shape) if name in tensors else None
 
     dims = gguf_moe.ExpertDims.from_metadata(metadata, shape)
     gguf_moe.check_expert_tensors(gguf_path, dims, shape)
-    if metadata["general.architecture"] in gguf_moe.QWEN_ARCHITECTURES:
+    architecture = metadata["general.architecture"]
+    if architecture == gguf_moe.DEEPSEEK_ARCHITECTURE:
+        raw = gguf_deepseek.deepseek_config(metadata, tensors)
+        return _built(raw, gguf_deepseek.deepseek_state_dict(tensors, raw))
+    if architecture == gguf_moe.GPT_OSS_ARCHITECTURE:
+        raw = gguf_gpt_oss.gpt_oss_config(metadata, tensors)
+        return _built(raw, gguf_gpt_oss.gpt_oss_state_dict(tensors, raw))
+    if architecture in gguf_moe.QWEN_ARCHITECTURES:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         config.update(gguf_moe.qwen_config_updates(dims))
         return AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype=torch.float32
         )
     raw = gguf_moe.mixtral_config(metadata, tensors, dims)
-    model = MixtralForCausalLM(MixtralConfig.from_dict(raw)).float()
-    model.load_state_dict(gguf_moe.mixtral_state_dict(tensors, raw), strict=True)
+    return _built(raw, gguf_moe.mixtral_state_dict(tensors, raw))
+
+
+def _built(config: dict[str, Any], state: dict[str, Any]) -> Any:
+    """The transformers model of a config built from a file's metadata, given its tensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).float()
+    model.load_state_dict(state, strict=True)
     return model
 
 
@@ -107,15 +122,18 @@ def _convert(gguf_path: Path, target: Path) -> None:
     started = time.monotonic()
     folder, name = str(gguf_path.parent), gguf_path.name
     metadata, tensors = read_gguf(gguf_path)
-    if metadata["general.architecture"] == gguf_gemma4.ARCHITECTURE:
+    architecture = metadata["general.architecture"]
+    if architecture == gguf_gemma4.ARCHITECTURE:
         model = _load_gemma4(gguf_path, metadata, tensors)
-        # AutoTokenizer would read the config from the file again, as transformers cannot.
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
     elif gguf_moe.is_moe_file(metadata):
         model = _load_moe(gguf_path, metadata, tensors)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    if architecture in (gguf_gemma4.ARCHITECTURE, gguf_moe.DEEPSEEK_ARCHITECTURE, gguf_moe.GPT_OSS_ARCHITECTURE):
+        # AutoTokenizer would read the config from the file again, which transformers cannot
+        # (deepseek2), or misreads (gpt-oss: its YaRN keys).
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+    else:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # save_pretrained refuses a GGUF-loaded model while it still names its quantizer; the
     # weights are already dequantized to float32, so the quantization config is obsolete.
@@ -126,8 +144,8 @@ def _convert(gguf_path: Path, target: Path) -> None:
     # Write to a sibling temp dir and rename, so a crash never leaves a half cache behind.
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        if gguf_moe.is_moe_file(metadata):
-            gguf_moe.save_checkpoint(model, staging)
+        if gguf_moe.is_moe_file(metadata) and architecture != gguf_moe.GPT_OSS_ARCHITECTURE:
+            gguf_moe.save_checkpoint(model, staging)  # gpt-oss's checkpoints keep its experts fused
         else:
             model.save_pretrained(staging)
         complete_config(metadata, tensors, staging / "config.json")

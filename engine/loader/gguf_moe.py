@@ -37,28 +37,33 @@ if TYPE_CHECKING:  # engine/models imports the loaders: a type only
 
 QWEN_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 MIXTRAL_ARCHITECTURE = "llama"  # with `llama.expert_count`
+# Built from the metadata in their own modules (engine/loader/gguf_deepseek.py, gguf_gpt_oss.py).
+DEEPSEEK_ARCHITECTURE, GPT_OSS_ARCHITECTURE = "deepseek2", "gpt-oss"
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def is_moe_file(metadata: dict[str, Any]) -> bool:
     """Whether a GGUF file (its metadata) holds one of the mixtures of experts served here."""
     architecture = metadata["general.architecture"]
-    return architecture in QWEN_ARCHITECTURES or (
+    return architecture in (*QWEN_ARCHITECTURES, DEEPSEEK_ARCHITECTURE, GPT_OSS_ARCHITECTURE) or (
         architecture == MIXTRAL_ARCHITECTURE and int(metadata.get("llama.expert_count") or 0) > 0
     )
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertDims:
-    """The sizes a file's expert tensors must have: every layer sparse (as llama.cpp runs
-    these architectures), `num_experts` experts `width` wide, a shared expert
-    `shared_width` wide (0: none)."""
+    """The sizes a file's expert tensors must have: the layers from `first_sparse` on sparse
+    (every one, as llama.cpp runs Qwen's and Mixtral's; DeepSeek's first are dense),
+    `num_experts` experts `width` wide, shared experts `shared_width` wide in all (0: none),
+    gated by a `ffn_gate_inp_shexp` vector where `shared_gate` (Qwen2-MoE's)."""
 
     num_layers: int
     hidden_size: int
     num_experts: int
     width: int
     shared_width: int = 0
+    first_sparse: int = 0
+    shared_gate: bool = True
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any], shapes: Callable[[str], tuple[int, ...] | None]) -> ExpertDims:
@@ -71,12 +76,17 @@ class ExpertDims:
         if width is None:
             first_gate = shapes("blk.0.ffn_gate_exps.weight")
             width = 0 if first_gate is None else first_gate[1]  # 0: the check names the missing tensor
+        shared_width = int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0)
+        if arch == DEEPSEEK_ARCHITECTURE:  # its shared experts stored as one MLP
+            shared_width = int(metadata.get(f"{arch}.expert_shared_count") or 0) * int(width)
         return cls(
             num_layers=int(metadata[f"{arch}.block_count"]),
             hidden_size=int(metadata[f"{arch}.embedding_length"]),
             num_experts=int(metadata[f"{arch}.expert_count"]),
             width=int(width),
-            shared_width=int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+            shared_width=shared_width,
+            first_sparse=int(metadata.get(f"{arch}.leading_dense_block_count") or 0),
+            shared_gate=arch != DEEPSEEK_ARCHITECTURE,
         )
 
     @classmethod
@@ -88,6 +98,8 @@ class ExpertDims:
             config.moe.num_experts,
             config.moe.width,
             config.moe.shared_expert_width,
+            first_sparse=config.moe.sparse_layers.index(True),
+            shared_gate=config.family != "deepseek",
         )
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -95,14 +107,15 @@ class ExpertDims:
         contiguous dimension first)."""
         hidden, experts, width, shared = self.hidden_size, self.num_experts, self.width, self.shared_width
         shapes: dict[str, tuple[int, ...]] = {}
-        for layer in range(self.num_layers):
+        for layer in range(self.first_sparse, self.num_layers):
             blk = f"blk.{layer}."
             shapes[blk + "ffn_gate_inp.weight"] = (hidden, experts)
             shapes[blk + "ffn_gate_exps.weight"] = (hidden, width, experts)
             shapes[blk + "ffn_up_exps.weight"] = (hidden, width, experts)
             shapes[blk + "ffn_down_exps.weight"] = (width, hidden, experts)
-            if shared:
+            if shared and self.shared_gate:
                 shapes[blk + "ffn_gate_inp_shexp.weight"] = (hidden,)
+            if shared:
                 shapes[blk + "ffn_gate_shexp.weight"] = (hidden, shared)
                 shapes[blk + "ffn_up_shexp.weight"] = (hidden, shared)
                 shapes[blk + "ffn_down_shexp.weight"] = (shared, hidden)
@@ -190,7 +203,7 @@ _MIXTRAL_LAYER = {
 }
 
 
-def _array(tensor: Any) -> torch.Tensor:
+def dequantized(tensor: Any) -> torch.Tensor:
     """A gguf ReaderTensor dequantized to float32, in numpy's order ([out, in])."""
     import gguf
 
@@ -207,16 +220,16 @@ def mixtral_state_dict(tensors: dict[str, Any], config: dict[str, Any]) -> dict[
     """transformers' MixtralForCausalLM parameters from a file's tensors, dequantized to
     float32: q and k rows put back in Hugging Face's order, each layer's gate and up experts
     stacked as `gate_up_proj` [E, 2I, H]."""
-    state = {"model.embed_tokens.weight": _array(tensors["token_embd.weight"])}
-    state["model.norm.weight"] = _array(tensors["output_norm.weight"])
-    state["lm_head.weight"] = _array(tensors.get("output.weight", tensors["token_embd.weight"]))
+    state = {"model.embed_tokens.weight": dequantized(tensors["token_embd.weight"])}
+    state["model.norm.weight"] = dequantized(tensors["output_norm.weight"])
+    state["lm_head.weight"] = dequantized(tensors.get("output.weight", tensors["token_embd.weight"]))
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for layer in range(config["num_hidden_layers"]):
         blk, ours = f"blk.{layer}.", f"model.layers.{layer}."
         for name, theirs in _MIXTRAL_LAYER.items():
-            value = _array(tensors[f"{blk}{theirs}.weight"])
+            value = dequantized(tensors[f"{blk}{theirs}.weight"])
             state[ours + name] = _unpermute(value, heads[theirs]) if theirs in heads else value
-        gate, up = (_array(tensors[f"{blk}{kind}.weight"]) for kind in ("ffn_gate_exps", "ffn_up_exps"))
+        gate, up = (dequantized(tensors[f"{blk}{kind}.weight"]) for kind in ("ffn_gate_exps", "ffn_up_exps"))
         state[ours + "mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
     return state
 

@@ -33,11 +33,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagefleet.engine.layers.experts import RoutedExperts
 from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.layers.quantized import GGML_NAMES, PackedWeight, QuantizedWeight, StackedWeight
+from pagefleet.engine.layers.rotary import interleaved_rope_rows_as_halves
 from pagefleet.engine.loader.gguf_index import GGUFTensors
 from pagefleet.engine.loader.gguf_moe import EXPERT_TENSORS, ExpertDims, check_expert_tensors, quantized_experts
-from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.config import MLAOptions, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class _Source:
 
     name: str
     permuted_heads: int | None = None
+    row_order: torch.Tensor | None = None  # the file's row each row of ours is (DeepSeek's RoPE rows)
 
 
 # llama.cpp's names of the Hugging Face projections.
@@ -120,6 +123,41 @@ def _moe_sources(config: ModelConfig, tensors: GGUFTensors) -> dict[str, list[_S
     return sources
 
 
+def _deepseek_sources(config: ModelConfig) -> dict[str, list[_Source]]:
+    """DeepSeek-V3's linear layers: the latent attention's projections (the rows feeding
+    RoPE in the order engine/models/deepseek.py loads them), dense layers' MLPs and sparse
+    layers' shared experts (the routed experts are served by `_serve_experts`)."""
+    assert config.mla is not None and config.moe is not None
+    mla = config.mla
+    qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    query_rows = _rope_rows(mla, config.num_heads * qk_head_dim, qk_head_dim, mla.qk_nope_head_dim)
+    latent_rows = _rope_rows(mla, mla.kv_lora_rank + mla.qk_rope_head_dim, None, mla.kv_lora_rank)
+    sources = {}
+    for i, sparse in enumerate(config.moe.sparse_layers):
+        blk, attention, mlp = f"blk.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        if mla.q_lora_rank:
+            sources[attention + "q_a_proj"] = [_Source(blk + "attn_q_a.weight")]
+            sources[attention + "q_b_proj"] = [_Source(blk + "attn_q_b.weight", row_order=query_rows)]
+        else:
+            sources[attention + "q_proj"] = [_Source(blk + "attn_q.weight", row_order=query_rows)]
+        sources[attention + "kv_a_proj_with_mqa"] = [_Source(blk + "attn_kv_a_mqa.weight", row_order=latent_rows)]
+        sources[attention + "o_proj"] = [_Source(blk + "attn_output.weight")]
+        mlp, suffix = (mlp + "shared_experts.", "_shexp") if sparse else (mlp, "")
+        if not sparse or config.moe.shared_expert_width:
+            gate_up = [_Source(f"{blk}ffn_{kind}{suffix}.weight") for kind in ("gate", "up")]
+            sources[mlp + "gate_up_proj"] = gate_up
+            sources[mlp + "down_proj"] = [_Source(f"{blk}ffn_down{suffix}.weight")]
+    return sources
+
+
+def _rope_rows(mla: MLAOptions, rows: int, head_size: int | None, kept: int) -> torch.Tensor | None:
+    """The file's row for each of ours where DeepSeek's interleaved RoPE rows are reordered
+    at load (heads of `head_size` rows, or one head of all): the order the float weights get."""
+    if not mla.rope_interleave:
+        return None
+    return interleaved_rope_rows_as_halves(head_size or rows, kept)(torch.arange(rows))
+
+
 def _gpt2_sources(config: ModelConfig) -> dict[str, list[_Source]]:
     """GPT-2's linear layers and their GGUF tensors (llama.cpp stores Conv1D's weights
     transposed, [out, in] as our layers are, and q/k/v fused as c_attn is)."""
@@ -160,6 +198,7 @@ def _fused_weight(
             dequantized[tensors.type_name(source.name)] += 1
         else:
             part = _unpermute_rows(part, source.permuted_heads) if source.permuted_heads else part
+            part = part.select_rows(source.row_order) if source.row_order is not None else part
             part = part.to(linear.weight.device)
             last = blocks[-1] if blocks else None
             if isinstance(last, QuantizedWeight) and last.ggml_type == part.ggml_type:
@@ -173,7 +212,7 @@ def _fused_weight(
 
 
 # Our families whose GGUF files are served as stored (any other is served dequantized).
-_SERVED_FAMILIES = ("llama", "gemma", "gemma4", "phi3", "gpt2", "moe")
+_SERVED_FAMILIES = ("llama", "gemma", "gemma4", "phi3", "gpt2", "moe", "deepseek")
 
 
 @dataclass(slots=True)
@@ -205,9 +244,9 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, path: Path) -> Non
         layer_sources = _gpt2_sources(config)
     elif config.family == "gemma4":
         layer_sources = _gemma4_sources(config)
-    elif config.family == "moe":
+    elif config.family in ("moe", "deepseek"):
         check_expert_tensors(path, ExpertDims.from_config(config), tensors.shape)
-        layer_sources = _moe_sources(config, tensors)
+        layer_sources = _moe_sources(config, tensors) if config.family == "moe" else _deepseek_sources(config)
         _serve_experts(model, config, tensors, tally)
     else:
         layer_sources = _decoder_sources(config, tensors)
@@ -244,8 +283,10 @@ def _serve_experts(model: nn.Module, config: ModelConfig, tensors: GGUFTensors, 
         block = model.get_submodule(f"layers.{layer}.mlp")
         names = [f"blk.{layer}.{kind}.weight" for kind in EXPERT_TENSORS]
         float_experts = block.experts
-        assert isinstance(float_experts, nn.Module)
-        served = quantized_experts(tensors, layer, dims, next(float_experts.parameters()).device)
+        assert isinstance(float_experts, RoutedExperts)
+        # gpt-oss's experts (biases, clamped SwiGLU) stay float; its files store them in MXFP4.
+        has_bias = float_experts.gate_up_bias is not None
+        served = None if has_bias else quantized_experts(tensors, layer, dims, float_experts.gate_up.device)
         if served is None:
             tally.dequantized.update(tensors.type_name(name) for name in names)
             continue
