@@ -3,9 +3,9 @@ for token the prompt's cold answer (computed alone, nothing cached) whatever pat
 it or brought its KV: a prefix-cache hit, a batch with seven other prompts, 32-token prefill
 chunks, preemption by recompute and by swap, a prefill/decode transfer, a read from the KV
 file tier, ngram and suffix speculation. SmolLM2's own Q4_1 file (float32 activations, the
-default users get), tiny models for the other formats, and a tiny Gemma 3 whose cache has
-KV groups (a sliding-window group beside a full one); each format's engines are built
-once for all its paths."""
+default users get), tiny models for the other formats, a tiny Gemma 3 whose cache has
+KV groups (a sliding-window group beside a full one), and mixtures of experts (DeepSeek-V3's
+latent cache, gpt-oss's sinks); each format's engines are built once for all its paths."""
 
 from __future__ import annotations
 
@@ -160,6 +160,10 @@ FORMATS: dict[str, Callable[[Path], tuple[str, dict]]] = {
     "gemma3-kv-groups": lambda root: (str(build_tiny_model("gemma3", root / "gemma3")), {"dtype": "float32"}),
     # Gemma 4: global keys of another shape on padded pages, KV-shared layers holding no cache.
     "gemma4-kv-groups": lambda root: (str(build_tiny_model("gemma4", root / "gemma4")), {"dtype": "float32"}),
+    # Mixtures of experts: DeepSeek-V3's latent cache (one head, its values the keys' tensor)
+    # moved by every path; gpt-oss's sinks on sliding and full layers.
+    "deepseek-latent": lambda root: (str(build_tiny_model("deepseek_v3", root / "ds")), {"dtype": "float32"}),
+    "gpt-oss-sinks": lambda root: (str(build_tiny_model("gpt_oss", root / "oss")), {"dtype": "float32"}),
 }
 
 
