@@ -204,8 +204,11 @@ def test_moe_align_puts_another_ranks_pairs_in_no_computed_block() -> None:
 @pytest.mark.triton
 @DTYPES
 def test_triton_skips_experts_of_another_rank(dtype: torch.dtype) -> None:
-    """As the CPU operator: its own bits with the skipped pairs weighing 0, the reference's
-    within rounding (the routes of test_triton_kernels_equal_the_reference)."""
+    """As the CPU operator: its own result with the skipped pairs weighing 0, the reference's
+    within rounding (the routes of test_triton_kernels_equal_the_reference). Within float32
+    rounding rather than bit for bit: the interpreter's dot is numpy's matmul, whose bits for
+    a row can depend on the rows computed beside it (OpenBLAS's Haswell kernels' do), and
+    skipping pairs changes a block's rows."""
     module = _experts(7, 40, 24, "silu", True, dtype)
     hidden, weights, experts = _routes(11, 7, 2, dtype, unused=2)
     hidden, weights = hidden.to(dtype), weights.to(dtype)
@@ -213,7 +216,7 @@ def test_triton_skips_experts_of_another_rank(dtype: torch.dtype) -> None:
     biases = (module.gate_up_bias, module.down_bias)
     out = fused_experts(hidden, weights, local, module.gate_up, module.down, *biases, block_n=16, block_k=32)
     same = fused_experts(hidden, zeroed, experts, module.gate_up, module.down, *biases, block_n=16, block_k=32)
-    assert torch.equal(out, same)
+    torch.testing.assert_close(out, same, atol=1e-6, rtol=1e-6)
     expected = fused_experts_torch(hidden, zeroed, experts, module.gate_up, module.down, *biases)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
     assert torch.equal(out[0], torch.zeros(40, dtype=dtype)), "a token with no expert here gets zeros"
