@@ -21,7 +21,10 @@ building and loading them.
 - `fused_experts` (csrc/cpu_experts.cpp, its matmul in cpu_experts_gemm.h; wrapper
   `RoutedExperts.forward` in pagefleet/engine/layers/experts.py, reference
   `fused_experts_torch` in fused_experts.py): a mixture-of-experts layer's routed experts in
-  one call, grouped by expert, a token's bits the same alone or in any batch.
+  one call, grouped by expert, a token's bits the same alone or in any batch;
+  `quantized_experts` (csrc/cpu_quant_experts.h, in cpu_quant.cpp; wrapper
+  `QuantizedRoutedExperts.forward` in pagefleet/engine/layers/quantized_experts.py, its loop
+  of `quantized_linear` calls the reference): the same over a GGUF file's expert blocks.
 - `LlamaLayers` (csrc/cpu_decoder.cpp; built by pagefleet/engine/models/compiled_layers.py):
   a Llama-family model's decoder layers as one call per step, through the operators above
   (the same bits as the Python loop, without the interpreter between them).
@@ -65,6 +68,8 @@ SOURCES = [
         "cpu_paged.h",
         "cpu_vec.h",
         "cpu_experts_gemm.h",
+        "cpu_experts_rows.h",
+        "cpu_quant_experts.h",
     )
 ]
 ISA_FLAGS = {

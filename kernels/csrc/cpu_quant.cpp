@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_experts_rows.h"
 #include "cpu_vec.h"
 
 #if defined(__AVX2__)
@@ -116,6 +117,17 @@ namespace vnni {
 #include "cpu_quant_vnni.h"
 }  // namespace vnni
 #pragma GCC pop_options
+
+// Each row's block-pair scales spread over vpdpbusd's lanes, once for all columns.
+std::vector<__m512> activation_pair_scales(const QuantizedActivations& x, int64_t num_blocks) {
+  const int64_t num_pairs = num_blocks / 2;
+  std::vector<__m512> pair_scales(x.rows * num_pairs);
+  for (int64_t m = 0; m < x.rows; ++m)
+    for (int64_t p = 0; p < num_pairs; ++p)
+      pair_scales[m * num_pairs + p] =
+          vnni::pair_lanes(x.scales[m * num_blocks + 2 * p], x.scales[m * num_blocks + 2 * p + 1]);
+  return pair_scales;
+}
 #endif
 
 // PAGEFLEET_CPU_NO_VNNI=1 takes the AVX2 kernel (and its packed layout) on a VNNI CPU.
@@ -165,13 +177,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
   const at::Half* scale_data = scales.data_ptr<at::Half>();
   const at::Half* min_data = mins.data_ptr<at::Half>();
   {
-    // Each row's block-pair scales spread over vpdpbusd's lanes, once for all columns.
-    const int64_t num_pairs = num_blocks / 2;
-    std::vector<__m512> pair_scales(rows * num_pairs);
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t p = 0; p < num_pairs; ++p)
-        pair_scales[m * num_pairs + p] =
-            vnni::pair_lanes(activations.scales[m * num_blocks + 2 * p], activations.scales[m * num_blocks + 2 * p + 1]);
+    const std::vector<__m512> pair_scales = activation_pair_scales(activations, num_blocks);
     // Columns split over threads, in pairs: each reads only its own weight rows.
     at::parallel_for(0, (out_features + 1) / 2, min_columns / 2, [&](int64_t first, int64_t last) {
       const int64_t begin = 2 * first, end = std::min(out_features, 2 * last);
@@ -255,6 +261,16 @@ bool has_quantized_linear() {
 #endif
 }
 
+#if defined(__AVX2__)
+#include "cpu_quant_experts.h"
+#else
+at::Tensor quantized_experts(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, int64_t, int64_t, int64_t, int64_t, double, double) {
+  TORCH_CHECK(false, "quantized_experts needs an AVX2 build");
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
@@ -262,6 +278,11 @@ TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
   m.def(
       "quantized_linear_packed(Tensor x, Tensor quants, Tensor scales, Tensor mins, int kind, int out_features, "
       "bool has_min) -> Tensor");
+  m.def(
+      "quantized_experts(Tensor hidden, Tensor weights, Tensor experts, Tensor gate_up_quants, "
+      "Tensor gate_up_scales, Tensor gate_up_mins, int gate_up_kind, Tensor down_quants, Tensor down_scales, "
+      "Tensor down_mins, int down_kind, int num_experts, int width, int activation, float alpha, float limit) -> "
+      "Tensor");
   m.def("has_quantized_linear() -> bool", &has_quantized_linear);
   m.def("quantized_packed_layout() -> bool", &quantized_packed_layout);
 }
@@ -269,6 +290,7 @@ TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
 TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {
   m.impl("quantized_linear", &quantized_linear);
   m.impl("quantized_linear_packed", &quantized_linear_packed);
+  m.impl("quantized_experts", &quantized_experts);
 }
 
 }  // namespace pagefleet
