@@ -5,7 +5,10 @@ At batch 1 a small quantized model spends about a third of a step in the interpr
 between its operators. The compiled layers call the same operators on the same tensors in
 the same order, so a row's output is bit for bit the Python loop's: only the interpreter is
 gone. Anything the C++ loop does not carry (LoRA, tensor parallelism, float or W8A8 layers,
-another attention backend) keeps the Python loop.
+another attention backend) keeps the Python loop. A mixture of experts' sparse layers
+(`SparseMoeBlock` with the softmax router, no shared expert, and its experts served stacked
+from a GGUF file's blocks: Qwen3-MoE, Mixtral) run their router and the quantized-experts
+operator in the same loop.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import torch
 from pagefleet.engine.layers.cpu_attention import CpuMetadata
 from pagefleet.engine.layers.linear import Linear
 from pagefleet.engine.layers.quantized import PackedWeight, StackedWeight
+from pagefleet.engine.layers.quantized_experts import QuantizedRoutedExperts
 from pagefleet.kernels import cpu_ops
+from pagefleet.kernels.fused_experts import ACTIVATIONS
 
 if TYPE_CHECKING:
     from pagefleet.engine.layers.attention import KVCache
     from pagefleet.engine.models.llama import LlamaForCausalLM
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # the C++ order
+ATTENTION_PROJECTIONS = PROJECTIONS[:2]  # a sparse layer's: its MLP is its experts
 
 
 def _packed_parts(linear: Linear) -> list[PackedWeight] | None:
@@ -60,7 +66,10 @@ def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
             None if attention.q_norm is None else attention.q_norm.weight,
             None if attention.k_norm is None else attention.k_norm.weight,
         )
-        for index, name in enumerate(PROJECTIONS):
+        sparse = hasattr(layer.mlp, "experts")
+        if sparse and not _add_experts(compiled, layer.mlp):
+            return None
+        for index, name in enumerate(ATTENTION_PROJECTIONS if sparse else PROJECTIONS):
             linear = layer.get_submodule(name)
             parts = _packed_parts(linear)
             if parts is None:
@@ -72,6 +81,43 @@ def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
             if linear.bias is not None:
                 compiled.set_bias(index, linear.bias)
     return compiled
+
+
+def _add_experts(compiled: Any, block: Any) -> bool:
+    """The last layer's sparse MLP into `compiled`; False where the compiled loop cannot run
+    it as SparseMoeBlock does (another router, a shared expert, float or unstacked experts,
+    a router that is not a packed float layer)."""
+    options, router, experts = block.options, block.gate, block.experts
+    if options.router != "softmax_top_k" or block.shared_expert is not None:
+        return False
+    if not isinstance(experts, QuantizedRoutedExperts) or not isinstance(experts.stacked[0], PackedWeight):
+        return False
+    gate_up, down = experts.stacked
+    if router.quantized is not None or router._packed is None or router.lora is not None:
+        return False
+    assert isinstance(down, PackedWeight), "stacked in the same layout as gate_up"
+    activation = experts.activation
+    compiled.set_experts(
+        router._packed,
+        router.bias,
+        options.experts_per_token,
+        options.normalize,
+        options.keep_float,
+        gate_up.quants,
+        gate_up.scales,
+        gate_up.mins,
+        gate_up.kind,
+        down.quants,
+        down.scales,
+        down.mins,
+        down.kind,
+        experts.num_experts,
+        experts.width,
+        ACTIVATIONS.index(activation.kind),
+        activation.alpha,
+        activation.limit,
+    )
+    return True
 
 
 def run_compiled(

@@ -151,6 +151,7 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     layer_class = DeepseekDecoderLayer
+    compiled_layers_run_this_family = False  # its layers are not Llama's
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         config = self.config

@@ -33,6 +33,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 
 class GraniteForCausalLM(LlamaForCausalLM):
     layer_class = GraniteDecoderLayer
+    compiled_layers_run_this_family = False  # its layers are not Llama's
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.config.embedding_multiplier

@@ -139,6 +139,9 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_class: type[nn.Module] = LlamaDecoderLayer  # a family built on Llama's may change its layers
+    # Whether the compiled loop (models/compiled_layers.py) runs this family's layers: Llama's
+    # forward around Llama's attention, with a dense or a sparse MLP it knows.
+    compiled_layers_run_this_family = True
 
     def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
@@ -201,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         None where they cannot be; never while an adapter is attached, nor for a family that
         changes Llama's layers (the compiled loop runs Llama's)."""
         first = self.layers[0]
-        if type(first) is not LlamaDecoderLayer:
+        if not self.compiled_layers_run_this_family or type(first) is not self.layer_class:
             return None
         attention = first.self_attn
         assert isinstance(attention, LlamaAttention)

@@ -117,6 +117,7 @@ class Llama4DecoderLayer(LlamaDecoderLayer):
 
 class Llama4ForCausalLM(LlamaForCausalLM):
     layer_class = Llama4DecoderLayer
+    compiled_layers_run_this_family = False  # its layers are not Llama's
 
     def position_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> Positions:
         """RoPE's cos and sin, and the NoPE layers' query scale [num_tokens, 1, 1] (float32)."""

@@ -56,6 +56,7 @@ class Olmo2DecoderLayer(nn.Module):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     layer_class = Olmo2DecoderLayer
+    compiled_layers_run_this_family = False  # its layers are not Llama's
 
     def load_weights(self, weights):  # type: ignore[no-untyped-def]
         load_decoder_weights(self, weights, layer_norms=_NORMS)

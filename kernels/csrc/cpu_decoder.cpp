@@ -7,10 +7,12 @@
 // pagefleet::quantized_linear_packed, add_rms_norm, rotary, reshape_and_cache,
 // paged_attention_rows, silu_and_mul), on the same tensors in the same order, so its output
 // is bit for bit the Python loop's (tests/kernels/test_compiled_layers.py); it only removes
-// the interpreter between them.
+// the interpreter between them. A mixture of experts' sparse layers (Qwen3-MoE, Mixtral from
+// GGUF files) run their router and quantized_experts the same way.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -42,6 +44,16 @@ struct Operators {
                                   const Tensor&, double, int64_t, double, const std::optional<Tensor>&, int64_t)>
       attention = handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                 const Tensor&, double, int64_t, double, const std::optional<Tensor>&, int64_t)>("paged_attention_rows");
+
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, int64_t, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                                  int64_t, int64_t, int64_t, double, double)>
+      experts = handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                              const Tensor&, int64_t, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+                              int64_t, int64_t, double, double)>("quantized_experts");
+  // A float layer packed for oneDNN (engine/layers/linear.py: `Linear._packed`), called boxed.
+  c10::OperatorHandle packed_linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
 
   template <typename Signature>
   static c10::TypedOperatorHandle<Signature> handle(const char* name) {
@@ -86,10 +98,54 @@ struct Projection {
 
 enum ProjectionIndex : int64_t { kQkv = 0, kOut = 1, kGateUp = 2, kDown = 3 };
 
+// oneDNN's rows below which `Linear` pads a packed float layer's input (_MIN_PACKED_ROWS).
+constexpr int64_t kMinPackedRows = 3;
+
+// A float router as `Linear.forward` runs it: the oneDNN-packed weight, short inputs padded.
+struct Router {
+  Tensor packed;
+  std::optional<Tensor> bias;
+
+  Tensor operator()(const Tensor& x) const {
+    const int64_t rows = x.size(0);
+    const Tensor input = rows < kMinPackedRows ? at::constant_pad_nd(x, {0, 0, 0, kMinPackedRows - rows}) : x;
+    torch::jit::Stack stack{input, packed, bias ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
+                            c10::List<std::optional<c10::Scalar>>(), std::string("")};
+    operators().packed_linear.callBoxed(&stack);
+    return stack[0].toTensor().narrow(0, 0, rows);
+  }
+};
+
+// A sparse layer's MLP as SparseMoeBlock runs it with softmax_top_k and QuantizedRoutedExperts
+// (engine/models/moe.py, engine/layers/experts.py, quantized_experts.py): the router, a
+// float32 softmax, the top k, renormalised where asked, cast to the logits' dtype unless
+// kept float, then every expert of the stacked GGUF blocks in one quantized_experts call.
+struct Experts {
+  Router router;
+  int64_t top_k;
+  bool normalize, keep_float;
+  Tensor gate_up_quants, gate_up_scales, gate_up_mins;
+  int64_t gate_up_kind;
+  Tensor down_quants, down_scales, down_mins;
+  int64_t down_kind, num_experts, width, activation;
+  double alpha, limit;
+
+  Tensor operator()(const Tensor& hidden) const {
+    const Tensor logits = router(hidden);
+    auto [weights, experts] = at::topk(at::softmax(logits, -1, at::kFloat), top_k, -1);
+    if (normalize) weights = weights / weights.sum(-1, /*keepdim=*/true);
+    if (!keep_float) weights = weights.to(logits.scalar_type());
+    return operators().experts.call(hidden.contiguous(), weights.to(at::kFloat).contiguous(), experts.contiguous(),
+                                    gate_up_quants, gate_up_scales, gate_up_mins, gate_up_kind, down_quants,
+                                    down_scales, down_mins, down_kind, num_experts, width, activation, alpha, limit);
+  }
+};
+
 struct Layer {
   Tensor input_norm, post_norm;
   std::optional<Tensor> q_norm, k_norm;
   std::array<Projection, 4> projections;
+  std::optional<Experts> experts;  // a sparse layer's, in place of the gate/up and down projections
 };
 
 class LlamaLayers : public torch::CustomClassHolder {
@@ -118,6 +174,31 @@ class LlamaLayers : public torch::CustomClassHolder {
   void set_bias(int64_t projection, Tensor bias) {
     TORCH_CHECK(!layers_.empty() && projection >= kQkv && projection <= kDown, "add_layer first; projection 0-3");
     layers_.back().projections[projection].bias = std::move(bias);
+  }
+
+  // The last layer's MLP is a sparse one (see Experts).
+  void set_experts(Tensor router, std::optional<Tensor> router_bias, int64_t top_k, bool normalize, bool keep_float,
+                   Tensor gate_up_quants, Tensor gate_up_scales, Tensor gate_up_mins, int64_t gate_up_kind,
+                   Tensor down_quants, Tensor down_scales, Tensor down_mins, int64_t down_kind, int64_t num_experts,
+                   int64_t width, int64_t activation, double alpha, double limit) {
+    TORCH_CHECK(!layers_.empty(), "add_layer first");
+    layers_.back().experts = Experts{Router{std::move(router), std::move(router_bias)},
+                                     top_k,
+                                     normalize,
+                                     keep_float,
+                                     std::move(gate_up_quants),
+                                     std::move(gate_up_scales),
+                                     std::move(gate_up_mins),
+                                     gate_up_kind,
+                                     std::move(down_quants),
+                                     std::move(down_scales),
+                                     std::move(down_mins),
+                                     down_kind,
+                                     num_experts,
+                                     width,
+                                     activation,
+                                     alpha,
+                                     limit};
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -161,7 +242,8 @@ class LlamaLayers : public torch::CustomClassHolder {
                             /*softcap=*/0.0, /*sinks=*/std::nullopt, /*chunk=*/0);  // the Llama family has none
       const Tensor projected = layer.projections[kOut](attended.view({tokens, q_size}));
       std::tie(residual, normed) = op.add_rms_norm.call(residual, projected, layer.post_norm, eps_);
-      hidden = layer.projections[kDown](op.silu_and_mul.call(layer.projections[kGateUp](normed)));
+      hidden = layer.experts ? (*layer.experts)(normed)
+                             : layer.projections[kDown](op.silu_and_mul.call(layer.projections[kGateUp](normed)));
     }
     return {hidden, residual};
   }
@@ -181,6 +263,7 @@ TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
       .def("add_layer", &LlamaLayers::add_layer)
       .def("add_part", &LlamaLayers::add_part)
       .def("set_bias", &LlamaLayers::set_bias)
+      .def("set_experts", &LlamaLayers::set_experts)
       .def("num_layers", &LlamaLayers::num_layers)
       .def("forward", &LlamaLayers::forward);
 }

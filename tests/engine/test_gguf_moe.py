@@ -9,6 +9,7 @@ expert tensors are missing or misshapen is refused by name."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,20 +75,27 @@ def _add_experts(
 
 
 def write_moe_gguf(
-    model_dir: Path, path: Path, types: dict[str, str], omit: str | None = None, one_expert_short: str | None = None
+    model_dir: Path,
+    path: Path,
+    types: dict[str, str],
+    omit: str | None = None,
+    one_expert_short: str | None = None,
+    add_tokenizer: Callable[[gguf.GGUFWriter, Path], None] = _add_tokenizer,
 ) -> Path:
     """The HF Qwen3-MoE, Qwen2-MoE or Mixtral in `model_dir` as llama.cpp's converter writes
     it: each tensor kind (`ffn_gate_exps`, `attn_q`, ...) in the type `types` gives, F32
     otherwise; a layer's experts stacked per kind, [E, rows, in] in numpy's order; Qwen2-MoE's
     shared expert gate as a vector; Mixtral as `llama`, its q/k rows permuted. Without the
-    tensor `omit`, or with `one_expert_short`'s experts one short, for the refusals."""
+    tensor `omit`, or with `one_expert_short`'s experts one short, for the refusals. The
+    tokenizer is written by `add_tokenizer` (the tiny models' byte-level BPE by default;
+    bench/moe_gguf.py passes its own)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     arch = _ARCHITECTURES.get(config.model_type, gguf.MODEL_ARCH.LLAMA)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     _add_moe_metadata(writer, config)
-    _add_tokenizer(writer, model_dir)
+    add_tokenizer(writer, model_dir)
     name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     experts: dict[str, dict[int, torch.Tensor]] = {}
@@ -129,13 +137,17 @@ _TINY_SIZES: dict[str, Any] = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _tiny_qwen3_moe_dir(folder: Path) -> Path:
     """A random Qwen3-MoE whose every layer is sparse, as llama.cpp runs the architecture."""
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(**_TINY_SIZES, head_dim=16, num_experts=4, norm_topk_prob=True)
-    return build_random_model(config, tmp_path_factory.mktemp("qwen3-moe"))
+    return build_random_model(config, folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_qwen3_moe_dir(tmp_path_factory.mktemp("qwen3-moe"))
 
 
 @pytest.fixture(scope="module")

@@ -68,3 +68,23 @@ def test_compiled_layers_compute_the_python_loops_bits(
     model.compiled = None  # the Python loop
     assert _answers(llm, prompts) == compiled
     assert_no_block_leaked(llm)
+
+
+def test_a_mixture_of_experts_gguf_runs_its_sparse_layers_compiled_with_the_python_loops_bits(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A Qwen3-MoE file whose every projection and expert is Q8_0: the compiled loop runs
+    its router and the quantized-experts operator, and gives the Python loop's tokens and
+    logprobs to the last bit."""
+    from tests.engine.test_gguf_moe import _QWEN3_TYPES, _tiny_qwen3_moe_dir, write_moe_gguf
+
+    folder = tmp_path_factory.mktemp("qwen3-moe-compiled")
+    path = write_moe_gguf(_tiny_qwen3_moe_dir(folder / "model"), folder / "tiny-qwen3-moe-Q8_0.gguf", _QWEN3_TYPES)
+    llm = LLM(str(path), kv_cache_memory=16 << 20)
+    model = llm.engine.parts.model  # type: ignore[attr-defined]
+    prompts = random_prompts([5, 23, 40], TINY_VOCAB, seed=7)
+    compiled = _answers(llm, prompts)
+    assert model.compiled is not None and model.compiled.num_layers() == len(model.layers)
+    model.compiled = None  # the Python loop
+    assert _answers(llm, prompts) == compiled
+    assert_no_block_leaked(llm)
