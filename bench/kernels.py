@@ -2,6 +2,7 @@
 
     python bench/kernels.py [--dtype bfloat16] [--batches 1 16 64 256] [--contexts 128 1024 8192]
     python bench/kernels.py --cases experts [--tokens 1 32 512]
+    python bench/kernels.py --cases quantized-experts [--tokens 1 32 512]
 
 On CUDA: decode and prefill time of the Triton kernels, of their torch references, and of
 `scaled_dot_product_attention` on keys/values gathered into contiguous tensors first (the
@@ -12,7 +13,9 @@ attention (32 query heads, 8 kv heads, head_dim 128), block size 16.
 On a CPU there is no GPU to time the kernels on: it says so and times the CPU decode paths
 instead (the compiled operator, the plain-torch backend, gathered SDPA), and the routed
 experts of a mixture-of-experts layer (the compiled fused-experts operator against the
-plain-torch loop over experts, float32 and bfloat16).
+plain-torch loop over experts, float32 and bfloat16), and the same layer's experts in a
+Q4_K_M file's blocks (gate/up Q4_K, down Q6_K; the compiled quantized-experts operator
+against its reference, a `quantized_linear` call per expert and projection).
 """
 
 from __future__ import annotations
@@ -224,13 +227,61 @@ def bench_cpu_experts(dtypes: list[torch.dtype], token_counts: list[int]) -> Non
             )
 
 
+def bench_cpu_quantized_experts(token_counts: list[int]) -> None:
+    """The experts of bench_cpu_experts' layer as a Q4_K_M file holds them (gate/up Q4_K, down
+    Q6_K, random blocks): `torch.ops.pagefleet.quantized_experts` (QuantizedRoutedExperts.forward)
+    against its reference, one `quantized_linear` call per expert and projection
+    (`forward_loop`), float32 activations, measured here."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from pagefleet.engine.layers.quantized import GGML_Q4_K, GGML_Q6_K, QuantizedWeight
+    from pagefleet.engine.layers.quantized_experts import QuantizedRoutedExperts, expert_rows, gate_up_weight
+    from pagefleet.kernels import cpu_ops
+    from tests.kernels.test_quantized import random_blocks
+
+    hidden_size, num_experts, top_k, width = 1024, 64, 8, 256
+    assert cpu_ops.load() and cpu_ops.has_quantized_linear(), "the compiled quantized operators could not be built"
+    generator = torch.Generator().manual_seed(0)
+
+    def stacked(rows: int, in_features: int, ggml_type: int) -> QuantizedWeight:
+        blocks = torch.from_numpy(random_blocks(num_experts * rows, in_features, ggml_type, generator))
+        return QuantizedWeight.from_blocks(blocks, ggml_type)
+
+    gate, up = stacked(width, hidden_size, GGML_Q4_K), stacked(width, hidden_size, GGML_Q4_K)
+    down = stacked(hidden_size, width, GGML_Q6_K)
+    module = QuantizedRoutedExperts(
+        [gate_up_weight(expert_rows(gate, e, width), expert_rows(up, e, width)) for e in range(num_experts)],
+        [expert_rows(down, e, hidden_size) for e in range(num_experts)],
+    )
+    layout = "packed (AVX2)" if cpu_ops.quantized_packed_layout() else "GGML's order (VNNI)"
+    print(
+        f"Quantized experts (Q4_K gate/up, Q6_K down, {layout}; hidden {hidden_size}, {num_experts} experts, "
+        f"top-{top_k}, width {width}), per layer, float32 activations:"
+    )
+    print("tokens | compiled ms | loop of quantized_linear ms (ratio)")
+    device = torch.device("cpu")
+    for num_tokens in token_counts:
+        hidden = torch.randn(num_tokens, hidden_size)
+        weights, experts = torch.topk(torch.softmax(torch.randn(num_tokens, num_experts), dim=-1), top_k, dim=-1)
+        compiled = _time(partial(module.forward, hidden, weights, experts), device)
+        loop = _time(partial(module.forward_loop, hidden, weights, experts), device, repeats=5)
+        print(f"{num_tokens:6d} | {compiled * 1e3:11.3f} | {loop * 1e3:9.3f} (x{loop / compiled:.2f})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 256])
     parser.add_argument("--contexts", nargs="+", type=int, default=[128, 1024, 8192])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cases", nargs="+", default=["attention", "experts"], choices=["attention", "experts"])
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["attention", "experts"],
+        choices=["attention", "experts", "quantized-experts"],
+    )
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 512], help="fused experts: tokens per call")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -245,6 +296,8 @@ def main() -> None:
             bench_cpu_prefill(torch.float32 if args.dtype == "float16" else dtype)
         if "experts" in args.cases:
             bench_cpu_experts([torch.float32, torch.bfloat16], args.tokens)
+        if "quantized-experts" in args.cases:
+            bench_cpu_quantized_experts(args.tokens)
 
 
 if __name__ == "__main__":

@@ -105,3 +105,21 @@ def llama_cpp_python() -> Path:
         "compiles llama.cpp, about 12 minutes",
         env={"CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS, "FORCE_CMAKE": "1"},
     )
+
+
+# llama.cpp's quantizer, run in the llama-cpp-python venv: SOURCE TARGET FTYPE (15: Q4_K_M).
+LLAMA_QUANTIZE = """
+import ctypes, sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.allow_requantize = int(sys.argv[3]), True
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
+
+
+def llama_quantize(source: Path, target: Path, ftype: int = LLAMA_FTYPE_MOSTLY_Q4_K_M) -> None:
+    """`source` quantized by llama.cpp into `target` (written whole or not at all)."""
+    staging = target.with_suffix(".partial")
+    command = [str(llama_cpp_python()), "-c", LLAMA_QUANTIZE, str(source), str(staging), str(ftype)]
+    subprocess.run(command, check=True, capture_output=True)
+    staging.rename(target)

