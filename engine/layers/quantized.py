@@ -301,7 +301,8 @@ class PackedWeight:
     others' as low nibbles and 1 (5-bit) or 2 (6-bit) planes of their high bits.
 
     quants: uint8 [groups, blocks * (128, 160, 192 or 256 for 4-, 5-, 6- and 8-bit)];
-    scales, mins: float16 [groups, in_features / group, 8]."""
+    scales, mins: float16 [groups, in_features / group, 8]; mins empty where the kernel
+    derives them (Q6_K, Q8_0: `stores_mins`)."""
 
     ggml_type: int
     quants: torch.Tensor
@@ -323,6 +324,13 @@ class PackedWeight:
         return self.ggml_type != GGML_Q8_0
 
     @property
+    def stores_mins(self) -> bool:
+        """Whether `mins` holds the mins. Q6_K's are -32 times its scales (the kernel derives
+        them: a quarter less to read a weight, 1.0 -> 0.875 bytes) and packed Q8_0's are zero;
+        for those two `mins` is empty."""
+        return self.ggml_type not in (GGML_Q6_K, GGML_Q8_0)
+
+    @property
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.scales.shape[1] * self.group
 
@@ -339,6 +347,8 @@ class PackedWeight:
         scales, mins = weight.scales, weight.mins
         if weight.ggml_type == GGML_Q8_0:
             codes, mins = codes ^ 0x80, (mins.float() + 128 * scales.float()).half()
+        if weight.ggml_type == GGML_Q6_K:
+            assert torch.equal(mins.float(), scales.float() * -32), "Q6_K's mins are -32 times its scales"
         if pad:
             codes = F.pad(codes, (0, 0, 0, pad))
             scales, mins = F.pad(scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
@@ -355,14 +365,20 @@ class PackedWeight:
             weight.ggml_type,
             steps.reshape(groups, -1).contiguous(),
             scales.reshape(groups, LANES, -1).transpose(1, 2).contiguous(),
-            mins.reshape(groups, LANES, -1).transpose(1, 2).contiguous(),
+            mins.reshape(groups, LANES, -1).transpose(1, 2).contiguous()
+            if weight.ggml_type not in (GGML_Q6_K, GGML_Q8_0)
+            else torch.empty(0, dtype=torch.float16, device=scales.device),
             out,
         )
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [out_features, in_features], or only `rows` of it (an embedding lookup)."""
         group_index = slice(None) if rows is None else rows // LANES
-        quants, scales, mins = self.quants[group_index], self.scales[group_index], self.mins[group_index]
+        quants, scales = self.quants[group_index], self.scales[group_index]
+        if self.stores_mins:
+            mins = self.mins[group_index]
+        else:
+            mins = scales.float() * (-32 if self.ggml_type == GGML_Q6_K else 0)
         groups = quants.shape[0]
         kind = self.kind
         steps = quants.reshape(groups, -1, 8 if kind == SIGNED_KIND else 4 + _HIGH_BITS[kind], LANES, 4)

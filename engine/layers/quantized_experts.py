@@ -15,14 +15,13 @@ kernel on CUDA), never a float copy of its weights. The order of work and of sum
 the tokens routed to it, so a token's sum takes its experts in the same order whatever else
 is in the batch.
 
-Two paths compute that sum. Where every expert's gate/up is of one type and its down of
-another (a file's three tensors, the usual case) and the compiled operators are loaded,
-the experts are held stacked, one matrix per projection as in the file, and
+Two paths compute that sum. Where the experts' gate/up blocks are all of one type and their
+down blocks all of one type (a file's three tensors, the usual case), the experts are held
+stacked, one matrix per projection as in the file, and with the compiled operators loaded
 `torch.ops.pagefleet.quantized_experts` (csrc/cpu_quant_experts.h) runs the layer in one
 call: per row the same quantized activations and column kernel as `quantized_linear`, so
 the same bits as the loop, without the interpreter between some 100 small calls a layer
-(at one token: 2.4 ms a layer in the loop against 0.8 ms for the same bytes in two
-matmuls). Otherwise, and as its reference, `forward_loop` calls `quantized_linear` expert
+(at one token 0.5 ms a layer against the loop's 2.7, docs/benchmarks.md). Otherwise, and as its reference, `forward_loop` calls `quantized_linear` expert
 by expert. `gate_up[e]`, `down[e]` are each expert's weights either way (views of the
 stacked matrices where they are stacked).
 """

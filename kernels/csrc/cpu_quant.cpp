@@ -216,8 +216,9 @@ at::Tensor quantized_linear_packed(const at::Tensor& x, const at::Tensor& quants
                   scales.size(0) == num_column_groups && scales.size(1) == num_blocks * groups_per_block &&
                   scales.size(2) == kLanes,
               "scales: float16 [out_features / 8, in_features / (16 if Q6_K else 32), 8]");
-  TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scales.sizes(),
-              "mins: float16, shaped like scales");
+  TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() &&
+                  (kind >= 2 ? mins.numel() == 0 : mins.sizes() == scales.sizes()),
+              "mins: float16, shaped like scales (empty for Q6_K and Q8_0, whose mins the kernel derives)");
 
   const ActivationRows quantized(x, false);
   const QuantizedActivations activations = quantized.view();

@@ -20,7 +20,8 @@
 //           planes of 32 bytes: plane h's byte 4c + i holds, in its bit k, bit 4 + h of
 //           column c's element 4k + i (0.75 and 0.94 bytes a weight where a byte each took 1)
 //   8-bit:  uint8 [j, b, 8, 32]: byte (k, 4c + i) = column c's element 4k + i; Q8_0 signed
-//   scales, mins: float16 [j, groups, 8]
+//   scales, mins: float16 [j, groups, 8]; no mins for Q6_K (-32 times the scale, derived)
+//           nor for Q8_0 (signed: zero)
 #pragma once
 
 // How a format's codes are multiplied: vpmaddubsw sums two u8 * s8 products into int16,
@@ -123,8 +124,11 @@ void column_tile(const QuantizedActivations& x, const uint8_t* group_quants, con
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r]);
       }
       if (has_min) {
+        // Q6_K's min is -32 times its scale (exact in float16 and here): derived, not read.
         const __m256 weight_mins =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_mins + group * kLanes)));
+            Kind::kHighBits == 2
+                ? _mm256_mul_ps(weight_scales, _mm256_set1_ps(-32.f))
+                : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_mins + group * kLanes)));
         for (int r = 0; r < kRows; ++r) {
           const float sum = group_sums[(m0 + r) * num_blocks * kGroupsPerBlock + group];
           acc[r] = _mm256_fmadd_ps(weight_mins, _mm256_set1_ps(sum), acc[r]);
