@@ -119,13 +119,10 @@ void run_item(const Problem<T>& problem, const Groups& groups, const Item& item,
 
 template <typename T, typename X>
 void run_items(const Problem<T>& problem, const Groups& groups) {
-  const std::vector<Item> items = split_into_items(groups);
-  const int64_t count = static_cast<int64_t>(items.size());
-  const int64_t macs = static_cast<int64_t>(groups.pairs.size()) * 3 * problem.hidden_size * problem.width;
-  at::parallel_for(0, count, macs < kSerialMacs ? std::max<int64_t>(count, 1) : 1, [&](int64_t begin, int64_t end) {
-    Workspace<X> space(problem.hidden_size, problem.width);
-    for (int64_t i = begin; i < end; ++i) run_item(problem, groups, items[i], space);
-  });
+  for_each_item(
+      groups, 3 * problem.hidden_size * problem.width,
+      [&] { return Workspace<X>(problem.hidden_size, problem.width); },
+      [&](const Item& item, Workspace<X>& space) { run_item(problem, groups, item, space); });
 }
 
 // bfloat16 rows through the bfloat16 dot where the CPU has one, else everything in float32.

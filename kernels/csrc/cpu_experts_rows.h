@@ -164,6 +164,20 @@ inline std::vector<Item> split_into_items(const Groups& groups) {
   return items;
 }
 
+// Every item of `groups` through run(item, workspace): items spread over torch's threads, a
+// workspace per thread from make_workspace(); on the calling thread below kSerialMacs
+// multiply-adds (a tiny test model's), where waking the pool costs more than the work.
+template <typename MakeWorkspace, typename Run>
+void for_each_item(const Groups& groups, int64_t macs_per_pair, MakeWorkspace make_workspace, Run run) {
+  const std::vector<Item> items = split_into_items(groups);
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t macs = static_cast<int64_t>(groups.pairs.size()) * macs_per_pair;
+  at::parallel_for(0, count, macs < kSerialMacs ? std::max<int64_t>(count, 1) : 1, [&](int64_t begin, int64_t end) {
+    auto space = make_workspace();
+    for (int64_t i = begin; i < end; ++i) run(items[i], space);
+  });
+}
+
 // out[t] = sum of token t's contributions in ascending expert order, each add rounded to T;
 // slots of negative experts (never computed) are left out, so a token with none gives 0.
 template <typename T>

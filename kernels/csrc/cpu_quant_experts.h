@@ -187,13 +187,9 @@ at::Tensor quantized_experts(const at::Tensor& hidden, const at::Tensor& weights
                              down,
                              {activation, static_cast<float>(alpha), static_cast<float>(limit)},
                              contributions.data_ptr<T>()};
-    const std::vector<Item> items = split_into_items(groups);
-    const int64_t count = static_cast<int64_t>(items.size());
-    const int64_t macs = static_cast<int64_t>(groups.pairs.size()) * 3 * size * width;
-    at::parallel_for(0, count, macs < kSerialMacs ? std::max<int64_t>(count, 1) : 1, [&](int64_t begin, int64_t end) {
-      Workspace<T> space(size, width);
-      for (int64_t i = begin; i < end; ++i) run_item(problem, groups, items[i], space);
-    });
+    for_each_item(
+        groups, 3 * size * width, [&] { return Workspace<T>(size, width); },
+        [&](const Item& item, Workspace<T>& space) { run_item(problem, groups, item, space); });
     sum_in_expert_order(contributions.data_ptr<T>(), experts.data_ptr<int64_t>(), num_tokens, top_k, size,
                         out.data_ptr<T>());
   });

@@ -6,6 +6,7 @@ projection whose parts are stored in different formats."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
@@ -49,6 +50,16 @@ def _answers(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[f
     return answers
 
 
+def _assert_the_compiled_layers_give_the_python_loops_answers(llm: LLM, model: Any) -> None:
+    """Every layer compiled, and the Python loop's tokens and logprobs to the last bit."""
+    prompts = random_prompts([5, 23, 40], TINY_VOCAB, seed=7)
+    compiled = _answers(llm, prompts)
+    assert model.compiled is not None and model.compiled.num_layers() == len(model.layers)
+    model.compiled = None  # the Python loop
+    assert _answers(llm, prompts) == compiled
+    assert_no_block_leaked(llm)
+
+
 @pytest.mark.parametrize(
     ("arch", "dtype", "formats"),
     [("llama", "float32", ("Q4_1",)), ("qwen2", "bfloat16", ("Q8_0",)), ("qwen3", "float32", ("Q4_1", "Q8_0"))],
@@ -62,12 +73,7 @@ def test_compiled_layers_compute_the_python_loops_bits(
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             _quantize(linear, formats)
     model.compiled = False  # made again from the quantized layers at the next step
-    prompts = random_prompts([5, 23, 40], TINY_VOCAB, seed=7)
-    compiled = _answers(llm, prompts)
-    assert model.compiled is not None and model.compiled.num_layers() == len(model.layers)
-    model.compiled = None  # the Python loop
-    assert _answers(llm, prompts) == compiled
-    assert_no_block_leaked(llm)
+    _assert_the_compiled_layers_give_the_python_loops_answers(llm, model)
 
 
 def test_a_mixture_of_experts_gguf_runs_its_sparse_layers_compiled_with_the_python_loops_bits(
@@ -82,9 +88,4 @@ def test_a_mixture_of_experts_gguf_runs_its_sparse_layers_compiled_with_the_pyth
     path = write_moe_gguf(_tiny_qwen3_moe_dir(folder / "model"), folder / "tiny-qwen3-moe-Q8_0.gguf", _QWEN3_TYPES)
     llm = LLM(str(path), kv_cache_memory=16 << 20)
     model = llm.engine.parts.model  # type: ignore[attr-defined]
-    prompts = random_prompts([5, 23, 40], TINY_VOCAB, seed=7)
-    compiled = _answers(llm, prompts)
-    assert model.compiled is not None and model.compiled.num_layers() == len(model.layers)
-    model.compiled = None  # the Python loop
-    assert _answers(llm, prompts) == compiled
-    assert_no_block_leaked(llm)
+    _assert_the_compiled_layers_give_the_python_loops_answers(llm, model)
