@@ -273,9 +273,11 @@ def test_n_seed_stop_and_chat_logprobs(tiny_server: EngineServer, client: openai
 
 def test_concurrent_streams_are_batched(tiny_server: EngineServer, client: openai.OpenAI) -> None:
     """16 streams at once run together (continuous batching through HTTP), and every block
-    comes back afterwards."""
+    comes back afterwards. The streams start together and are long enough (160 steps) that a
+    loaded machine's slow client threads and metric polls still see them overlap."""
     most_running = 0
     stop = threading.Event()
+    start_together = threading.Barrier(16)
 
     def watch() -> None:
         nonlocal most_running
@@ -283,10 +285,11 @@ def test_concurrent_streams_are_batched(tiny_server: EngineServer, client: opena
             most_running = max(most_running, int(metrics(tiny_server)["pagefleet:num_requests_running"]))
 
     def stream(index: int) -> str:
+        start_together.wait()
         chunks = client.completions.create(
             model=tiny_server.model,
             prompt=f"Request {index}:",
-            max_tokens=48,
+            max_tokens=160,
             temperature=0.0,
             stream=True,
             extra_body={"ignore_eos": True},
