@@ -33,6 +33,9 @@ TINY_ARCHITECTURES = [
     *("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4"),
     "gpt2",
 ]
+# Gated DeltaNet linear-attention layers between full-attention ones (issue 55): their own
+# tests (tests/engine/test_linear_attention_models.py), as the KV paths they refuse are many.
+LINEAR_ATTENTION_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # The families of issue 53: their own code is the model, so the scheduler's and the memory
 # paths, which the first families cover in full, run for them in fewer variants.
 NEWER_FAMILIES = (
@@ -167,6 +170,24 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
             rope_parameters=yarn | dict(rope_theta=10000.0),
             **common,
         )
+    if arch in LINEAR_ATTENTION_ARCHITECTURES:  # linear, full, linear, full; two value heads per
+        # key head; Qwen3-Next's first layer dense, then experts with a shared one; Qwen3.5-MoE's
+        # experts on every layer
+        linear = dict(
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            layer_types=["linear_attention", "full_attention"] * 2,
+        )
+        four_layers = sizes | dict(num_hidden_layers=4)
+        experts = experts | dict(num_experts=4, shared_expert_intermediate_size=48)
+        if arch == "qwen3_next":
+            return tf.Qwen3NextConfig(**four_layers, **linear, **experts, mlp_only_layers=[0], **common)
+        if arch == "qwen3_5_moe":
+            return tf.Qwen3_5MoeTextConfig(**four_layers, **linear, **experts, **common)
+        return tf.Qwen3_5TextConfig(**four_layers, **linear, **common)
     # Gemma: a sliding layer (window 8, shorter than most test prompts) and a global one,
     # a scale from query_pre_attn_scalar unlike head_dim's.
     gemma = sizes | dict(

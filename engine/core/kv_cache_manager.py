@@ -20,6 +20,7 @@ from typing import NamedTuple
 from pagefleet.engine.core.block_pool import BlockPool
 from pagefleet.engine.core.kv_groups import NULL_BLOCK, ONE_GROUP, KVGroups, longest_prefix, needed_blocks
 from pagefleet.engine.core.request import Request, Sequence
+from pagefleet.engine.core.state_slots import StateCopy, StateSlots
 from pagefleet.engine.kv_transfer.params import KVLoad, RemoteKV
 from pagefleet.protocol.block_hash import block_hashes
 
@@ -36,6 +37,7 @@ class SequenceBlocks:
     num_computed_tokens: int = 0  # tokens whose keys and values are in those blocks
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
+    state_slot: int | None = None  # its row of the state cache (models with state layers)
 
     @classmethod
     def empty(cls, num_groups: int) -> SequenceBlocks:
@@ -102,10 +104,11 @@ class PendingCopies:
     swap_in: list[BlockCopy] = field(default_factory=list)  # host -> device
     device: list[BlockCopy] = field(default_factory=list)  # copy-on-write
     loads: list[KVLoad] = field(default_factory=list)  # KV from outside (the connectors') -> these blocks
+    state: list[StateCopy] = field(default_factory=list)  # a forked sequence's state, parent -> child
 
     def take(self) -> PendingCopies:
-        taken = PendingCopies(self.swap_out, self.swap_in, self.device, self.loads)
-        self.swap_out, self.swap_in, self.device, self.loads = [], [], [], []
+        taken = PendingCopies(self.swap_out, self.swap_in, self.device, self.loads, self.state)
+        self.swap_out, self.swap_in, self.device, self.loads, self.state = [], [], [], [], []
         return taken
 
 
@@ -139,9 +142,12 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         enable_sharing: bool = True,
         groups: KVGroups = ONE_GROUP,
+        num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
         self.groups = groups
+        # Models with state layers: a slot per running sequence beside its blocks.
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         # Off only to measure what sharing saves: a sequence then copies every block it
@@ -174,6 +180,12 @@ class KVCacheManager:
     def num_computed_tokens(self, seq: Sequence) -> int:
         record = self._sequences.get(seq.seq_id)
         return record.num_computed_tokens if record is not None else 0
+
+    def state_slot(self, seq: Sequence) -> int | None:
+        """The sequence's state-cache slot: its state after its computed tokens (None
+        before it computes any, or for a model without state layers)."""
+        record = self._sequences.get(seq.seq_id)
+        return record.state_slot if record is not None else None
 
     @property
     def num_blocks(self) -> int:
@@ -229,6 +241,10 @@ class KVCacheManager:
         if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free_blocks:
             return None
         record = self._record(seq)
+        if self.state_slots is not None and record.state_slot is None:
+            record.state_slot = self.state_slots.try_allocate()
+            if record.state_slot is None:
+                return None
         start = record.num_computed_tokens
         end_blocks = -(-(start + num_new_tokens) // self.block_size)
         copies, new_blocks = [], []
@@ -288,7 +304,7 @@ class KVCacheManager:
         blocks of the window before the first token to compute). The last of those tokens
         is never a hit: its logits are needed."""
         num_groups = self.groups.num_groups
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or self.state_slots is not None:  # no state is cached
             return PrefixHit([[] for _ in range(num_groups)], 0, 0)
         max_blocks = (num_tokens - 1) // self.block_size
         record = self._record(seq)
@@ -430,6 +446,11 @@ class KVCacheManager:
         assert not self.holds_blocks(child), "fork into a sequence that still holds blocks"
         source = self._record(parent)
         self.pool.incref(source.held())
+        state_slot = None
+        if self.state_slots is not None and source.state_slot is not None:
+            state_slot = self.state_slots.try_allocate()
+            assert state_slot is not None, "a slot per sequence: admission counts a request's siblings"
+            self.pending.state.append((source.state_slot, state_slot))
         self._sequences[child.seq_id] = SequenceBlocks(
             tables=[list(table) for table in source.tables],
             host_tables=[[] for _ in source.tables],
@@ -437,6 +458,7 @@ class KVCacheManager:
             # Only hashes of full blocks both share; the parent may have hashed its own outputs.
             block_hashes=source.block_hashes[: source.num_computed_tokens // self.block_size],
             num_registered_blocks=source.num_registered_blocks,
+            state_slot=state_slot,
         )
 
     def free(self, seq: Sequence) -> None:
@@ -444,6 +466,8 @@ class KVCacheManager:
         record = self._sequences.pop(seq.seq_id, None)
         if record is not None:
             self._release(record.tables)
+            if record.state_slot is not None and self.state_slots is not None:
+                self.state_slots.free(record.state_slot)
 
     def _release(self, tables: list[list[int]]) -> None:
         """Drop one reference from every block of `tables`, each table tail first (so a

@@ -33,6 +33,7 @@ def _chunk(chunk: ScheduledChunk, prompt_logprobs: bool) -> ChunkInput:
         chunk.block_tables,
         request.rotates_long,
         len(chunk.draft_token_ids),
+        state_slot=chunk.state_slot,
     )
     if prompt_logprobs:
         scored.num_prompt_top, scored.prompt_targets = _prompt_targets(request, chunk)

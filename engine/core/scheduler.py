@@ -39,6 +39,7 @@ class ScheduledChunk:
     num_new_tokens: int
     block_tables: list[list[int]]
     draft_token_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # its state-cache slot (models with state layers)
 
     @property
     def end(self) -> int:
@@ -342,7 +343,8 @@ class Scheduler:
             start = self.kv_cache.num_computed_tokens(seq)
             allocated = self.kv_cache.allocate_slots(seq, num_new)
             assert allocated is not None, "blocks_needed said the slots were free"
-            plan.chunks.append(ScheduledChunk(request, seq, start, num_new, self.kv_cache.block_tables(seq)))
+            tables, state_slot = self.kv_cache.block_tables(seq), self.kv_cache.state_slot(seq)
+            plan.chunks.append(ScheduledChunk(request, seq, start, num_new, tables, state_slot=state_slot))
         return sum(n for _, n in wanted)
 
     def _try_speculate(self, request: Request, plan: SchedulePlan, budget: int) -> int:

@@ -23,6 +23,7 @@ from pagefleet.engine.core.kv_groups import KVGroups
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.distributed.workers import Workers, init_group
 from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.front.state_setup import state_cache_budget
 from pagefleet.engine.layers.attention import CacheSpec
 from pagefleet.engine.layers.backends import select_backend
 from pagefleet.engine.loader import resolve_model_dir
@@ -62,6 +63,7 @@ class DeviceParts:
     num_host_blocks: int
     runner: ModelRunner
     lora: LoRAManager | None  # rank 0's adapter slots, with enable_lora
+    num_state_slots: int = 0  # a model with state layers: a slot per sequence max_num_seqs allows
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -111,10 +113,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv_cache = KVCacheManager(
         num_blocks,
         config.block_size,
-        config.enable_prefix_caching,
+        # No state is kept at block boundaries yet: a state model's prefix always computes.
+        config.enable_prefix_caching and not device.num_state_slots,
         device.num_host_blocks,
         config.enable_block_sharing,
         groups,
+        device.num_state_slots,
     )
     lora = device.lora
     speculative = config.speculative
@@ -133,7 +137,8 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     model, model_config = load_model(model_dir, dtype, device, shard, gguf, int8=quantization == "compressed-tensors")
     groups = KVGroups.of(model_config.cache_layer_windows, config.hybrid_kv_cache)
     block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard, groups)
-    num_blocks = config.num_kv_blocks or config.kv_cache_bytes() // block_bytes
+    num_state_slots, state_bytes = state_cache_budget(config, model_config, log=shard.rank == 0)
+    num_blocks = config.num_kv_blocks or (config.kv_cache_bytes() - state_bytes) // block_bytes
     if shard.size > 1:
         least = torch.tensor([num_blocks], dtype=torch.int64)
         dist.all_reduce(least, op=dist.ReduceOp.MIN)
@@ -174,8 +179,9 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
         shard,
         lora,
         workers,
+        num_state_slots,
     )
-    return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner, lora)
+    return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner, lora, num_state_slots)
 
 
 def served_quantization(config: EngineConfig, model_dir: Path) -> str:

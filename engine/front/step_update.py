@@ -187,6 +187,12 @@ class StepUpdate:
         continuations = request.beam.step(
             [beam.output_token_ids for beam in beams], candidates.logprobs[index], candidates.token_ids[index]
         )
+        # Beams without a continuation go first, so that a request never holds more
+        # sequences than its width (a model's state cache has a slot for each).
+        parents = {continuation.parent for continuation in continuations}
+        for position, beam in enumerate(beams):
+            if position not in parents:
+                self.kv_cache.free(beam)
         children: list[Sequence] = []
         for continuation in continuations:
             parent = beams[continuation.parent]
@@ -197,9 +203,6 @@ class StepUpdate:
             else:
                 child = parent
             children.append(child)
-        for beam in beams:
-            if not any(child is beam for child in children):
-                self.kv_cache.free(beam)
         self.outputs.extend_beams(children, continuations)
         request.sequences = children
         self.counters.num_generation_tokens += len(beams)

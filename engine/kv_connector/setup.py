@@ -1,5 +1,6 @@
 """An engine's connectors, from its config: P/D always (a role of "both" serves either
-side), the file tier with `kv_cache_dir`, peer pulls always (they need the gateway's hint)."""
+side), the file tier with `kv_cache_dir`, peer pulls always (they need the gateway's hint);
+none for a model with state layers."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def build_connectors(
     transport: KVTransport | None = None,
 ) -> MultiConnector:
     pool, groups = kv_cache.pool, kv_cache.groups
+    if kv_cache.state_slots is not None:
+        # A state layer's KV is its state, which no connector moves yet: every request is
+        # computed here (the engine's checks refuse kv_role and kv_cache_dir for such models).
+        return MultiConnector([], layout)
     read = functools.partial(read_blocks, kv_caches, groups.layer_groups)
     connectors: list[KVConnector] = [
         PrefillDecodeConnector(pool, read, config.kv_pin_timeout, transport, groups, kv_cache.block_size)

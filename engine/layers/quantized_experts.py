@@ -21,9 +21,10 @@ stacked, one matrix per projection as in the file, and with the compiled operato
 `torch.ops.pagefleet.quantized_experts` (csrc/cpu_quant_experts.h) runs the layer in one
 call: per row the same quantized activations and column kernel as `quantized_linear`, so
 the same bits as the loop, without the interpreter between some 100 small calls a layer
-(at one token 0.5 ms a layer against the loop's 2.7, docs/benchmarks.md). Otherwise, and as its reference, `forward_loop` calls `quantized_linear` expert
-by expert. `gate_up[e]`, `down[e]` are each expert's weights either way (views of the
-stacked matrices where they are stacked).
+(at one token 0.5 ms a layer against the loop's 2.7, docs/benchmarks.md). Otherwise, and
+as its reference, `forward_loop` calls `quantized_linear` expert by expert. `gate_up[e]`,
+`down[e]` are each expert's weights either way (views of the stacked matrices where they
+are stacked).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagefleet.engine.errors import UnsupportedModelError
+from pagefleet.engine.models.linear_attention_config import LINEAR, LinearAttentionOptions, linear_attention_options
 from pagefleet.engine.models.registry import LANGUAGE_MODEL_OF, SUPPORTED_ARCHITECTURES
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional", "yarn")
@@ -87,7 +88,11 @@ MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
     "GptOssForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
+# Gated DeltaNet layers between full-attention ones (engine/models/qwen3_next.py).
+LINEAR_ATTENTION_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,6 +143,16 @@ class ModelConfig:
     llama4: Llama4Options | None = None
     mla: MLAOptions | None = None  # latent attention: the cache holds keys only (values are their first dims)
     language_model_of: str | None = None  # the image checkpoint's architecture whose text model this is
+    linear_attention: LinearAttentionOptions | None = None  # the "linear_attention" layers' sizes
+
+    def is_state_layer(self, layer: int) -> bool:
+        """Whether layer `layer` keeps a fixed-size state per request instead of a KV cache."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR
+
+    @property
+    def state_layers(self) -> list[int]:
+        """The layers whose per-request state lives in the state cache, in order."""
+        return [layer for layer in range(self.num_layers) if self.is_state_layer(layer)]
 
     def layer_window(self, layer: int) -> int | None:
         """The keys layer `layer` sees: the last `sliding_window` of them, or all (None)."""
@@ -170,7 +185,11 @@ class ModelConfig:
     def cache_layers(self) -> list[int]:
         """The layers that hold a KV cache (all but those reading another's), in order: the
         layers the KV cache groups and the KV connectors count."""
-        return [layer for layer in range(self.num_layers) if self.kv_source(layer) == layer]
+        return [
+            layer
+            for layer in range(self.num_layers)
+            if self.kv_source(layer) == layer and not self.is_state_layer(layer)
+        ]
 
     def layer_chunk(self, layer: int) -> int | None:
         """The chunk of positions layer `layer` attends within (Llama 4's RoPE layers), or None."""
@@ -225,6 +244,12 @@ class ModelConfig:
             return cls._deepseek(raw, cls._llama(raw | {"attention_bias": False}, architecture, common))
         if architecture == "Llama4ForCausalLM":
             return cls._llama4(raw, cls._llama(raw, architecture, common))
+        if architecture in LINEAR_ATTENTION_ARCHITECTURES:
+            # Qwen3.5-MoE has no dense MLP (every layer routes): no intermediate_size of its own.
+            dense = raw.get("intermediate_size") or raw.get("moe_intermediate_size")
+            llama = cls._llama(raw | {"intermediate_size": dense}, architecture, common)
+            layer_types = tuple(raw["layer_types"])
+            return replace(llama, layer_types=layer_types, linear_attention=linear_attention_options(raw))
         return cls._llama(raw, architecture, common)
 
     @classmethod
@@ -372,7 +397,8 @@ class ModelConfig:
             qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias") or raw.get("qkv_bias")),
             o_bias=bool(raw.get("attention_bias")) and architecture in ("LlamaForCausalLM", "GptOssForCausalLM"),
             attention_sinks=architecture == "GptOssForCausalLM",
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM")
+            or architecture in LINEAR_ATTENTION_ARCHITECTURES,
             sliding_window=window,
             rope_theta=theta,
             rope_scaling=rope,
@@ -450,7 +476,8 @@ def _moe_options(raw: dict[str, Any], architecture: str, num_layers: int) -> MoE
         num_experts=num_experts,
         experts_per_token=raw["num_experts_per_tok"],
         width=raw["intermediate_size"] if every_layer else raw["moe_intermediate_size"],
-        normalize=architecture == "MixtralForCausalLM" or bool(raw.get("norm_topk_prob")),
+        # Qwen3.5-MoE's router always renormalises (its config has no norm_topk_prob).
+        normalize=architecture in ("MixtralForCausalLM", "Qwen3_5MoeForCausalLM") or bool(raw.get("norm_topk_prob")),
         keep_float=architecture == "MixtralForCausalLM",
         sparse_layers=sparse,
         shared_expert_width=raw.get("shared_expert_intermediate_size")

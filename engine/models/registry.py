@@ -33,6 +33,9 @@ FAMILIES = (
         ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"),
     ),
     Family("deepseek", "DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",)),
+    Family(
+        "qwen3_next", "Qwen3NextForCausalLM", ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+    ),
     Family("llama4", "Llama4ForCausalLM", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")),
     Family("olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",)),
     Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),

@@ -26,6 +26,7 @@ from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.loading import CausalLM
 from pagefleet.engine.sample.sampler import Sampler, SampleResult, TokenLogprobs, token_logprobs
+from pagefleet.engine.worker.state_cache import StateCache, StateMetadata
 from pagefleet.engine.worker.step_input import ChunkInput, RunnerInput, SampleInput, SamplingState
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class StepInputs:
     positions: torch.Tensor  # each token's row of the position tables: its position, or LongRoPE's long row
     layouts: list[StepLayout]  # per KV cache group
     logit_rows: list[int]  # rows whose logits are computed: samples first, then prompt logprobs
+    state: StateMetadata | None = None  # the state layers' view of the chunks (models with them)
 
 
 def cache_layer_shapes(config: ModelConfig, shard: Shard | None = None) -> list[tuple[int, int]]:
@@ -131,6 +133,7 @@ class ModelRunner:
         shard: Shard,
         lora: LoRAManager | None = None,
         workers: Workers | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         self.model, self.model_config, self.groups, self.backend = model, model_config, groups, backend
         self.lora = lora  # with enable_lora
@@ -163,11 +166,28 @@ class ModelRunner:
             if padded[tensor]:
                 keys, values = padded_view(keys, block_size, *shape), padded_view(values, block_size, *shape)
             self.cache_layer_caches.append((keys, values))
-        cache_index = {layer: i for i, layer in enumerate(model_config.cache_layers)}
-        self.layer_cache_index = [cache_index[model_config.kv_source(i)] for i in range(model_config.num_layers)]
-        self.kv_caches = [self.cache_layer_caches[i] for i in self.layer_cache_index]
+        self.state_cache = StateCache(model_config, num_state_slots, dtype, device) if num_state_slots else None
+        self.kv_caches, self.layer_groups = self._model_layer_caches()
         self.host_tensors = [cache_pair(num_host_blocks, s, "cpu") for s in tensor_shapes] if num_host_blocks else []
         self.sampler = Sampler(model_config.eos_token_ids, seed)
+
+    def _model_layer_caches(self) -> tuple[list[KVPair], list[int | None]]:
+        """Per model layer, its cache and KV cache group: a KV-shared layer's are its
+        source's; a state layer's "cache" is its pair of state tensors, its metadata the
+        step's `StateMetadata` (group None)."""
+        config = self.model_config
+        cache_index = {layer: i for i, layer in enumerate(config.cache_layers)}
+        caches: list[KVPair] = []
+        groups: list[int | None] = []
+        for layer in range(config.num_layers):
+            if self.state_cache is not None and config.is_state_layer(layer):
+                caches.append(self.state_cache.layers[layer])
+                groups.append(None)
+            else:
+                index = cache_index[config.kv_source(layer)]
+                caches.append(self.cache_layer_caches[index])
+                groups.append(self.groups.layer_groups[index])
+        return caches, groups
 
     def run_copies(self, copies: PendingCopies) -> None:
         """Swap-outs first (their device blocks may be reused below), then swap-ins, then
@@ -184,6 +204,8 @@ class ModelRunner:
                 dst_k[dst.to(dst_k.device)] = src_k[src.to(src_k.device)].to(dst_k.device)
                 dst_v[dst.to(dst_v.device)] = src_v[src.to(src_v.device)].to(dst_v.device)
         load_blocks(self.cache_layer_caches, copies.loads)
+        if self.state_cache is not None:
+            self.state_cache.copy(copies.state)
         if copies.device:
             mapping = torch.tensor(copies.device, dtype=torch.int64, device=self.device)
             for key_cache, value_cache in self.kv_tensors:
@@ -212,7 +234,8 @@ class ModelRunner:
             if sample.draft_token_ids:
                 draft_spans[index] = len(logit_rows)
                 logit_rows.extend(range(row + 1, row + 1 + len(sample.draft_token_ids)))
-        step = StepInputs(plan.copies, input_ids, positions, layouts, logit_rows)
+        state = StateMetadata.of(chunks, self.device) if self.state_cache is not None else None
+        step = StepInputs(plan.copies, input_ids, positions, layouts, logit_rows, state)
         if self.workers is not None:
             self.workers.send(step)
         if self.lora is not None:
@@ -244,7 +267,7 @@ class ModelRunner:
         `step.logit_rows` on the CPU (None on a tensor-parallel worker)."""
         self.run_copies(step.copies)
         group_metadata = [self.backend.prepare(layout) for layout in step.layouts]
-        metadata = [group_metadata[self.groups.layer_groups[i]] for i in self.layer_cache_index]
+        metadata = [step.state if group is None else group_metadata[group] for group in self.layer_groups]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.backend)
         if not step.logit_rows:
             return None

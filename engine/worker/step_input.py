@@ -32,6 +32,9 @@ class ChunkInput:
     # position of the chunk predicts (position p predicts token p + 1).
     num_prompt_top: int = 0
     prompt_targets: list[int] = field(default_factory=list)
+    # Its row of the state cache (models with state layers): the state after `start`
+    # tokens, which this chunk carries on from (from zeros at start 0) and overwrites.
+    state_slot: int | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -1,0 +1,53 @@
+"""The state cache's share of the memory budget, for a model with state layers (engine/
+worker/state_cache.py): one slot per sequence `max_num_seqs` lets run, taken from the KV
+budget before it becomes blocks, and what such a model cannot run with yet."""
+
+from __future__ import annotations
+
+import logging
+
+from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.errors import InvalidParameterError
+from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.worker.state_cache import state_bytes_per_slot
+
+logger = logging.getLogger(__name__)
+
+
+def state_cache_budget(config: EngineConfig, model_config: ModelConfig, log: bool = True) -> tuple[int, int]:
+    """(slots, bytes) of the state cache; (0, 0) for a model without state layers."""
+    if not model_config.state_layers:
+        return 0, 0
+    check_state_model(config)
+    num_slots = config.max_num_seqs
+    num_bytes = num_slots * state_bytes_per_slot(model_config, config.torch_dtype)
+    if num_bytes >= config.kv_cache_bytes() and not config.num_kv_blocks:
+        raise InvalidParameterError(
+            "max_num_seqs",
+            f"the state cache's {num_slots} slots take {num_bytes / 2**20:.0f} MiB, the whole KV budget: "
+            "lower max_num_seqs or raise kv_cache_memory",
+        )
+    if log:
+        logger.info(
+            "state cache: %d slots for %d state layers (%.1f MiB)",
+            num_slots,
+            len(model_config.state_layers),
+            num_bytes / 2**20,
+        )
+    return num_slots, num_bytes
+
+
+def check_state_model(config: EngineConfig) -> None:
+    """What a model with state layers cannot run with yet, refused by the setting's name:
+    each moves or branches KV without the state beside it."""
+    refused = {
+        "tensor_parallel_size": config.tensor_parallel_size > 1,
+        "preemption_mode": config.preemption_mode == "swap",
+        "speculative_config": config.speculative is not None,
+        "kv_role": config.kv_role != "both",
+        "kv_cache_dir": config.kv_cache_dir is not None,
+        "enable_lora": config.enable_lora,
+    }
+    for name, is_set in refused.items():
+        if is_set:
+            raise InvalidParameterError(name, f"{name} is not supported yet for models with linear-attention layers")

@@ -1,0 +1,75 @@
+"""The state cache's tensors: per state layer, every slot's convolution window (in the
+model's dtype) and recurrent state (float32, as transformers keeps it: a state summed over
+thousands of tokens would drift in bfloat16). Slots are handed out by the KV cache manager
+(engine/core/state_slots.py); a step's chunks name theirs (`StateMetadata`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagefleet.engine.core.state_slots import StateCopy
+from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.worker.step_input import ChunkInput
+
+StatePair = tuple[torch.Tensor, torch.Tensor]  # (conv [slots, C, K - 1], recurrent [slots, H, Dk, Dv])
+
+
+@dataclass(slots=True)
+class StateMetadata:
+    """A step's sequences as the state layers see them, in batch order: sequence i's rows
+    are query_start[i]:query_start[i + 1]; it carries on from slot `slots[i]`'s state where
+    `has_state[i]` (a later chunk, a decode), else from zeros (its first chunk)."""
+
+    query_start: torch.Tensor  # int64 [N + 1]
+    slots: torch.Tensor  # int64 [N]
+    has_state: torch.Tensor  # bool [N]
+
+    @classmethod
+    def of(cls, chunks: list[ChunkInput], device: torch.device) -> StateMetadata:
+        starts = [0]
+        for chunk in chunks:
+            assert chunk.state_slot is not None, "every chunk of a state model has a slot"
+            starts.append(starts[-1] + chunk.num_new_tokens)
+        return cls(
+            torch.tensor(starts, dtype=torch.int64, device=device),
+            torch.tensor([c.state_slot for c in chunks], dtype=torch.int64, device=device),
+            torch.tensor([c.start > 0 for c in chunks], dtype=torch.bool, device=device),
+        )
+
+
+def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+    """One slot's bytes over every state layer."""
+    options = config.linear_attention
+    if options is None:
+        return 0
+    (channels, window), recurrent = options.state_shapes()
+    per_layer = channels * window * dtype.itemsize + recurrent[0] * recurrent[1] * recurrent[2] * 4
+    return per_layer * len(config.state_layers)
+
+
+class StateCache:
+    """Per state layer, its (conv, recurrent) tensors of `num_slots` rows."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        assert config.linear_attention is not None, "a model with state layers"
+        conv_shape, recurrent_shape = config.linear_attention.state_shapes()
+        self.num_slots = num_slots
+        self.layers: dict[int, StatePair] = {
+            layer: (
+                torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device),
+                torch.zeros(num_slots, *recurrent_shape, dtype=torch.float32, device=device),
+            )
+            for layer in config.state_layers
+        }
+
+    def copy(self, copies: list[StateCopy]) -> None:
+        """Each (source, destination) slot's rows copied, all read before any is written."""
+        if not copies:
+            return
+        for conv, recurrent in self.layers.values():
+            source = torch.tensor([c[0] for c in copies], device=conv.device)
+            target = torch.tensor([c[1] for c in copies], device=conv.device)
+            conv[target] = conv[source]
+            recurrent[target] = recurrent[source]
