@@ -287,7 +287,7 @@ def test_kv_pressure_scales_up_within_one_period_through_the_scale_subresource(
     assert figures["pagefleet_operator:scaling_events_total", scaled_up] == 2
     assert figures["pagefleet_operator:reconciles_total", frozenset({**busy, "result": "ok"}.items())] >= 3
     client.delete("busy")
-    eventually(lambda: not any(("name", "busy") in labels for _, labels in operator_metrics(operator)))
+    eventually(lambda: not any(("name", "busy") in labels for _, labels in operator_metrics(operator)), timeout=30)
 
 
 def operator_metrics(operator: OperatorSettings) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
