@@ -17,9 +17,10 @@ class MultiConnector(KVConnector):
     except that a prefill replica's KV always wins (it is the whole prompt but its last
     token). `layout`: what a transfer with this engine must agree on (never changes)."""
 
-    def __init__(self, connectors: list[KVConnector], layout: KVLayout) -> None:
+    def __init__(self, connectors: list[KVConnector], layout: KVLayout, offers_prefixes: bool = True) -> None:
         self.connectors = connectors
         self.layout = layout
+        self.offers_prefixes = offers_prefixes  # False: no request starts on KV from outside
 
     def member(self, kind: type[C]) -> C | None:
         """The connector of that class, if this engine has one."""
@@ -31,6 +32,8 @@ class MultiConnector(KVConnector):
 
     def external_prefix(self, request: Request, num_local_tokens: int) -> RemoteKV | None:
         best: RemoteKV | None = None
+        if not self.offers_prefixes:
+            return None
         for connector in self.connectors:
             offer = connector.external_prefix(request, num_local_tokens)
             if offer is None:

@@ -1,6 +1,5 @@
 """An engine's connectors, from its config: P/D always (a role of "both" serves either
-side), the file tier with `kv_cache_dir`, peer pulls always (they need the gateway's hint);
-none for a model with state layers."""
+side), the file tier with `kv_cache_dir`, peer pulls always (they need the gateway's hint)."""
 
 from __future__ import annotations
 
@@ -34,10 +33,6 @@ def build_connectors(
     transport: KVTransport | None = None,
 ) -> MultiConnector:
     pool, groups = kv_cache.pool, kv_cache.groups
-    if kv_cache.state_slots is not None:
-        # A state layer's KV is its state, which no connector moves yet: every request is
-        # computed here (the engine's checks refuse kv_role and kv_cache_dir for such models).
-        return MultiConnector([], layout)
     read = functools.partial(read_blocks, kv_caches, groups.layer_groups)
     connectors: list[KVConnector] = [
         PrefillDecodeConnector(pool, read, config.kv_pin_timeout, transport, groups, kv_cache.block_size)
@@ -50,6 +45,8 @@ def build_connectors(
         tier = FileTier(store, pool, read, TierCost(prefill_tokens_per_s))
         connectors.append(FileTierConnector(tier, kv_cache))
     connectors.append(PeerConnector(kv_cache, read, store))
-    multi = MultiConnector(connectors, layout)
+    # A state layer's KV is its state, which no connector moves yet: such a model computes
+    # every prompt here (and its requests' kv_transfer_params are refused, request_checks.py).
+    multi = MultiConnector(connectors, layout, offers_prefixes=kv_cache.state_slots is None)
     kv_cache.collect_full_blocks = multi.wants_filled_blocks
     return multi

@@ -122,3 +122,38 @@ def test_what_the_state_cannot_go_through_yet_is_refused(
 ) -> None:
     with pytest.raises(InvalidParameterError, match=setting):
         LLM(str(linear_models["qwen3_5"]), dtype="float32", **{setting: value})
+
+
+def test_pagefleet_serve_answers_and_refuses_a_kv_transfer(linear_models: dict[str, Path], tmp_path: Path) -> None:
+    """Through the OpenAI API: streamed and whole greedy answers are transformers' tokens,
+    and a request asking to hand its KV to a decode replica is refused in the API's shape."""
+    import httpx
+    import openai
+
+    from tests.processes import start_server, stop_server
+
+    model_dir = linear_models["qwen3_5"]
+    server = start_server(str(model_dir), tmp_path / "serve.log", "--dtype", "float32", "--max-num-seqs", "8")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        prompt = random_prompts([13], TINY_VOCAB, seed=8)[0]
+        expected, _ = hf_greedy(model_dir, prompt, 6)
+        body = dict(model=server.model, prompt=prompt, max_tokens=6, temperature=0.0, logprobs=1)
+        whole = client.completions.create(**body, extra_body={"ignore_eos": True})
+        assert whole.choices[0].logprobs.tokens and whole.usage.completion_tokens == 6
+        streamed = client.completions.create(**body, stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+        ids = client.completions.create(**body, extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert ids.choices[0].token_ids == expected
+        refused = httpx.post(
+            f"{server.url}/v1/completions",
+            json={
+                "model": server.model,
+                "prompt": "hi",
+                "max_tokens": 2,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "kv_transfer_params"
+    finally:
+        stop_server(server)
