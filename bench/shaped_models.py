@@ -73,7 +73,44 @@ def _qwen3_30b_a3b_scaled() -> Any:
     )
 
 
-SHAPES: dict[str, Callable[[], Any]] = {"gemma3-270m": _gemma3_270m, "qwen3-30b-a3b-scaled": _qwen3_30b_a3b_scaled}
+def _qwen3_5_scaled() -> Any:
+    """Qwen3.5 (Qwen3_5TextConfig's defaults: hidden 4,096, 32 layers, three Gated DeltaNet
+    layers to one full-attention layer, 16 key and 32 value heads of 128 dims in the linear
+    layers, 16 query and 4 KV heads of 256 in the full ones with RoPE on a quarter of each
+    head, a 248,320-token vocabulary) scaled to two cores as issue 55 asks: hidden 1,024,
+    12 layers (9 linear, 3 full), 8 key and 16 value heads of 64, 8 query and 2 KV heads of
+    128, intermediate 3,072."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 3,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=248044,
+        pad_token_id=None,
+    )
+
+
+SHAPES: dict[str, Callable[[], Any]] = {
+    "gemma3-270m": _gemma3_270m,
+    "qwen3-30b-a3b-scaled": _qwen3_30b_a3b_scaled,
+    "qwen3.5-scaled": _qwen3_5_scaled,
+}
 
 
 def shaped_model_dir(name: str) -> Path:

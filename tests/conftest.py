@@ -35,7 +35,7 @@ TINY_ARCHITECTURES = [
 ]
 # Gated DeltaNet linear-attention layers between full-attention ones (issue 55): their own
 # tests (tests/engine/test_linear_attention_models.py), as the KV paths they refuse are many.
-LINEAR_ATTENTION_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+LINEAR_ATTENTION_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granite4", "granite4_dense")
 # The families of issue 53: their own code is the model, so the scheduler's and the memory
 # paths, which the first families cover in full, run for them in fewer variants.
 NEWER_FAMILIES = (
@@ -182,6 +182,21 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
             layer_types=["linear_attention", "full_attention"] * 2,
         )
         four_layers = sizes | dict(num_hidden_layers=4)
+        if arch.startswith("granite4"):  # Mamba-2: 8 heads of 16 in 2 groups, a 16-wide state; no
+            # RoPE and experts beside the shared MLP, or RoPE and the shared MLP alone
+            mamba = dict(mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16, mamba_expand=2)
+            multipliers = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1)
+            moe = dict(num_local_experts=4, num_experts_per_tok=2, position_embedding_type="nope")
+            return tf.GraniteMoeHybridConfig(
+                **four_layers | dict(intermediate_size=32),
+                **mamba,
+                **multipliers,
+                layer_types=["mamba", "attention"] * 2,
+                shared_intermediate_size=48,
+                logits_scaling=2.0,
+                **(dict(num_local_experts=0, position_embedding_type="rope") if arch == "granite4_dense" else moe),
+                **common,
+            )
         experts = experts | dict(num_experts=4, shared_expert_intermediate_size=48)
         if arch == "qwen3_next":
             return tf.Qwen3NextConfig(**four_layers, **linear, **experts, mlp_only_layers=[0], **common)

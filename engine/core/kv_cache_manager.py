@@ -20,7 +20,8 @@ from typing import NamedTuple
 from pagefleet.engine.core.block_pool import BlockPool
 from pagefleet.engine.core.kv_groups import NULL_BLOCK, ONE_GROUP, KVGroups, longest_prefix, needed_blocks
 from pagefleet.engine.core.request import Request, Sequence
-from pagefleet.engine.core.state_slots import StateCopy, StateSlots
+from pagefleet.engine.core.state_slots import StateCopy, StateSlotTable
+from pagefleet.engine.core.state_snapshots import StateSnapshots, snapshot_chunk_end
 from pagefleet.engine.kv_transfer.params import KVLoad, RemoteKV
 from pagefleet.protocol.block_hash import block_hashes
 
@@ -37,7 +38,6 @@ class SequenceBlocks:
     num_computed_tokens: int = 0  # tokens whose keys and values are in those blocks
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
-    state_slot: int | None = None  # its row of the state cache (models with state layers)
 
     @classmethod
     def empty(cls, num_groups: int) -> SequenceBlocks:
@@ -68,6 +68,7 @@ class PrefixHit(NamedTuple):
     tables: list[list[int]]
     num_blocks: int
     cost: int
+    state_row: int | None = None  # a model with state layers: the snapshot after those blocks
 
 
 class SlotAllocation(NamedTuple):
@@ -104,11 +105,17 @@ class PendingCopies:
     swap_in: list[BlockCopy] = field(default_factory=list)  # host -> device
     device: list[BlockCopy] = field(default_factory=list)  # copy-on-write
     loads: list[KVLoad] = field(default_factory=list)  # KV from outside (the connectors') -> these blocks
-    state: list[StateCopy] = field(default_factory=list)  # a forked sequence's state, parent -> child
+    # State slots (models with state layers): device -> host, host -> device, then forks'.
+    state_swap_out: list[StateCopy] = field(default_factory=list)
+    state_swap_in: list[StateCopy] = field(default_factory=list)
+    state: list[StateCopy] = field(default_factory=list)
 
     def take(self) -> PendingCopies:
-        taken = PendingCopies(self.swap_out, self.swap_in, self.device, self.loads, self.state)
-        self.swap_out, self.swap_in, self.device, self.loads, self.state = [], [], [], [], []
+        taken = PendingCopies(
+            self.swap_out, self.swap_in, self.device, self.loads, self.state_swap_out, self.state_swap_in, self.state
+        )
+        self.swap_out, self.swap_in, self.device, self.loads = [], [], [], []
+        self.state_swap_out, self.state_swap_in, self.state = [], [], []
         return taken
 
 
@@ -143,11 +150,17 @@ class KVCacheManager:
         enable_sharing: bool = True,
         groups: KVGroups = ONE_GROUP,
         num_state_slots: int = 0,
+        num_host_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ) -> None:
         self.block_size = block_size
         self.groups = groups
         # Models with state layers: a slot per running sequence beside its blocks.
-        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self.states = StateSlotTable(num_state_slots, num_host_state_slots) if num_state_slots else None
+        # Their prefix cache: states at block boundaries, in the rows after the running slots.
+        self.snapshots = None
+        if self.states is not None and enable_prefix_caching and num_state_snapshots:
+            self.snapshots = StateSnapshots(num_state_snapshots, num_state_slots)
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         # Off only to measure what sharing saves: a sequence then copies every block it
@@ -184,8 +197,7 @@ class KVCacheManager:
     def state_slot(self, seq: Sequence) -> int | None:
         """The sequence's state-cache slot: its state after its computed tokens (None
         before it computes any, or for a model without state layers)."""
-        record = self._sequences.get(seq.seq_id)
-        return record.state_slot if record is not None else None
+        return self.states.slot(seq.seq_id) if self.states is not None else None
 
     @property
     def num_blocks(self) -> int:
@@ -202,7 +214,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only while no block is in use (False otherwise)."""
-        return self.pool.reset_prefix_cache()
+        reset = self.pool.reset_prefix_cache()
+        if reset and self.snapshots is not None:
+            self.snapshots.reset()
+        return reset
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -240,11 +255,9 @@ class KVCacheManager:
         """
         if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free_blocks:
             return None
+        if self.states is not None and not self.states.try_take(seq.seq_id):
+            return None
         record = self._record(seq)
-        if self.state_slots is not None and record.state_slot is None:
-            record.state_slot = self.state_slots.try_allocate()
-            if record.state_slot is None:
-                return None
         start = record.num_computed_tokens
         end_blocks = -(-(start + num_new_tokens) // self.block_size)
         copies, new_blocks = [], []
@@ -282,8 +295,25 @@ class KVCacheManager:
         record = self._record(seq)
         record.num_computed_tokens += num_new_tokens
         self._register_full_blocks(seq, record)
+        self._snapshot_state(seq, record)
         self._free_behind_windows(record, record.num_computed_tokens - keep_last_query)
         return record.num_computed_tokens
+
+    def chunk_end(self, seq: Sequence, start: int, end: int) -> int:
+        """Where a chunk of the sequence's tokens [start, end) ends: `end`, or with state
+        snapshots its prompt's last block boundary if it crosses it."""
+        if self.snapshots is None:
+            return end
+        return snapshot_chunk_end(seq.num_prompt_tokens, self.block_size, start, end)
+
+    def _snapshot_state(self, seq: Sequence, record: SequenceBlocks) -> None:
+        """A prompt's chunk that ended on a block boundary: its state kept by that block's hash."""
+        computed, size = record.num_computed_tokens, self.block_size
+        slot = self.states.slot(seq.seq_id) if self.states is not None else None
+        if self.snapshots is None or slot is None or computed % size or not 0 < computed <= seq.num_prompt_tokens:
+            return
+        self._extend_hashes(seq, record, computed // size)
+        self.snapshots.keep(record.block_hashes[computed // size - 1], slot, self.pending.state)
 
     def _free_behind_windows(self, record: SequenceBlocks, position: int) -> None:
         """Free the blocks that a query at `position` (or later) cannot see."""
@@ -304,19 +334,22 @@ class KVCacheManager:
         blocks of the window before the first token to compute). The last of those tokens
         is never a hit: its logits are needed."""
         num_groups = self.groups.num_groups
-        if not self.enable_prefix_caching or self.state_slots is not None:  # no state is cached
+        if not self.enable_prefix_caching or (self.states is not None and self.snapshots is None):
             return PrefixHit([[] for _ in range(num_groups)], 0, 0)
         max_blocks = (num_tokens - 1) // self.block_size
         record = self._record(seq)
         self._extend_hashes(seq, record, max_blocks)
         cached = self._cached_blocks(record.block_hashes[:max_blocks], lambda index: self._block_tokens(seq, index))
         num_blocks = self._longest_hit(cached)
+        state_row = None
+        if self.snapshots is not None:  # the longest of those prefixes whose state is kept too
+            num_blocks, state_row = self.snapshots.longest_hit(record.block_hashes, num_blocks)
         tables = []
         for group, blocks in enumerate(cached):
             first = self.groups.first_needed_block(group, num_blocks * self.block_size, self.block_size)
             tables.append([NULL_BLOCK] * first + [b for b in blocks[first:num_blocks] if b is not None])
         cost = sum(1 for table in tables for b in table if b != NULL_BLOCK and self.pool.is_evictable(b))
-        return PrefixHit(tables, num_blocks, cost)
+        return PrefixHit(tables, num_blocks, cost, state_row)
 
     def longest_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> tuple[int, list[list[int]]]:
         """How many blocks of the chain `hashes` (of `token_ids`) the prefix cache can serve
@@ -368,6 +401,11 @@ class KVCacheManager:
         record.tables = [list(table) for table in hit.tables]
         record.num_computed_tokens = hit.num_blocks * self.block_size
         record.num_registered_blocks = hit.num_blocks
+        if self.states is not None:
+            assert hit.state_row is not None, "a state model's hit comes with its snapshot"
+            taken = self.states.try_take(seq.seq_id)
+            assert taken, "a slot per sequence: admission counted this one"
+            self.pending.state.append((hit.state_row, self.states.slot(seq.seq_id)))  # type: ignore[arg-type]
 
     def take_remote_prefix(self, seq: Sequence, remote: RemoteKV) -> bool:
         """Start an empty sequence on fresh blocks for the `remote.num_tokens` tokens another
@@ -446,11 +484,8 @@ class KVCacheManager:
         assert not self.holds_blocks(child), "fork into a sequence that still holds blocks"
         source = self._record(parent)
         self.pool.incref(source.held())
-        state_slot = None
-        if self.state_slots is not None and source.state_slot is not None:
-            state_slot = self.state_slots.try_allocate()
-            assert state_slot is not None, "a slot per sequence: admission counts a request's siblings"
-            self.pending.state.append((source.state_slot, state_slot))
+        if self.states is not None:
+            self.states.fork(parent.seq_id, child.seq_id, self.pending.state)
         self._sequences[child.seq_id] = SequenceBlocks(
             tables=[list(table) for table in source.tables],
             host_tables=[[] for _ in source.tables],
@@ -458,7 +493,6 @@ class KVCacheManager:
             # Only hashes of full blocks both share; the parent may have hashed its own outputs.
             block_hashes=source.block_hashes[: source.num_computed_tokens // self.block_size],
             num_registered_blocks=source.num_registered_blocks,
-            state_slot=state_slot,
         )
 
     def free(self, seq: Sequence) -> None:
@@ -466,8 +500,11 @@ class KVCacheManager:
         record = self._sequences.pop(seq.seq_id, None)
         if record is not None:
             self._release(record.tables)
-            if record.state_slot is not None and self.state_slots is not None:
-                self.state_slots.free(record.state_slot)
+        if self.states is not None:
+            slot = self.states.slot(seq.seq_id)
+            # A prefix hit taken back (its request did not fit after all) leaves no copy behind.
+            self.pending.state = [copy for copy in self.pending.state if copy[1] != slot]
+            self.states.free(seq.seq_id)
 
     def _release(self, tables: list[list[int]]) -> None:
         """Drop one reference from every block of `tables`, each table tail first (so a
@@ -488,6 +525,8 @@ class KVCacheManager:
         return list(dict.fromkeys(b for r in records if r is not None for b in r.held(on_host)))
 
     def can_swap_out(self, request: Request) -> bool:
+        if self.states is not None and not self.states.can_swap_out(s.seq_id for s in request.sequences):
+            return False
         return len(self._distinct_blocks(request)) <= len(self._free_host_blocks)
 
     def swap_out(self, request: Request) -> None:
@@ -503,6 +542,8 @@ class KVCacheManager:
             record.host_tables = [[to_host[b] for b in table] for table in record.tables]
             record.tables = [[] for _ in record.tables]
             record.num_registered_blocks = 0  # the device copies may be evicted meanwhile
+        if self.states is not None:
+            self.states.swap_out((s.seq_id for s in request.sequences), self.pending.state_swap_out)
 
     def swap_in_cost(self, request: Request) -> int:
         return len(self._distinct_blocks(request, on_host=True))
@@ -526,9 +567,13 @@ class KVCacheManager:
             self.pool.incref([b for b in held if b in seen])
             seen.update(held)
         self._free_host_blocks.extend(distinct)
+        if self.states is not None:
+            self.states.swap_in((s.seq_id for s in request.sequences), self.pending.state_swap_in)
 
     def release_host_blocks(self, request: Request) -> None:
         """Drop a swapped request's host copies (it was aborted while swapped out)."""
         self._free_host_blocks.extend(self._distinct_blocks(request, on_host=True))
         for seq in request.sequences:
             self._sequences.pop(seq.seq_id, None)
+            if self.states is not None:
+                self.states.free(seq.seq_id)

@@ -322,8 +322,9 @@ class Scheduler:
         wanted = []
         reaches_end = []
         for seq in request.active_sequences:
-            remaining = request.compute_target(seq) - self.kv_cache.num_computed_tokens(seq)
-            num_new = min(remaining, budget)
+            start = self.kv_cache.num_computed_tokens(seq)
+            remaining = request.compute_target(seq) - start
+            num_new = self.kv_cache.chunk_end(seq, start, start + min(remaining, budget)) - start
             reaches_end.append(num_new == remaining)
             if num_new > 0:
                 wanted.append((seq, num_new))

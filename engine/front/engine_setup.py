@@ -23,7 +23,7 @@ from pagefleet.engine.core.kv_groups import KVGroups
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.distributed.workers import Workers, init_group
 from pagefleet.engine.errors import InvalidParameterError
-from pagefleet.engine.front.state_setup import state_cache_budget
+from pagefleet.engine.front.state_setup import check_state_model, state_cache_budget
 from pagefleet.engine.layers.attention import CacheSpec
 from pagefleet.engine.layers.backends import select_backend
 from pagefleet.engine.loader import resolve_model_dir
@@ -63,7 +63,8 @@ class DeviceParts:
     num_host_blocks: int
     runner: ModelRunner
     lora: LoRAManager | None  # rank 0's adapter slots, with enable_lora
-    num_state_slots: int = 0  # a model with state layers: a slot per sequence max_num_seqs allows
+    # A model with state layers: (running slots, prefix snapshots, host slots for swapping).
+    state_rows: tuple[int, int, int] = (0, 0, 0)
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -84,18 +85,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 f"no usable tokenizer in {tokenizer_dir} ({error}); name one with tokenizer=..., "
                 "or pass skip_tokenizer_init=True to run on token ids alone",
             ) from error
-    workers = None
-    if config.tensor_parallel_size > 1:
-        if dist.is_initialized():
-            raise InvalidParameterError(
-                "tensor_parallel_size", "one tensor-parallel engine per process, and this process has one running"
-            )
-        workers = Workers(config, str(model_dir))
-        try:
-            init_group(0, config.tensor_parallel_size, workers.port, config.torch_device)
-        except Exception:
-            workers.stop()
-            raise
+    workers = _start_workers(config, model_dir) if config.tensor_parallel_size > 1 else None
     try:
         shared_memory = workers.shared_memory if workers is not None else None
         shard = Shard(0, config.tensor_parallel_size, shared_memory=shared_memory)
@@ -110,21 +100,40 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     groups = device.runner.groups
     cache_limit = groups.admissible_tokens(num_blocks, config.block_size, model_config.max_position_embeddings)
     max_model_len = _resolve_max_model_len(config, model_config, cache_limit)
+    num_state_slots, num_snapshots, num_host_state_slots = device.state_rows
     kv_cache = KVCacheManager(
         num_blocks,
         config.block_size,
-        # No state is kept at block boundaries yet: a state model's prefix always computes.
-        config.enable_prefix_caching and not device.num_state_slots,
+        config.enable_prefix_caching,
         device.num_host_blocks,
         config.enable_block_sharing,
         groups,
-        device.num_state_slots,
+        num_state_slots,
+        num_host_state_slots,
+        num_snapshots,
     )
     lora = device.lora
     speculative = config.speculative
     speculator = Speculator(speculative, max_model_len) if speculative is not None else None
     runner = device.runner
     return EngineParts(model_dir, tokenizer, model, model_config, max_model_len, kv_cache, runner, lora, speculator)
+
+
+def _start_workers(config: EngineConfig, model_dir: Path) -> Workers:
+    """The tensor-parallel ranks but rank 0, joined in one process group with this one."""
+    if (model_dir / "config.json").is_file() and ModelConfig.from_dir(model_dir).state_layers:
+        check_state_model(config)  # before any worker starts
+    if dist.is_initialized():
+        raise InvalidParameterError(
+            "tensor_parallel_size", "one tensor-parallel engine per process, and this process has one running"
+        )
+    workers = Workers(config, str(model_dir))
+    try:
+        init_group(0, config.tensor_parallel_size, workers.port, config.torch_device)
+    except Exception:
+        workers.stop()
+        raise
+    return workers
 
 
 def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: Workers | None = None) -> DeviceParts:
@@ -137,7 +146,7 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     model, model_config = load_model(model_dir, dtype, device, shard, gguf, int8=quantization == "compressed-tensors")
     groups = KVGroups.of(model_config.cache_layer_windows, config.hybrid_kv_cache)
     block_bytes = kv_bytes_per_block(model_config, config.block_size, dtype, shard, groups)
-    num_state_slots, state_bytes = state_cache_budget(config, model_config, log=shard.rank == 0)
+    num_state_slots, num_snapshots, state_bytes = state_cache_budget(config, model_config, log=shard.rank == 0)
     num_blocks = config.num_kv_blocks or (config.kv_cache_bytes() - state_bytes) // block_bytes
     if shard.size > 1:
         least = torch.tensor([num_blocks], dtype=torch.int64)
@@ -146,7 +155,10 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
     if num_blocks < 1:
         knob = "gpu_memory_utilization" if config.gpu_memory_utilization is not None else "kv_cache_memory"
         raise InvalidParameterError(knob, f"the KV budget holds no block of {block_bytes} bytes; raise {knob}")
-    num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
+    num_host_blocks, num_host_state_slots = _host_swap_space(
+        config, block_bytes, num_state_slots, num_snapshots, state_bytes
+    )
+    state_rows = (num_state_slots, num_snapshots, num_host_state_slots)
     if shard.rank == 0:
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB%s), %d group(s) of %d layers (windows %s), swap blocks=%d",
@@ -179,9 +191,20 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
         shard,
         lora,
         workers,
-        num_state_slots,
+        state_rows,
     )
-    return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner, lora, num_state_slots)
+    return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner, lora, state_rows)
+
+
+def _host_swap_space(
+    config: EngineConfig, block_bytes: int, num_state_slots: int, num_snapshots: int, state_bytes: int
+) -> tuple[int, int]:
+    """(host blocks, host state slots) for swap preemption: a state model's swapped-out
+    sequences keep their state in a host slot each, out of swap_space; (0, 0) without it."""
+    if config.preemption_mode != "swap":
+        return 0, 0
+    host_state_bytes = state_bytes * num_state_slots // max(1, num_state_slots + num_snapshots)
+    return max(0, config.swap_space - host_state_bytes) // block_bytes, num_state_slots
 
 
 def served_quantization(config: EngineConfig, model_dir: Path) -> str:

@@ -112,7 +112,7 @@ class LLMEngine:
             config.kv_role,
             self.kv_cache.groups,
             config.max_num_batched_tokens,
-            moves_kv=self.kv_cache.state_slots is None,
+            moves_kv=self.kv_cache.states is None,
         )
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0

@@ -14,27 +14,30 @@ from pagefleet.engine.worker.state_cache import state_bytes_per_slot
 logger = logging.getLogger(__name__)
 
 
-def state_cache_budget(config: EngineConfig, model_config: ModelConfig, log: bool = True) -> tuple[int, int]:
-    """(slots, bytes) of the state cache; (0, 0) for a model without state layers."""
+def state_cache_budget(config: EngineConfig, model_config: ModelConfig, log: bool = True) -> tuple[int, int, int]:
+    """(running slots, snapshot rows, bytes of both) of the state cache; zeros for a model
+    without state layers. With prefix caching, as many snapshots as slots."""
     if not model_config.state_layers:
-        return 0, 0
+        return 0, 0, 0
     check_state_model(config)
     num_slots = config.max_num_seqs
-    num_bytes = num_slots * state_bytes_per_slot(model_config, config.torch_dtype)
+    num_snapshots = num_slots if config.enable_prefix_caching else 0
+    num_bytes = (num_slots + num_snapshots) * state_bytes_per_slot(model_config, config.torch_dtype)
     if num_bytes >= config.kv_cache_bytes() and not config.num_kv_blocks:
         raise InvalidParameterError(
             "max_num_seqs",
-            f"the state cache's {num_slots} slots take {num_bytes / 2**20:.0f} MiB, the whole KV budget: "
-            "lower max_num_seqs or raise kv_cache_memory",
+            f"the state cache's {num_slots} slots and {num_snapshots} prefix snapshots take "
+            f"{num_bytes / 2**20:.0f} MiB, the whole KV budget: lower max_num_seqs or raise kv_cache_memory",
         )
     if log:
         logger.info(
-            "state cache: %d slots for %d state layers (%.1f MiB)",
+            "state cache: %d slots and %d prefix snapshots for %d state layers (%.1f MiB)",
             num_slots,
+            num_snapshots,
             len(model_config.state_layers),
             num_bytes / 2**20,
         )
-    return num_slots, num_bytes
+    return num_slots, num_snapshots, num_bytes
 
 
 def check_state_model(config: EngineConfig) -> None:
@@ -42,7 +45,6 @@ def check_state_model(config: EngineConfig) -> None:
     each moves or branches KV without the state beside it."""
     refused = {
         "tensor_parallel_size": config.tensor_parallel_size > 1,
-        "preemption_mode": config.preemption_mode == "swap",
         "speculative_config": config.speculative is not None,
         "kv_role": config.kv_role != "both",
         "kv_cache_dir": config.kv_cache_dir is not None,

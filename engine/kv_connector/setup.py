@@ -47,6 +47,6 @@ def build_connectors(
     connectors.append(PeerConnector(kv_cache, read, store))
     # A state layer's KV is its state, which no connector moves yet: such a model computes
     # every prompt here (and its requests' kv_transfer_params are refused, request_checks.py).
-    multi = MultiConnector(connectors, layout, offers_prefixes=kv_cache.state_slots is None)
+    multi = MultiConnector(connectors, layout, offers_prefixes=kv_cache.states is None)
     kv_cache.collect_full_blocks = multi.wants_filled_blocks
     return multi

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagefleet.engine.errors import UnsupportedModelError
-from pagefleet.engine.models.linear_attention_config import LINEAR, LinearAttentionOptions, linear_attention_options
+from pagefleet.engine.models.linear_attention_config import LINEAR, LinearAttentionOptions, Mamba2Options
 from pagefleet.engine.models.registry import LANGUAGE_MODEL_OF, SUPPORTED_ARCHITECTURES
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional", "yarn")
@@ -93,6 +93,8 @@ MOE_ARCHITECTURES = (
 )
 # Gated DeltaNet layers between full-attention ones (engine/models/qwen3_next.py).
 LINEAR_ATTENTION_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# Every architecture with state layers (engine/models/hybrid_config.py reads their configs).
+STATE_ARCHITECTURES = (*LINEAR_ATTENTION_ARCHITECTURES, "GraniteMoeHybridForCausalLM")
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,7 +145,7 @@ class ModelConfig:
     llama4: Llama4Options | None = None
     mla: MLAOptions | None = None  # latent attention: the cache holds keys only (values are their first dims)
     language_model_of: str | None = None  # the image checkpoint's architecture whose text model this is
-    linear_attention: LinearAttentionOptions | None = None  # the "linear_attention" layers' sizes
+    linear_attention: LinearAttentionOptions | Mamba2Options | None = None  # the "linear_attention" layers' sizes
 
     def is_state_layer(self, layer: int) -> bool:
         """Whether layer `layer` keeps a fixed-size state per request instead of a KV cache."""
@@ -244,12 +246,10 @@ class ModelConfig:
             return cls._deepseek(raw, cls._llama(raw | {"attention_bias": False}, architecture, common))
         if architecture == "Llama4ForCausalLM":
             return cls._llama4(raw, cls._llama(raw, architecture, common))
-        if architecture in LINEAR_ATTENTION_ARCHITECTURES:
-            # Qwen3.5-MoE has no dense MLP (every layer routes): no intermediate_size of its own.
-            dense = raw.get("intermediate_size") or raw.get("moe_intermediate_size")
-            llama = cls._llama(raw | {"intermediate_size": dense}, architecture, common)
-            layer_types = tuple(raw["layer_types"])
-            return replace(llama, layer_types=layer_types, linear_attention=linear_attention_options(raw))
+        if architecture in STATE_ARCHITECTURES:  # imported here: that module builds on this one
+            from pagefleet.engine.models.hybrid_config import hybrid_config
+
+            return hybrid_config(raw, architecture, lambda fields: cls._llama(raw | fields, architecture, common))
         return cls._llama(raw, architecture, common)
 
     @classmethod

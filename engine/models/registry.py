@@ -37,6 +37,7 @@ FAMILIES = (
         "qwen3_next", "Qwen3NextForCausalLM", ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
     ),
     Family("llama4", "Llama4ForCausalLM", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")),
+    Family("granite_hybrid", "GraniteMoeHybridForCausalLM", ("GraniteMoeHybridForCausalLM",)),
     Family("olmo2", "Olmo2ForCausalLM", ("Olmo2ForCausalLM",)),
     Family("phi3", "Phi3ForCausalLM", ("Phi3ForCausalLM",)),
     Family("gemma", "GemmaForCausalLM", ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),

@@ -133,8 +133,10 @@ class ModelRunner:
         shard: Shard,
         lora: LoRAManager | None = None,
         workers: Workers | None = None,
-        num_state_slots: int = 0,
+        state_rows: tuple[int, int, int] = (0, 0, 0),
     ) -> None:
+        """`state_rows`: a model with state layers' running slots, prefix snapshots (rows
+        after the slots) and host slots for swapping."""
         self.model, self.model_config, self.groups, self.backend = model, model_config, groups, backend
         self.lora = lora  # with enable_lora
         self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
@@ -166,10 +168,22 @@ class ModelRunner:
             if padded[tensor]:
                 keys, values = padded_view(keys, block_size, *shape), padded_view(values, block_size, *shape)
             self.cache_layer_caches.append((keys, values))
-        self.state_cache = StateCache(model_config, num_state_slots, dtype, device) if num_state_slots else None
+        num_slots, num_snapshots, num_host_slots = state_rows
+        self.state_cache = StateCache(model_config, num_slots + num_snapshots, dtype, device) if num_slots else None
+        self.host_state_cache = StateCache(model_config, num_host_slots, dtype, "cpu") if num_host_slots else None
         self.kv_caches, self.layer_groups = self._model_layer_caches()
         self.host_tensors = [cache_pair(num_host_blocks, s, "cpu") for s in tensor_shapes] if num_host_blocks else []
         self.sampler = Sampler(model_config.eos_token_ids, seed)
+
+    def _run_state_copies(self, copies: PendingCopies) -> None:
+        """Forks first (queued when the last step ended, before this step's swaps chose
+        their slots), then swap-outs, then swap-ins."""
+        if self.state_cache is None:
+            return
+        self.state_cache.copy(copies.state)
+        if self.host_state_cache is not None:
+            self.host_state_cache.copy(copies.state_swap_out, self.state_cache)
+            self.state_cache.copy(copies.state_swap_in, self.host_state_cache)
 
     def _model_layer_caches(self) -> tuple[list[KVPair], list[int | None]]:
         """Per model layer, its cache and KV cache group: a KV-shared layer's are its
@@ -204,8 +218,7 @@ class ModelRunner:
                 dst_k[dst.to(dst_k.device)] = src_k[src.to(src_k.device)].to(dst_k.device)
                 dst_v[dst.to(dst_v.device)] = src_v[src.to(src_v.device)].to(dst_v.device)
         load_blocks(self.cache_layer_caches, copies.loads)
-        if self.state_cache is not None:
-            self.state_cache.copy(copies.state)
+        self._run_state_copies(copies)
         if copies.device:
             mapping = torch.tensor(copies.device, dtype=torch.int64, device=self.device)
             for key_cache, value_cache in self.kv_tensors:

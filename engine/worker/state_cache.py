@@ -52,7 +52,7 @@ def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
 class StateCache:
     """Per state layer, its (conv, recurrent) tensors of `num_slots` rows."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
         assert config.linear_attention is not None, "a model with state layers"
         conv_shape, recurrent_shape = config.linear_attention.state_shapes()
         self.num_slots = num_slots
@@ -64,12 +64,14 @@ class StateCache:
             for layer in config.state_layers
         }
 
-    def copy(self, copies: list[StateCopy]) -> None:
-        """Each (source, destination) slot's rows copied, all read before any is written."""
+    def copy(self, copies: list[StateCopy], source: StateCache | None = None) -> None:
+        """Each (source, destination) row copied from `source` (default: this cache; a swap's
+        other side), one after the other in the list's order."""
         if not copies:
             return
-        for conv, recurrent in self.layers.values():
-            source = torch.tensor([c[0] for c in copies], device=conv.device)
-            target = torch.tensor([c[1] for c in copies], device=conv.device)
-            conv[target] = conv[source]
-            recurrent[target] = recurrent[source]
+        source = source or self
+        for layer, (conv, recurrent) in self.layers.items():
+            source_conv, source_recurrent = source.layers[layer]
+            for row, target in copies:  # in order: a later copy may read what an earlier wrote
+                conv[target] = source_conv[row].to(conv.device)
+                recurrent[target] = source_recurrent[row].to(recurrent.device)

@@ -19,8 +19,10 @@ PROMPT_LENGTHS = [5, 17, 33, 1, 48]
 SCHEDULES = {
     "plain": {},
     "chunked_prefill": {"max_num_batched_tokens": 16},
-    # 10 blocks of 8 tokens for five prompts of up to 60: preempted, recomputed from zeros.
+    # 10 blocks of 8 tokens for five prompts of up to 60: preempted, recomputed from zeros,
+    # or swapped out and back with their states.
     "preempt_recompute": {"num_kv_blocks": 10, "block_size": 8},
+    "preempt_swap": {"num_kv_blocks": 10, "block_size": 8, "preemption_mode": "swap"},
 }
 
 
@@ -35,13 +37,23 @@ def _greedy(max_tokens: int = NEW_TOKENS, n: int = 1) -> SamplingParams:
 
 
 def assert_every_slot_free(llm: LLM) -> None:
-    slots = llm.engine.kv_cache.state_slots
-    assert slots is not None and slots.num_free_slots == slots.num_slots
+    states = llm.engine.kv_cache.states
+    assert states is not None and states.device.num_free_slots == states.device.num_slots
+    assert states.host.num_free_slots == states.host.num_slots
     assert_no_block_leaked(llm)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("arch", LINEAR_ATTENTION_ARCHITECTURES)
+# Every schedule on one model of each kernel family (the state cache's paths are shared
+# code); the plain one on the others (their own layers: experts, Qwen3-Next's layout, RoPE).
+GREEDY_CASES = [
+    (arch, schedule)
+    for arch in LINEAR_ATTENTION_ARCHITECTURES
+    for schedule in SCHEDULES
+    if schedule == "plain" or arch in ("qwen3_5", "granite4")
+]
+
+
+@pytest.mark.parametrize(("arch", "schedule"), GREEDY_CASES)
 def test_greedy_equals_transformers(linear_models: dict[str, Path], arch: str, schedule: str) -> None:
     model_dir = linear_models[arch]
     llm = LLM(str(model_dir), dtype="float32", **SCHEDULES[schedule])
@@ -54,8 +66,11 @@ def test_greedy_equals_transformers(linear_models: dict[str, Path], arch: str, s
         assert completion.token_ids == expected_tokens, f"prompt of {len(prompt)} tokens diverged"
         ours = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids, strict=True)]
         assert ours == pytest.approx(expected_logprobs, abs=2e-4)
+    stats = llm.stats()
     if schedule == "preempt_recompute":
-        assert llm.stats().num_preemptions_recompute > 0, "the tiny cache forced no preemption"
+        assert stats.num_preemptions_recompute > 0, "the tiny cache forced no preemption"
+    if schedule == "preempt_swap":
+        assert stats.num_preemptions_swap > 0, "the tiny cache forced no swap"
     assert_every_slot_free(llm)
 
 
@@ -90,35 +105,49 @@ def test_samples_fork_the_prompts_state(linear_models: dict[str, Path]) -> None:
 def test_aborted_requests_give_back_their_slots(linear_models: dict[str, Path]) -> None:
     llm = LLM(str(linear_models["qwen3_5_moe"]), dtype="float32", max_num_seqs=4)
     engine = llm.engine
-    slots = engine.kv_cache.state_slots
-    assert slots is not None and slots.num_slots == 4
+    states = engine.kv_cache.states
+    assert states is not None and states.device.num_slots == 4
     for index, prompt in enumerate(random_prompts([9, 30, 3, 17, 12, 25], TINY_VOCAB, seed=6)):
         engine.add_request(f"r{index}", {"prompt_token_ids": prompt}, _greedy(max_tokens=40))
     for _ in range(6):
         engine.step()
-    assert slots.num_free_slots == 0  # four running, two waiting for a slot
+    assert states.device.num_free_slots == 0  # four running, two waiting for a slot
     for index in range(6):
         engine.abort_request(f"r{index}")
     assert_every_slot_free(llm)
 
 
-def test_a_repeated_prompt_is_computed_again(linear_models: dict[str, Path]) -> None:
-    """No state is kept at block boundaries yet, so prefix caching is off for these models:
-    a repeated prompt reports no cached tokens and gives the same tokens."""
-    llm = LLM(str(linear_models["qwen3_5"]), dtype="float32", block_size=8)
-    prompt = random_prompts([37], TINY_VOCAB, seed=7)[0]
-    first, second = (llm.generate([prompt], _greedy())[0] for _ in range(2))
-    assert second.num_cached_tokens == 0
-    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+@pytest.mark.parametrize("arch", ["qwen3_5", "granite4"])
+def test_a_shared_prefix_resumes_from_its_state_snapshot(linear_models: dict[str, Path], arch: str) -> None:
+    """A prompt's chunk ends at its last block boundary, where the engine keeps a copy of the
+    state: a later prompt with the same first blocks starts there (the attention layers'
+    blocks from the prefix cache, the state layers' from the snapshot), and its tokens are
+    transformers' and, for a repeated prompt, the first run's bits."""
+    model_dir = linear_models[arch]
+    llm = LLM(str(model_dir), dtype="float32", block_size=8)
+    system, tails = random_prompts([24], TINY_VOCAB, seed=7)[0], random_prompts([7, 11], TINY_VOCAB, seed=9)
+    first = llm.generate([system + tails[0]], _greedy())[0]  # 31 tokens: a snapshot after 24
+    repeated, other = llm.generate([system + tails[0]], _greedy())[0], llm.generate([system + tails[1]], _greedy())[0]
+    assert (first.num_cached_tokens, repeated.num_cached_tokens, other.num_cached_tokens) == (0, 24, 24)
+    assert repeated.outputs[0].token_ids == first.outputs[0].token_ids
+    assert repeated.outputs[0].logprobs == first.outputs[0].logprobs
+    for prompt, output in ((system + tails[0], first), (system + tails[1], other)):
+        assert output.outputs[0].token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS)[0]
     assert_every_slot_free(llm)
 
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("preemption_mode", "swap"), ("kv_cache_dir", "/tmp/pagefleet-unused"), ("kv_role", "producer")],
+    [
+        ("kv_cache_dir", "/tmp/pagefleet-unused"),
+        ("kv_role", "producer"),
+        ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
+        ("tensor_parallel_size", 2),
+        ("enable_lora", True),
+    ],
 )
 def test_what_the_state_cannot_go_through_yet_is_refused(
-    linear_models: dict[str, Path], setting: str, value: str
+    linear_models: dict[str, Path], setting: str, value: object
 ) -> None:
     with pytest.raises(InvalidParameterError, match=setting):
         LLM(str(linear_models["qwen3_5"]), dtype="float32", **{setting: value})
