@@ -26,17 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard
-from pagefleet.engine.errors import UnsupportedModelError
-from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
 from pagefleet.engine.layers.experts import ExpertActivation, RoutedExperts
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
-from pagefleet.engine.layers.rotary import RotaryEmbedding
-from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.hybrid import HybridForCausalLM
 from pagefleet.engine.models.linear_attention_config import Mamba2Options
 from pagefleet.engine.models.llama import LlamaAttention, LlamaMLP
-from pagefleet.engine.models.weights import WeightLoader
+from pagefleet.engine.models.weights import WeightLoader, conv1d_kernel
 from pagefleet.engine.worker.state_cache import StateMetadata
 from pagefleet.kernels.causal_conv1d import causal_conv1d, causal_conv1d_torch
 from pagefleet.kernels.selective_scan import selective_scan, selective_scan_torch
@@ -145,58 +142,14 @@ class GraniteHybridDecoderLayer(nn.Module):
         return hidden + out * self.residual_multiplier
 
 
-class GraniteMoeHybridForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
-        super().__init__()
-        self.config = config
-        self.shard = shard = shard or Shard()
-        if shard.size > 1:
-            raise UnsupportedModelError("models with state layers run with tensor_parallel_size=1")
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
-        self.layers = nn.ModuleList(GraniteHybridDecoderLayer(config, shard, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.embed_tokens = (
-            self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
-        )
-
-    @property
-    def embedding(self) -> torch.Tensor:
-        return self.embed_tokens
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCache,
-        metadata: LayerMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden = F.embedding(input_ids, self.embed_tokens) * self.config.embedding_multiplier
-        rope = self.rotary.lookup(positions, hidden.dtype)
-        for layer, cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
-            hidden = layer(hidden, rope, cache, layer_metadata, backend)
-        return self.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden).float() / self.config.logits_scaling
-
-    def lora_targets(self) -> dict[str, LoRATarget]:
-        return {}
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    layer_class = GraniteHybridDecoderLayer
+    norm_class = RMSNorm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        config, loader = self.config, WeightLoader(self)
-        loader.direct("model.embed_tokens.weight", "embed_tokens")
-        loader.direct("model.norm.weight", "norm.weight")
-        if not config.tie_word_embeddings:
-            loader.direct("lm_head.weight", "lm_head.weight")
+        config, loader = self.config, self.common_weights()
         for i, layer in enumerate(self.layers):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                loader.direct(hf + f"{norm}.weight", ours + f"{norm}.weight")
             if layer.is_mamba:
                 self._declare_mamba(loader, hf + "mamba.", ours + "mamba.")
             else:
@@ -219,16 +172,11 @@ class GraniteMoeHybridForCausalLM(nn.Module):
             loader.direct(hf + f"{name}.weight", ours + f"{name}.weight")
             if options.proj_bias:
                 loader.direct(hf + f"{name}.bias", ours + f"{name}.bias")
-        loader.direct(hf + "conv1d.weight", ours + "conv_weight", _conv_kernel)
+        loader.direct(hf + "conv1d.weight", ours + "conv_weight", conv1d_kernel)
         if options.conv_bias:
             loader.direct(hf + "conv1d.bias", ours + "conv_bias")
         for name in ("A_log", "D", "dt_bias", "norm.weight"):
             loader.direct(hf + name, ours + name)
-
-
-def _conv_kernel(weight: torch.Tensor) -> torch.Tensor:
-    """conv1d.weight [C, 1, K] -> [C, K]."""
-    return weight.reshape(weight.shape[0], -1)
 
 
 def _stacked_rows(stacked: torch.Tensor) -> torch.Tensor:

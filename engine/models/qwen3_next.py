@@ -30,18 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard
-from pagefleet.engine.errors import UnsupportedModelError
-from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache, LayerMetadata
+from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pagefleet.engine.layers.fused import rotary
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
-from pagefleet.engine.layers.rotary import RotaryEmbedding
-from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.models.gemma import GemmaRMSNorm
+from pagefleet.engine.models.hybrid import HybridForCausalLM
 from pagefleet.engine.models.linear_attention_config import LinearAttentionOptions
 from pagefleet.engine.models.llama import LlamaMLP
 from pagefleet.engine.models.moe import SparseMoeBlock, declare_expert_tensors
-from pagefleet.engine.models.weights import WeightLoader
+from pagefleet.engine.models.weights import WeightLoader, conv1d_kernel
 from pagefleet.engine.worker.state_cache import StateMetadata
 from pagefleet.kernels.causal_conv1d import causal_conv1d, causal_conv1d_torch
 from pagefleet.kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_torch
@@ -162,58 +160,14 @@ class Qwen3NextDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Qwen3NextForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
-        super().__init__()
-        self.config = config
-        self.shard = shard = shard or Shard()
-        if shard.size > 1:
-            raise UnsupportedModelError("linear-attention models run with tensor_parallel_size=1")
-        self.rotary = RotaryEmbedding(
-            config.rotary_dim or config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
-        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, shard, i) for i in range(config.num_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.embed_tokens = (
-            self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
-        )
-
-    @property
-    def embedding(self) -> torch.Tensor:
-        return self.embed_tokens
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCache,
-        metadata: LayerMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        rope = self.rotary.lookup(positions, hidden.dtype)
-        for layer, cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
-            hidden = layer(hidden, rope, cache, layer_metadata, backend)
-        return self.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden).float()
-
-    def lora_targets(self) -> dict[str, LoRATarget]:
-        return {}
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    layer_class = Qwen3NextDecoderLayer
+    norm_class = GemmaRMSNorm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        config, loader = self.config, WeightLoader(self)
-        loader.direct("model.embed_tokens.weight", "embed_tokens")
-        loader.direct("model.norm.weight", "norm.weight")
-        if not config.tie_word_embeddings:
-            loader.direct("lm_head.weight", "lm_head.weight")
+        loader = self.common_weights()
         for i, layer in enumerate(self.layers):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                loader.direct(hf + f"{norm}.weight", ours + f"{norm}.weight")
             if layer.is_linear:
                 self._declare_linear(loader, hf + "linear_attn.", ours + "linear_attn.")
             else:
@@ -230,7 +184,7 @@ class Qwen3NextForCausalLM(nn.Module):
         else:
             loader.fused([hf + "in_proj_qkv.weight", hf + "in_proj_z.weight"], ours + "in_proj_qkvz.weight")
             loader.fused([hf + "in_proj_b.weight", hf + "in_proj_a.weight"], ours + "in_proj_ba.weight")
-        loader.direct(hf + "conv1d.weight", ours + "conv_weight", _conv_kernel)
+        loader.direct(hf + "conv1d.weight", ours + "conv_weight", conv1d_kernel)
         for name in ("A_log", "dt_bias"):
             loader.direct(hf + name, ours + name)
         loader.direct(hf + "norm.weight", ours + "norm.weight")
@@ -266,11 +220,6 @@ class Qwen3NextForCausalLM(nn.Module):
 def _without_mtp(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors but its multi-token-prediction head's (`mtp.*`, unused)."""
     return ((name, tensor) for name, tensor in weights if not name.startswith("mtp."))
-
-
-def _conv_kernel(weight: torch.Tensor) -> torch.Tensor:
-    """conv1d.weight [C, 1, K] -> [C, K]."""
-    return weight.reshape(weight.shape[0], -1)
 
 
 class _QueryThenGate:

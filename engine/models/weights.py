@@ -74,3 +74,8 @@ class WeightLoader:
                     f"weight for {param_name} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
                 )
             param.data = value.to(param.dtype).contiguous()
+
+
+def conv1d_kernel(weight: torch.Tensor) -> torch.Tensor:
+    """A depthwise conv1d's weight [C, 1, K] -> [C, K] (linear-attention layers)."""
+    return weight.reshape(weight.shape[0], -1)
