@@ -42,6 +42,7 @@ import triton.language as tl
 
 from pagefleet.kernels.causal_conv1d import check_sequences
 from pagefleet.kernels.checks import FLOAT_DTYPES, KernelArgumentError, check_shape, check_tensor
+from pagefleet.kernels.state_rows import recur_by_rows
 
 L2NORM_EPS = 1e-6  # transformers' l2norm, as the FLA library's kernels
 
@@ -245,9 +246,7 @@ def gated_delta_rule_torch(
 ) -> torch.Tensor:
     """The reference, and the CPU path: same arguments and result as `gated_delta_rule`.
 
-    Sequences go longest first, so the ones with a row at position `step` are a prefix and
-    their states one contiguous [n, Hv, Dk, Dv] tensor; a finished sequence's state is
-    written to its slot as the prefix shrinks past it."""
+    Token by token over the batch's sequences, their states [n, Hv, Dk, Dv] (kernels/state_rows.py)."""
     _check(query, key, value, g, beta, state, query_start, slots, has_state)
     heads_per_key = value.shape[1] // query.shape[1]
     query, key = query.float(), key.float()
@@ -258,21 +257,11 @@ def gated_delta_rule_torch(
     value_float, beta = value.float(), beta.float()
     out = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
 
-    starts, lengths = query_start[:-1].tolist(), (query_start[1:] - query_start[:-1]).tolist()
-    order = sorted(range(len(lengths)), key=lambda sequence: -lengths[sequence])
-    order_index = torch.tensor(order, dtype=torch.int64, device=value.device)
-    sorted_starts = torch.tensor([starts[i] for i in order], dtype=torch.int64, device=value.device)
-    sorted_slots = slots.long()[order_index]
-    recurrent = torch.where(has_state[order_index, None, None, None], state[sorted_slots], 0.0)
-    for step in range(max(lengths, default=0) + 1):
-        num_active = sum(lengths[i] > step for i in order)
-        if num_active < recurrent.shape[0]:
-            state[sorted_slots[num_active : recurrent.shape[0]]] = recurrent[num_active:]
-            recurrent = recurrent[:num_active]
-        if num_active == 0:
-            break
-        rows = sorted_starts[:num_active] + step
+    def step(recurrent: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         recurrent, out[rows] = _recurrent_step(
             recurrent, query[rows], key[rows], value_float[rows], g[rows], beta[rows]
         )
+        return recurrent
+
+    recur_by_rows(state, query_start, slots, has_state, step)
     return out.to(value.dtype)

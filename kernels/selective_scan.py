@@ -56,6 +56,7 @@ import triton.language as tl
 
 from pagefleet.kernels.causal_conv1d import check_sequences
 from pagefleet.kernels.checks import FLOAT_DTYPES, KernelArgumentError, check_shape, check_tensor
+from pagefleet.kernels.state_rows import recur_by_rows
 
 NO_LIMIT = (0.0, float("inf"))  # transformers' default time_step_limit
 SOFTPLUS_THRESHOLD = 20.0  # F.softplus's default: above it, softplus(x) is x
@@ -326,9 +327,7 @@ def selective_scan_torch(
 ) -> torch.Tensor:
     """The reference, and the CPU path: same arguments and result as `selective_scan`.
 
-    Sequences go longest first, so the ones with a row at position `step` are a prefix and
-    their states one contiguous [n, H, P, N] tensor; a finished sequence's state is written
-    to its slot as the prefix shrinks past it."""
+    Token by token over the batch's sequences, their states [n, H, P, N] (kernels/state_rows.py)."""
     _check(x, dt, A, B, C, D, dt_bias, state, query_start, slots, has_state, dt_limit)
     heads_per_group = x.shape[1] // B.shape[1]
     dt = torch.clamp(_softplus(dt + dt_bias.to(dt.dtype)), min=dt_limit[0], max=dt_limit[1])
@@ -338,21 +337,11 @@ def selective_scan_torch(
     dB = dt[..., None] * B  # [T, H, N], x's dtype
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
 
-    starts, lengths = query_start[:-1].tolist(), (query_start[1:] - query_start[:-1]).tolist()
-    order = sorted(range(len(lengths)), key=lambda sequence: -lengths[sequence])
-    order_index = torch.tensor(order, dtype=torch.int64, device=x.device)
-    sorted_starts = torch.tensor([starts[i] for i in order], dtype=torch.int64, device=x.device)
-    sorted_slots = slots.long()[order_index]
-    recurrent = torch.where(has_state[order_index, None, None, None], state[sorted_slots], 0.0)
-    for step in range(max(lengths, default=0) + 1):
-        num_active = sum(lengths[i] > step for i in order)
-        if num_active < recurrent.shape[0]:
-            state[sorted_slots[num_active : recurrent.shape[0]]] = recurrent[num_active:]
-            recurrent = recurrent[:num_active]
-        if num_active == 0:
-            break
-        rows = sorted_starts[:num_active] + step
+    def step(recurrent: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         rows_x = x[rows]
         recurrent = recurrent * decay[rows][..., None, None] + dB[rows][:, :, None, :] * rows_x[..., None]
         out[rows] = _output(recurrent, C[rows], rows_x, D)
+        return recurrent
+
+    recur_by_rows(state, query_start, slots, has_state, step)
     return out
