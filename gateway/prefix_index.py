@@ -19,7 +19,7 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from pagefleet.gateway.registry import ReplicaRegistry
-from pagefleet.protocol.block_hash import unpack
+from pagefleet.protocol.block_hash import state_snapshot_hash, unpack
 from pagefleet.protocol.prefix_index import blocks_key, events_key
 
 logger = logging.getLogger(__name__)
@@ -68,8 +68,12 @@ class ModelIndex:
         if b"stored" in fields:
             self.store(replica_id, unpack(fields[b"stored"]))
 
-    def matched_blocks(self, block_hashes: list[int], replica_ids: list[str]) -> dict[str, int]:
-        """How many of the leading `block_hashes` each replica holds (its cached prefix)."""
+    def matched_blocks(
+        self, block_hashes: list[int], replica_ids: list[str], with_state: frozenset[str] = frozenset()
+    ) -> dict[str, int]:
+        """How many of the leading `block_hashes` each replica holds (its cached prefix);
+        for replicas of a model with state layers (`with_state`), only as far as one holds
+        the state snapshot after the prefix's last block too."""
         matched = dict.fromkeys(replica_ids, 0)
         alive = set(replica_ids)
         for depth, block_hash in enumerate(block_hashes, start=1):
@@ -78,6 +82,12 @@ class ModelIndex:
                 break
             for replica_id in alive:
                 matched[replica_id] = depth
+        for replica_id in with_state & matched.keys():
+            held = self.held.get(replica_id, set())
+            depth = matched[replica_id]
+            while depth and state_snapshot_hash(block_hashes[depth - 1]) not in held:
+                depth -= 1
+            matched[replica_id] = depth
         return matched
 
 
@@ -94,13 +104,15 @@ class PrefixIndex:
         self._synced_at: dict[str, float] = {}
         self._redis_down = False
 
-    def matched_blocks(self, model: str, block_hashes: list[int], replica_ids: list[str]) -> dict[str, int]:
+    def matched_blocks(
+        self, model: str, block_hashes: list[int], replica_ids: list[str], with_state: frozenset[str] = frozenset()
+    ) -> dict[str, int]:
         """Per replica, its cached prefix of `block_hashes` in blocks (0 for every replica
-        while nothing is known of the model)."""
+        while nothing is known of the model); `with_state`: see ModelIndex.matched_blocks."""
         index = self.models.get(model)
         if index is None:
             return dict.fromkeys(replica_ids, 0)
-        return index.matched_blocks(block_hashes, replica_ids)
+        return index.matched_blocks(block_hashes, replica_ids, with_state)
 
     def num_blocks(self, model: str) -> int:
         """Distinct blocks the model's replicas hold, as far as this index knows."""

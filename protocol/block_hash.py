@@ -8,6 +8,8 @@ must agree bit for bit, so there is exactly one definition, here (docs/redis-pro
     hash[0] = blake2b-64(root    as 8 bytes LE || token ids of block 0 as uint32 LE)
     hash[i] = blake2b-64(hash[i-1] as 8 bytes LE || token ids of block i as uint32 LE)
 
+    state   = blake2b-64("state" || hash[i] as 8 bytes LE)   (`state_snapshot_hash`)
+
 Only full blocks have a hash. The model is not hashed: one engine serves one model, and the
 fleet's index is keyed by model. Python's `hash()` is not used anywhere in the chain: it is
 salted per process for strings.
@@ -66,6 +68,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int, root: int, parents: 
         parent = _digest(parent.to_bytes(HASH_BYTES, "little") + packed[offset : offset + stride])
         hashes.append(parent)
     return hashes
+
+
+def state_snapshot_hash(block_hash: int) -> int:
+    """The fleet index's name for the state a model with state layers keeps after the block
+    of `block_hash` (a prefix snapshot): such a replica serves a prefix only as far as it
+    holds the blocks and the snapshot after the last, so it publishes both, in one SET."""
+    return _digest(b"state" + block_hash.to_bytes(HASH_BYTES, "little"))
 
 
 def pack(hashes: Sequence[int]) -> bytes:

@@ -46,11 +46,21 @@ class ReplicaRecord(BaseModel):
         0.0, ge=0, description="prompt tokens it computes per second (a moving average; 0 until measured)"
     )
     adapters: list[str] = Field(default_factory=list, description="LoRA adapters it serves now, by name")
+    free_state_slots: int | None = Field(
+        None,
+        ge=0,
+        description="a model with state layers (linear attention, Mamba): state-cache slots free now, one per "
+        "sequence it can still start; None for other models",
+    )
+    total_state_slots: int | None = Field(None, ge=0, description="its state-cache slots; None for other models")
     timestamp: float = Field(default_factory=time.time, description="Unix time of this report")
 
     @property
     def room_blocks(self) -> int:
-        """Room for a new request, in blocks of its context: what routing ranks on."""
+        """Room for a new request, in blocks of its context: what routing ranks on (none
+        while a model with state layers has no free state slot: a new request would wait)."""
+        if self.free_state_slots == 0:
+            return 0
         return self.free_blocks if self.free_tokens is None else self.free_tokens // self.block_size
 
     @property

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from pagefleet.engine.core.block_pool import BlockPool
 from pagefleet.engine.core.kv_groups import NULL_BLOCK, ONE_GROUP, KVGroups, longest_prefix, needed_blocks
 from pagefleet.engine.core.request import Request, Sequence
-from pagefleet.engine.core.state_slots import StateCopy, StateSlotTable
+from pagefleet.engine.core.state_slots import StateCopy, StateLoad, StateSlotTable
 from pagefleet.engine.core.state_snapshots import StateSnapshots, snapshot_chunk_end
 from pagefleet.engine.kv_transfer.params import KVLoad, RemoteKV
 from pagefleet.protocol.block_hash import block_hashes
@@ -97,6 +97,14 @@ class CacheStats:
     cow_copies: int = 0
 
 
+class KeptSnapshot(NamedTuple):
+    """A state snapshot for a KV tier to save: the block hash it follows and its row."""
+
+    block_hash: int
+    token_ids: tuple[int, ...]  # the block's
+    row: int
+
+
 @dataclass(slots=True)
 class PendingCopies:
     """Copies to run before the next forward pass, in this order."""
@@ -109,13 +117,21 @@ class PendingCopies:
     state_swap_out: list[StateCopy] = field(default_factory=list)
     state_swap_in: list[StateCopy] = field(default_factory=list)
     state: list[StateCopy] = field(default_factory=list)
+    state_loads: list[StateLoad] = field(default_factory=list)  # a remote prefix's state -> its slot, first
 
     def take(self) -> PendingCopies:
         taken = PendingCopies(
-            self.swap_out, self.swap_in, self.device, self.loads, self.state_swap_out, self.state_swap_in, self.state
+            self.swap_out,
+            self.swap_in,
+            self.device,
+            self.loads,
+            self.state_swap_out,
+            self.state_swap_in,
+            self.state,
+            self.state_loads,
         )
         self.swap_out, self.swap_in, self.device, self.loads = [], [], [], []
-        self.state_swap_out, self.state_swap_in, self.state = [], [], []
+        self.state_swap_out, self.state_swap_in, self.state, self.state_loads = [], [], [], []
         return taken
 
 
@@ -174,6 +190,7 @@ class KVCacheManager:
         # Blocks made full since the last `take_full_blocks`, kept only for a KV tier.
         self.collect_full_blocks = False
         self._full_blocks: list[FullBlock] = []
+        self._kept_snapshots: list[KeptSnapshot] = []  # for a KV tier, until their copy ran
 
     # --- reading ------------------------------------------------------------------------
 
@@ -222,6 +239,24 @@ class KVCacheManager:
     @property
     def num_free_host_blocks(self) -> int:
         return len(self._free_host_blocks)
+
+    def enable_events(self) -> None:
+        """Queue the prefix cache's changes for the fleet's index: the pool's blocks and, for
+        a model with state layers, its snapshots (engine/core/block_pool.py)."""
+        self.pool.enable_events()
+        if self.snapshots is not None and self.snapshots.events is None:
+            assert self.pool.events is not None, "enabled just above"
+            self.snapshots.enable_events(self.pool.events)
+
+    def state_usage(self) -> dict[str, int]:
+        """The state cache's slots, free slots and kept snapshots (EngineStats' fields)."""
+        if self.states is None:
+            return {}
+        return {
+            "num_state_slots": self.states.device.num_slots,
+            "num_free_state_slots": self.states.device.num_free_slots,
+            "num_state_snapshots": self.snapshots.num_cached if self.snapshots is not None else 0,
+        }
 
     def usage(self) -> CacheUsage:
         pool = self.pool
@@ -313,7 +348,28 @@ class KVCacheManager:
         if self.snapshots is None or slot is None or computed % size or not 0 < computed <= seq.num_prompt_tokens:
             return
         self._extend_hashes(seq, record, computed // size)
-        self.snapshots.keep(record.block_hashes[computed // size - 1], slot, self.pending.state)
+        block_hash = record.block_hashes[computed // size - 1]
+        row = self.snapshots.keep(block_hash, slot, self.pending.state)
+        if row is not None and self.collect_full_blocks:  # for the file tier, once copied
+            self.snapshots.hold(block_hash)
+            self._kept_snapshots.append(KeptSnapshot(block_hash, self._block_tokens(seq, computed // size - 1), row))
+
+    def take_copied_snapshots(self, copies: PendingCopies) -> list[KeptSnapshot]:
+        """Snapshots kept for a KV tier whose copy into their row ran (in `copies`, the
+        step's), each held until `release_snapshot`."""
+        copied_rows = {row for _, row in copies.state}
+        copied = [kept for kept in self._kept_snapshots if kept.row in copied_rows]
+        self._kept_snapshots = [kept for kept in self._kept_snapshots if kept.row not in copied_rows]
+        return copied
+
+    def hold_snapshot(self, block_hash: int) -> int | None:
+        """The row of the state after the block of `block_hash`, held (never reused) until
+        `release_snapshot`; None if no snapshot is kept for it."""
+        return self.snapshots.hold(block_hash) if self.snapshots is not None else None
+
+    def release_snapshot(self, row: int) -> None:
+        assert self.snapshots is not None, "a row comes from hold_snapshot"
+        self.snapshots.release(row)
 
     def _free_behind_windows(self, record: SequenceBlocks, position: int) -> None:
         """Free the blocks that a query at `position` (or later) cannot see."""
@@ -356,8 +412,12 @@ class KVCacheManager:
         in every group, and per group its cached blocks of them that a sequence going on
         from there needs (`needed_blocks`). Only reads."""
         size = self.block_size
+        if self.states is not None and self.snapshots is None:
+            return 0, [[] for _ in self.groups.windows]
         cached = self._cached_blocks(hashes, lambda index: tuple(token_ids[index * size : (index + 1) * size]))
         num_blocks = self._longest_hit(cached)
+        if self.snapshots is not None:  # and whose state is kept
+            num_blocks = self.snapshots.longest_kept(hashes, num_blocks)
         ranges = needed_blocks(self.groups, num_blocks * size, size)
         tables = [
             [b for b in blocks[r.start : r.stop] if b is not None] for blocks, r in zip(cached, ranges, strict=True)
@@ -415,10 +475,14 @@ class KVCacheManager:
         if too few blocks are free."""
         record = self._record(seq)
         assert not any(record.tables) and record.num_computed_tokens == 0, "a remote prefix needs a fresh sequence"
+        assert (self.states is None) == (remote.state is None), "a state model's prefix comes with its state"
         ranges = needed_blocks(self.groups, remote.num_tokens, self.block_size)
-        blocks = self.pool.try_allocate(sum(len(r) for r in ranges))
-        if blocks is None:
+        if self.pool.num_free_blocks < sum(len(r) for r in ranges):
             return False
+        if self.states is not None and not self.states.try_take(seq.seq_id):
+            return False
+        blocks = self.pool.try_allocate(sum(len(r) for r in ranges))
+        assert blocks is not None, "counted above"
         record.tables = []
         for blocks_needed in ranges:
             record.tables.append([NULL_BLOCK] * blocks_needed.start + blocks[: len(blocks_needed)])
@@ -440,6 +504,8 @@ class KVCacheManager:
             load.keys.append(remote.keys[layer][first : first + len(blocks)])
             load.values.append(remote.values[layer][first : first + len(blocks)])
         self.pending.loads.append(load)
+        if self.states is not None:
+            self.pending.state_loads.append((self.states.slot(seq.seq_id), remote.state))
 
     def prompt_blocks(self, seq: Sequence, num_prompt_tokens: int) -> list[list[int]]:
         """Per group, the blocks holding the sequence's prompt (a connector may keep them),
@@ -504,6 +570,7 @@ class KVCacheManager:
             slot = self.states.slot(seq.seq_id)
             # A prefix hit taken back (its request did not fit after all) leaves no copy behind.
             self.pending.state = [copy for copy in self.pending.state if copy[1] != slot]
+            self.pending.state_loads = [load for load in self.pending.state_loads if load[0] != slot]
             self.states.free(seq.seq_id)
 
     def _release(self, tables: list[list[int]]) -> None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 StateCopy = tuple[int, int]  # (source slot, destination slot)
+StateLoad = tuple[int, Any]  # (destination slot, the StateRows of a prefix from outside)
 
 
 class StateSlots:

@@ -36,8 +36,6 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeAlias
 
-import torch
-
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.core.block_pool import KVEvent, take_events
 from pagefleet.engine.errors import EngineDeadError, RequestFailedError, ShuttingDownError
@@ -47,7 +45,8 @@ from pagefleet.engine.front.outputs import RequestOutput
 from pagefleet.engine.front.stats import EngineStats
 from pagefleet.engine.kv_connector.peer import PeerConnector
 from pagefleet.engine.kv_connector.prefill_decode import PrefillDecodeConnector
-from pagefleet.engine.kv_transfer.params import KVLayout, RemoteKV
+from pagefleet.engine.kv_connector.worker import KVCaches as KVCopy
+from pagefleet.engine.kv_transfer.params import KVLayout, RemoteKV, StateRows
 from pagefleet.engine.kv_transfer.transport import KVTransport
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.sampling_params import SamplingParams
@@ -237,7 +236,7 @@ class AsyncEngine:
 
     def enable_kv_events(self) -> None:
         """Start queueing prefix-cache events (`take_kv_events`), for the fleet's index."""
-        self._on_engine_thread(self._engine.kv_cache.pool.enable_events).result()
+        self._on_engine_thread(self._engine.kv_cache.enable_events).result()
 
     def take_kv_events(self) -> list[KVEvent]:
         """The prefix-cache events queued since the last call, oldest first (never waits for a
@@ -273,46 +272,51 @@ class AsyncEngine:
 
     async def read_pinned(
         self, request_id: str, block_ids: list[list[int]]
-    ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The prompt tokens and the KV of `block_ids` (per KV cache group) pinned for
-        `request_id`, each layer's of its group's blocks, read without
-        stalling the steps; the blocks stay pinned until `release_pinned` (after a
-        successful send) or `checkin_pinned` (a send that failed: another pull may come).
+    ) -> tuple[list[int], KVCopy, StateRows | None]:
+        """The prompt tokens, the KV of `block_ids` (per KV cache group) pinned for
+        `request_id`, each layer's of its group's blocks, and for a model with state layers
+        the state after them, read without stalling the steps; the blocks stay pinned until
+        `release_pinned` (after a successful send) or `checkin_pinned` (a send that failed:
+        another pull may come).
 
         Raises:
             KVTransferError: nothing pinned under that id, or other blocks.
         """
         pinned = await asyncio.wrap_future(self._on_engine_thread(self._pd.checkout, request_id, block_ids))
-        try:
-            blocks = await asyncio.to_thread(self._pd.read_blocks, block_ids)  # pinned: nothing rewrites them
+        try:  # pinned (and the snapshot held): nothing rewrites them
+            blocks = await asyncio.to_thread(self._pd.read_blocks, block_ids)
+            state = await asyncio.to_thread(self._read_state, self._pd.read_state, pinned.state_row)
         except BaseException:
             self.checkin_pinned(request_id)
             raise
-        return pinned.token_ids, blocks
+        return pinned.token_ids, blocks, state
+
+    @staticmethod
+    def _read_state(read: Callable[[int], StateRows] | None, row: int | None) -> StateRows | None:
+        return read(row) if read is not None and row is not None else None
 
     async def count_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> int:
         """How many of the prompt's full blocks this replica has, in its prefix cache or its
         file tier (asked between two steps)."""
         return int(await asyncio.wrap_future(self._on_engine_thread(self._peer.count_available, hashes, token_ids)))
 
-    async def read_cached_prefix(
-        self, hashes: list[int], token_ids: list[int]
-    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    async def read_cached_prefix(self, hashes: list[int], token_ids: list[int]) -> tuple[int, KVCopy, StateRows | None]:
         """Copies of the KV of the longest prefix of `hashes` this replica caches in every
-        KV cache group (for a peer's pull): its block count and each layer's keys and values
-        of the blocks its group needs (`needed_blocks`). The blocks are held between two
-        steps (a reference each, so no step evicts or rewrites them), copied beside the
-        running steps, and released before the next step after the copy."""
+        KV cache group (for a peer's pull): its block count, each layer's keys and values
+        of the blocks its group needs (`needed_blocks`) and, for a model with state layers,
+        the state after them. The blocks (and snapshot) are held between two steps (so no
+        step evicts or rewrites them), copied beside the running steps, and released before
+        the next step after the copy."""
         held = await asyncio.wrap_future(self._on_engine_thread(self._peer.hold_prefix, hashes, token_ids))
-        num_blocks, blocks = held
-        if num_blocks == 0:
-            return 0, []
+        if held.num_blocks == 0:
+            return 0, [], None
         try:
-            copied = await asyncio.to_thread(self._peer.read_blocks, blocks)
+            copied = await asyncio.to_thread(self._peer.read_blocks, held.block_ids)
+            state = await asyncio.to_thread(self._read_state, self._peer.read_state, held.state_row)
         finally:
-            self._releases.append(functools.partial(self._peer.release, blocks))
+            self._releases.append(functools.partial(self._peer.release, held))
             self._wake.set()
-        return num_blocks, copied
+        return held.num_blocks, copied, state
 
     def release_pinned(self, request_id: str) -> None:
         """Free a pulled prompt's blocks before the next step (from any thread, no wait)."""

@@ -86,6 +86,7 @@ class LLMEngine:
             self._kv_layout(),
             self.kv_cache,
             self.runner.cache_layer_caches,
+            getattr(self.runner, "state_cache", None),
             lambda: counters.prefill_tokens_per_s,
             kv_transport,
         )
@@ -112,7 +113,7 @@ class LLMEngine:
             config.kv_role,
             self.kv_cache.groups,
             config.max_num_batched_tokens,
-            moves_kv=self.kv_cache.states is None,
+            has_state=self.kv_cache.states is not None,
         )
         self._arrivals = itertools.count()
         self._num_prompt_tokens = 0
@@ -134,6 +135,8 @@ class LLMEngine:
             group_windows=groups.windows,
             layer_groups=groups.layer_groups,
             layer_shapes=tuple(model.layer_kv_shape(layer) for layer in model.cache_layers),
+            num_state_layers=len(model.state_layers),
+            state_shapes=model.linear_attention.state_shapes() if model.linear_attention is not None else (),
         )
 
     # --- requests -----------------------------------------------------------------------
@@ -322,6 +325,7 @@ class LLMEngine:
         outputs = self.update.apply(plan, results, started)
         if self.kv_connector.wants_filled_blocks:
             self.kv_connector.blocks_filled(self.kv_cache.take_full_blocks())
+            self.kv_connector.snapshots_kept(self.kv_cache.take_copied_snapshots(plan.copies))
         for output in outputs:
             if output.finished:
                 del self.requests[output.request_id]
@@ -379,6 +383,7 @@ class LLMEngine:
             num_pinned_requests=connected.num_pinned_requests,
             num_pin_timeouts=connected.num_pin_timeouts,
             prefill_tokens_per_s=self.update.counters.prefill_tokens_per_s,
+            **self.kv_cache.state_usage(),
             kv_tier=connected.kv_tier,
             spec_decode=self.parts.speculator.snapshot() if self.parts.speculator is not None else None,
         )

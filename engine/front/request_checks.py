@@ -86,13 +86,13 @@ class RequestChecks:
         kv_role: str,
         groups: KVGroups = ONE_GROUP,
         chunk_tokens: int = 0,
-        moves_kv: bool = True,
+        has_state: bool = False,
     ) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
         self.block_size, self.num_blocks, self.kv_role = block_size, num_blocks, kv_role
         self.groups, self.chunk_tokens = groups, chunk_tokens
-        self.moves_kv = moves_kv  # False: a model with state layers, whose state stays here
+        self.has_state = has_state  # a model with state layers: KV from outside brings their state
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
 
     def prompt_token_ids(self, prompt: PromptType, params: SamplingParams) -> list[int]:
@@ -190,11 +190,6 @@ class RequestChecks:
     def check_kv_role(self, params: SamplingParams, remote_kv: RemoteKV | None, token_ids: list[int]) -> None:
         role = self.kv_role
         transfer = transfer_params(params)
-        moves = transfer is not None and (transfer.remote_decode or transfer.remote_prefill is not None)
-        if not self.moves_kv and (moves or remote_kv is not None):
-            raise InvalidParameterError(
-                "kv_transfer_params", "this model's linear-attention state does not move between replicas yet"
-            )
         if transfer is not None and transfer.remote_decode and role == "decode":
             raise InvalidParameterError(
                 "kv_transfer_params", "this replica decodes (--role decode): send do_remote_decode to a prefill replica"
@@ -207,6 +202,12 @@ class RequestChecks:
                 )
             if remote_kv.num_tokens >= len(token_ids) or not self._fits(remote_kv):
                 raise InvalidParameterError("kv_transfer_params", "the pulled KV does not fit this prompt")
+            if self.has_state != (remote_kv.state is not None) or (
+                self.has_state and remote_kv.num_tokens % self.block_size
+            ):
+                raise InvalidParameterError(
+                    "kv_transfer_params", "the pulled KV does not carry this model's state layers at a block boundary"
+                )
 
     def _fits(self, remote_kv: RemoteKV) -> bool:
         """Whether `remote_kv` carries, for each layer, every block its KV cache group needs

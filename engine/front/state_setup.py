@@ -42,14 +42,21 @@ def state_cache_budget(config: EngineConfig, model_config: ModelConfig, log: boo
 
 def check_state_model(config: EngineConfig) -> None:
     """What a model with state layers cannot run with yet, refused by the setting's name:
-    each moves or branches KV without the state beside it."""
+    each shards or branches KV without the state beside it. KV that leaves the replica (P/D,
+    the file tier) moves with the state snapshots the prefix cache keeps, so it needs them."""
     refused = {
         "tensor_parallel_size": config.tensor_parallel_size > 1,
         "speculative_config": config.speculative is not None,
-        "kv_role": config.kv_role != "both",
-        "kv_cache_dir": config.kv_cache_dir is not None,
         "enable_lora": config.enable_lora,
     }
     for name, is_set in refused.items():
         if is_set:
             raise InvalidParameterError(name, f"{name} is not supported yet for models with linear-attention layers")
+    moving = {"kv_role": config.kv_role != "both", "kv_cache_dir": config.kv_cache_dir is not None}
+    for name, is_set in moving.items():
+        if is_set and not config.enable_prefix_caching:
+            raise InvalidParameterError(
+                name,
+                f"{name} needs enable_prefix_caching for models with linear-attention layers: their state "
+                "moves as the prefix cache's state snapshots",
+            )

@@ -43,6 +43,11 @@ class EngineStats:
     num_pinned_requests: int = 0
     num_pin_timeouts: int = 0  # pinned prompts freed because nobody pulled them in time
     prefill_tokens_per_s: float = 0.0  # prompt tokens computed per second, a moving average
+    # A model with state layers: its state cache's slots (one per running sequence), those
+    # free now, and the snapshots its prefix cache keeps; zeros for other models.
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
+    num_state_snapshots: int = 0
     kv_tier: TierStats | None = None  # the file tier's counters, if it is on
     spec_decode: SpecDecodeStats | None = None  # speculation's counters, if it is on
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagefleet.engine.core.kv_cache_manager import FullBlock
+from pagefleet.engine.core.kv_cache_manager import FullBlock, KeptSnapshot
 from pagefleet.engine.core.request import Request
 from pagefleet.engine.kv_transfer.params import RemoteKV
 
@@ -65,6 +65,10 @@ class KVConnector:
     def blocks_filled(self, blocks: list[FullBlock]) -> None:
         """The blocks a step made full (and registered in the prefix cache): a saving
         connector takes references on those it will copy out."""
+
+    def snapshots_kept(self, snapshots: list[KeptSnapshot]) -> None:
+        """A model with state layers: the state snapshots a step's copies made (each held
+        for this connector, which releases it through the KV cache once copied out)."""
 
     @property
     def wants_filled_blocks(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from pagefleet.engine.core.kv_cache_manager import FullBlock, KVCacheManager
+from pagefleet.engine.core.kv_cache_manager import FullBlock, KeptSnapshot, KVCacheManager
 from pagefleet.engine.core.request import Request
 from pagefleet.engine.kv_connector.base import ConnectorStats, KVConnector
 from pagefleet.engine.kv_tiers.file_tier import FileTier
@@ -80,6 +80,9 @@ class FileTierConnector(KVConnector):
 
     def blocks_filled(self, blocks: list[FullBlock]) -> None:
         self.tier.offer(blocks)
+
+    def snapshots_kept(self, snapshots: list[KeptSnapshot]) -> None:
+        self.tier.offer_snapshots(snapshots)
 
     def between_steps(self, wait: bool = False) -> bool:
         if wait:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from pagefleet.engine.core.kv_cache_manager import FullBlock
+from pagefleet.engine.core.kv_cache_manager import FullBlock, KeptSnapshot
 from pagefleet.engine.core.request import Request
 from pagefleet.engine.kv_connector.base import ConnectorStats, KVConnector
 from pagefleet.engine.kv_transfer.params import KVLayout, RemoteKV
@@ -17,10 +17,9 @@ class MultiConnector(KVConnector):
     except that a prefill replica's KV always wins (it is the whole prompt but its last
     token). `layout`: what a transfer with this engine must agree on (never changes)."""
 
-    def __init__(self, connectors: list[KVConnector], layout: KVLayout, offers_prefixes: bool = True) -> None:
+    def __init__(self, connectors: list[KVConnector], layout: KVLayout) -> None:
         self.connectors = connectors
         self.layout = layout
-        self.offers_prefixes = offers_prefixes  # False: no request starts on KV from outside
 
     def member(self, kind: type[C]) -> C | None:
         """The connector of that class, if this engine has one."""
@@ -32,8 +31,6 @@ class MultiConnector(KVConnector):
 
     def external_prefix(self, request: Request, num_local_tokens: int) -> RemoteKV | None:
         best: RemoteKV | None = None
-        if not self.offers_prefixes:
-            return None
         for connector in self.connectors:
             offer = connector.external_prefix(request, num_local_tokens)
             if offer is None:
@@ -67,6 +64,13 @@ class MultiConnector(KVConnector):
         for connector in self.connectors:
             if connector.wants_filled_blocks:
                 connector.blocks_filled(blocks)
+
+    def snapshots_kept(self, snapshots: list[KeptSnapshot]) -> None:
+        """To the one connector that saves (the KV cache holds them only for a saver)."""
+        savers = [connector for connector in self.connectors if connector.wants_filled_blocks]
+        assert len(savers) == 1 or not snapshots, "one saving connector takes the held snapshots"
+        if snapshots:
+            savers[0].snapshots_kept(snapshots)
 
     def between_steps(self, wait: bool = False) -> bool:
         pending = [connector.between_steps(wait) for connector in self.connectors]

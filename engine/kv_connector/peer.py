@@ -4,12 +4,15 @@
   gateway named that replica (engine/server/kv_peers.py), is loaded if it still covers more
   than the local prefix cache when the request starts.
 - Serving side: this replica's cached blocks of a prefix, held (one reference each) while
-  a peer's pull copies them, so no step evicts or rewrites them meanwhile.
+  a peer's pull copies them, so no step evicts or rewrites them meanwhile. A model with
+  state layers serves a prefix only as far as it keeps the state after it (a snapshot,
+  held the same way).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pagefleet.engine.core.kv_cache_manager import KVCacheManager
 from pagefleet.engine.core.kv_groups import needed_blocks
@@ -17,7 +20,20 @@ from pagefleet.engine.core.request import Request
 from pagefleet.engine.kv_connector.base import KVConnector
 from pagefleet.engine.kv_connector.worker import KVCaches
 from pagefleet.engine.kv_tiers.file_store import FileStore
-from pagefleet.engine.kv_transfer.params import RemoteKV
+from pagefleet.engine.kv_transfer.params import RemoteKV, StateRows
+
+
+@dataclass(slots=True)
+class HeldPrefix:
+    """A cached prefix held for a peer's copy: its block count, per group the blocks it
+    needs (a reference each) and, for a model with state layers, its snapshot row (held)."""
+
+    num_blocks: int
+    block_ids: list[list[int]]
+    state_row: int | None = None
+
+
+NOTHING_HELD = HeldPrefix(0, [])
 
 
 class PeerConnector(KVConnector):
@@ -32,10 +48,12 @@ class PeerConnector(KVConnector):
         kv_cache: KVCacheManager,
         read_blocks: Callable[[list[list[int]]], KVCaches],
         store: FileStore | None = None,
+        read_state: Callable[[int], StateRows] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.pool = kv_cache.pool
         self.read_blocks = read_blocks
+        self.read_state = read_state
         self.block_size = kv_cache.block_size
         self.store = store
         self._pulled: dict[str, RemoteKV] = {}  # each request's pulled prefix, until loaded
@@ -61,23 +79,30 @@ class PeerConnector(KVConnector):
 
     # --- serving side -----------------------------------------------------------------------
 
-    def hold_prefix(self, hashes: list[int], token_ids: list[int]) -> tuple[int, list[list[int]]]:
-        """The longest prefix of `hashes` the prefix cache serves in every group: its block
-        count and per group the cached blocks it needs (`needed_blocks`), each with a
-        reference taken (`release` drops them once copied); (0, []) if none."""
+    def hold_prefix(self, hashes: list[int], token_ids: list[int]) -> HeldPrefix:
+        """The longest prefix of `hashes` the prefix cache serves in every group (and whose
+        state it keeps, for a model with state layers), held until `release`."""
         num_blocks, tables = self.kv_cache.longest_cached_prefix(hashes, token_ids)
+        if num_blocks == 0:
+            return NOTHING_HELD
         ranges = needed_blocks(self.kv_cache.groups, num_blocks * self.block_size, self.block_size)
-        held: list[list[int]] = []
+        held = HeldPrefix(num_blocks, [])
+        if self.kv_cache.states is not None:
+            held.state_row = self.kv_cache.hold_snapshot(hashes[num_blocks - 1])
+            if held.state_row is None:
+                return NOTHING_HELD
         for group, (table, blocks) in enumerate(zip(tables, ranges, strict=True)):
-            held.append([])
+            held.block_ids.append([])
             for block_id, index in zip(table, blocks, strict=True):
                 if not self.pool.try_hold(block_id, hashes[index], group):
                     self.release(held)
-                    return 0, []
-                held[-1].append(block_id)
-        return num_blocks, held
+                    return NOTHING_HELD
+                held.block_ids[-1].append(block_id)
+        return held
 
-    def release(self, block_ids: list[list[int]]) -> None:
-        """Drop the references `hold_prefix` took."""
-        for blocks in block_ids:
+    def release(self, held: HeldPrefix) -> None:
+        """Drop the references and the hold `hold_prefix` took."""
+        for blocks in held.block_ids:
             self.pool.free(blocks[::-1])
+        if held.state_row is not None:
+            self.kv_cache.release_snapshot(held.state_row)

@@ -24,11 +24,20 @@ class PinnedPrompt:
     token_ids: list[int]  # the prompt whose KV the blocks hold
     deadline: float  # monotonic time after which the blocks are freed unpulled
     reading: bool = False  # a pull is copying the blocks now: they must not be freed under it
+    state_row: int | None = None  # a model with state layers: the held snapshot after the blocks
 
 
 class PinnedPrompts:
-    def __init__(self, free_blocks: Callable[[list[int]], None], timeout: float) -> None:
+    """`free_blocks` drops a reference from blocks; `release_state` a hold on a snapshot row."""
+
+    def __init__(
+        self,
+        free_blocks: Callable[[list[int]], None],
+        timeout: float,
+        release_state: Callable[[int], None] | None = None,
+    ) -> None:
         self._free_blocks = free_blocks
+        self._release_state = release_state
         self.timeout = timeout
         self._pinned: dict[str, PinnedPrompt] = {}
         self.num_timeouts = 0  # prompts freed because no decode replica pulled them in time
@@ -40,9 +49,13 @@ class PinnedPrompts:
     def __len__(self) -> int:
         return len(self._pinned)
 
-    def pin(self, request_id: str, block_ids: list[list[int]], token_ids: list[int]) -> None:
-        """Keep `block_ids` (the caller has taken a reference on each) for a pull."""
-        self._pinned[request_id] = PinnedPrompt(request_id, block_ids, token_ids, time.monotonic() + self.timeout)
+    def pin(
+        self, request_id: str, block_ids: list[list[int]], token_ids: list[int], state_row: int | None = None
+    ) -> None:
+        """Keep `block_ids` (the caller has taken a reference on each), and the snapshot row
+        it holds, for a pull."""
+        deadline = time.monotonic() + self.timeout
+        self._pinned[request_id] = PinnedPrompt(request_id, block_ids, token_ids, deadline, state_row=state_row)
 
     def checkout(self, request_id: str) -> PinnedPrompt | None:
         """The pinned prompt, marked as being read (expiry leaves it alone until `release`
@@ -66,6 +79,8 @@ class PinnedPrompts:
             return False
         for blocks in pinned.block_ids:
             self._free_blocks(blocks[::-1])
+        if pinned.state_row is not None and self._release_state is not None:
+            self._release_state(pinned.state_row)
         return True
 
     def expire(self, now: float | None = None) -> int:

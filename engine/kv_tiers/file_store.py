@@ -13,6 +13,12 @@ does) and a CRC-32 of the payload. A file is written under a temporary name and 
 so a reader never sees half of one; a file that is torn anyway, of another layout, of
 other tokens or whose checksum fails is a miss, never used.
 
+A model with state layers also stores, by the hash of the block it follows, the state a
+sequence has after that block (a snapshot: each state layer's convolution window in the
+cache's dtype, then its recurrent state in float32), in a file of the same format named
+`<hash>-state.kv` with the block's tokens in its header; a prefix is stored as far as its
+blocks are and the state after its last block is.
+
 Each layout has its own sub-directory (`layout_folder`). Size: it is kept under
 `max_bytes` by whichever writer finds it over: the files least recently used (a hit
 refreshes a file's time) go first. Several processes may write and evict at once; a file
@@ -35,13 +41,14 @@ from pathlib import Path
 import torch
 
 from pagefleet.engine.core.kv_groups import group_layers, longest_prefix
-from pagefleet.engine.kv_transfer.params import KVLayout
+from pagefleet.engine.kv_transfer.params import KVLayout, StateRows
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PFKV"
 FORMAT = 1
 SUFFIX = ".kv"
+STATE = -1  # the "group" of a state snapshot's file
 _HEADER_LENGTH = struct.Struct("<I")
 
 
@@ -85,15 +92,20 @@ class FileStore:
         ]
         element = torch.empty(0, dtype=self._dtype).element_size()
         self._block_bytes = [2 * element * sum(math.prod(shape) for shape in shapes) for shapes in self._shapes]
+        self._state_shapes = [shape for _ in range(layout.num_state_layers) for shape in layout.state_shapes]
+        self._state_dtypes = [self._dtype, torch.float32] * layout.num_state_layers
+        state_parts = zip(self._state_shapes, self._state_dtypes, strict=True)
+        self._state_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in state_parts)
         self._size_estimate: int | None = None  # of the whole directory, refreshed by scans
 
     def block_bytes(self, group: int = 0) -> int:
-        """The payload of one block file of `group` (its layers' keys and values)."""
-        return self._block_bytes[group]
+        """The payload of one block file of `group` (its layers' keys and values), or of a
+        state snapshot's file (`STATE`)."""
+        return self._state_bytes if group == STATE else self._block_bytes[group]
 
     def path(self, block_hash: int, group: int = 0) -> Path:
-        name = f"{block_hash:016x}" if group == 0 else f"{block_hash:016x}-g{group}"
-        return self.directory / f"{name}{SUFFIX}"
+        suffix = {0: "", STATE: "-state"}.get(group, f"-g{group}")
+        return self.directory / f"{block_hash:016x}{suffix}{SUFFIX}"
 
     def contains(self, block_hash: int, group: int = 0) -> bool:
         return self.path(block_hash, group).exists()
@@ -108,7 +120,11 @@ class FileStore:
                 present[group, index] = self.contains(hashes[index], group)
             return present[group, index]
 
-        return longest_prefix(self.groups, len(hashes), self.layout.block_size, has)
+        num_blocks = longest_prefix(self.groups, len(hashes), self.layout.block_size, has)
+        if self.layout.has_state:  # and the state after its last block
+            while num_blocks and not self.contains(hashes[num_blocks - 1], STATE):
+                num_blocks -= 1
+        return num_blocks
 
     # --- writing --------------------------------------------------------------------------
 
@@ -122,14 +138,18 @@ class FileStore:
     ) -> int:
         """Store one block of `group` (its layers' keys and values; a no-op if its file
         exists); the bytes written."""
+        tensors = [tensor for pair in zip(keys, values, strict=True) for tensor in pair]
+        return self._write(block_hash, token_ids, tensors, group)
+
+    def write_state(self, block_hash: int, token_ids: tuple[int, ...], state: StateRows) -> int:
+        """Store the state after the block of `block_hash` (whose tokens are `token_ids`)."""
+        return self._write(block_hash, token_ids, [tensor for pair in state for tensor in pair], STATE)
+
+    def _write(self, block_hash: int, token_ids: tuple[int, ...], tensors: list[torch.Tensor], group: int) -> int:
         target = self.path(block_hash, group)
         if target.exists():
             return 0
-        payload = b"".join(
-            tensor.contiguous().view(torch.uint8).numpy().tobytes()
-            for pair in zip(keys, values, strict=True)
-            for tensor in pair
-        )
+        payload = b"".join(tensor.contiguous().view(torch.uint8).numpy().tobytes() for tensor in tensors)
         header = json.dumps(
             {
                 "format": FORMAT,
@@ -197,6 +217,30 @@ class FileStore:
             UnusableBlockError: the file is torn, corrupted, of another layout or of other
                 tokens (it is removed, so that a writer may store a sound copy).
         """
+        read = self._read(block_hash, token_ids, group)
+        if read is None:
+            return None
+        payload, num_bytes = read
+        flat = torch.frombuffer(payload, dtype=self._dtype)
+        shapes = [shape for shape in self._shapes[group] for _ in ("key", "value")]
+        pieces = flat.split([math.prod(shape) for shape in shapes])
+        tensors = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
+        return StoredBlock(list(tensors[0::2]), list(tensors[1::2]), num_bytes)
+
+    def read_state(self, block_hash: int, token_ids: tuple[int, ...]) -> StateRows | None:
+        """The state after the block of `block_hash`, or None if absent (raises as `read`)."""
+        read = self._read(block_hash, token_ids, STATE)
+        if read is None:
+            return None
+        payload, offset, tensors = read[0], 0, []
+        for shape, dtype in zip(self._state_shapes, self._state_dtypes, strict=True):
+            size = math.prod(shape) * dtype.itemsize
+            tensors.append(torch.frombuffer(payload[offset : offset + size], dtype=dtype).view(shape))
+            offset += size
+        return list(zip(tensors[0::2], tensors[1::2], strict=True))
+
+    def _read(self, block_hash: int, token_ids: tuple[int, ...], group: int) -> tuple[bytearray, int] | None:
+        """A file's checked payload and its size on disk, or None if it is absent."""
         path = self.path(block_hash, group)
         try:
             data = path.read_bytes()
@@ -207,16 +251,12 @@ class FileStore:
             logger.warning("kv file tier: %s is not used, and removed: %s", path.name, problem)
             path.unlink(missing_ok=True)
             raise UnusableBlockError(problem)
-        flat = torch.frombuffer(bytearray(memoryview(data)[problem:]), dtype=self._dtype)
-        shapes = [shape for shape in self._shapes[group] for _ in ("key", "value")]
-        pieces = flat.split([math.prod(shape) for shape in shapes])
-        tensors = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
         try:
             now = time.time()
             os.utime(path, (now, now))  # recently used: evicted last
         except FileNotFoundError:
             pass
-        return StoredBlock(list(tensors[0::2]), list(tensors[1::2]), len(data))
+        return bytearray(memoryview(data)[problem:]), len(data)
 
     def _check(self, data: bytes, block_hash: int, token_ids: tuple[int, ...], group: int) -> int | str:
         """The payload's offset, or why the file cannot be used."""

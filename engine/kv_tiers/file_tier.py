@@ -17,6 +17,11 @@ fresh blocks like a pulled prompt.
 KV cache groups: every group's full blocks are written, each to its own file; a prefix is
 stored as far as every group has the blocks it needs (a sliding group, only the last
 window's before the prefix end), and only those are read.
+
+State layers: the snapshots of state the engine keeps at a prompt's block boundaries are
+offered once their copy has run (`offer_snapshots`), held while the writer copies them, and
+written by the hash of the block they follow; a prefix is read only as far as the state
+after its last block is stored, and comes with that state.
 """
 
 from __future__ import annotations
@@ -28,15 +33,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from pagefleet.engine.core.block_pool import BlockPool
-from pagefleet.engine.core.kv_cache_manager import FullBlock
+from pagefleet.engine.core.kv_cache_manager import FullBlock, KeptSnapshot
 from pagefleet.engine.core.kv_groups import group_layers, needed_blocks
-from pagefleet.engine.kv_tiers.file_store import FileStore, StoredBlock, UnusableBlockError
+from pagefleet.engine.kv_tiers.file_store import STATE, FileStore, StoredBlock, UnusableBlockError
 from pagefleet.engine.kv_transfer.cost import TierCost
-from pagefleet.engine.kv_transfer.params import RemoteKV
+from pagefleet.engine.kv_transfer.params import RemoteKV, StateRows
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +70,36 @@ class TierStats:
 
 @dataclass(slots=True)
 class _Pending:
-    blocks: queue.SimpleQueue[list[FullBlock] | None] = field(default_factory=queue.SimpleQueue)
+    blocks: queue.SimpleQueue[list[FullBlock] | list[KeptSnapshot] | None] = field(default_factory=queue.SimpleQueue)
     written: collections.deque[list[int]] = field(default_factory=collections.deque)
-    queued: int = 0  # blocks offered and not yet released (engine thread only)
+    written_states: collections.deque[int] = field(default_factory=collections.deque)  # snapshot rows
+    queued: int = 0  # blocks and snapshots offered and not yet released (engine thread only)
+
+
+@dataclass(slots=True)
+class StateAccess:
+    """A model with state layers: the worker side's copy of a held snapshot row (any
+    thread), and the KV cache's release of the hold (engine thread)."""
+
+    read: Callable[[int], StateRows]
+    release: Callable[[int], None]
 
 
 class FileTier:
     """One engine's side of the file tier: its writer thread and its reads (module docstring)."""
 
-    def __init__(self, store: FileStore, pool: BlockPool, read_blocks: ReadBlocks, cost: TierCost) -> None:
+    def __init__(
+        self,
+        store: FileStore,
+        pool: BlockPool,
+        read_blocks: ReadBlocks,
+        cost: TierCost,
+        state: StateAccess | None = None,
+    ) -> None:
         self.store = store
         self.pool = pool
         self.read_blocks = read_blocks
+        self.state = state
         self.cost = cost
         self.stats = TierStats()
         self._lock = threading.Lock()
@@ -104,13 +128,30 @@ class FileTier:
             self._pending.queued += len(held)
             self._pending.blocks.put(held)
 
+    def offer_snapshots(self, snapshots: list[KeptSnapshot]) -> None:
+        """Queue state snapshots (each held by the KV cache for this) for writing; those
+        stored already, or past the queue's room, are released at once."""
+        assert self.state is not None, "a model with state layers"
+        room = MAX_QUEUED_BLOCKS - self._pending.queued
+        fresh = [kept for kept in snapshots if not self.store.contains(kept.block_hash, STATE)][: max(room, 0)]
+        for kept in snapshots:
+            if kept not in fresh:
+                self.state.release(kept.row)
+        if fresh:
+            self._pending.queued += len(fresh)
+            self._pending.blocks.put(fresh)
+
     def release_written(self) -> None:
-        """Drop the references of blocks the writer is done with (before a step)."""
-        written = self._pending.written
+        """Drop the references of blocks (and holds of snapshots) the writer is done with
+        (before a step)."""
+        written, rows = self._pending.written, self._pending.written_states
         while written:
             block_ids = written.popleft()
             self._pending.queued -= len(block_ids)
             self.pool.free(block_ids[::-1])
+        while rows:
+            self._pending.queued -= 1
+            self.state.release(rows.popleft())  # type: ignore[union-attr]
 
     @property
     def has_pending_writes(self) -> bool:
@@ -130,22 +171,46 @@ class FileTier:
         self.release_written()
 
     def _write_loop(self) -> None:
-        while (blocks := self._pending.blocks.get()) is not None:
-            block_ids = [block.block_id for block in blocks]
-            groups = self.store.groups
-            by_group = [[block for block in blocks if block.group == g] for g in range(groups.num_groups)]
+        while (item := self._pending.blocks.get()) is not None:
+            if isinstance(item[0], KeptSnapshot):
+                self._write_snapshots(cast(list[KeptSnapshot], item))
+            else:
+                self._write_blocks(cast(list[FullBlock], item))
+
+    def _write_blocks(self, blocks: list[FullBlock]) -> None:
+        block_ids = [block.block_id for block in blocks]
+        groups = self.store.groups
+        by_group = [[block for block in blocks if block.group == g] for g in range(groups.num_groups)]
+        try:
+            # Copies (the references keep the blocks intact), each layer of its group's blocks.
+            layers = self.read_blocks([[block.block_id for block in group] for group in by_group])
+        except Exception:  # a task boundary: a failed copy loses these blocks, not the engine
+            logger.exception("kv file tier: could not copy %d blocks out", len(blocks))
+            self._pending.written.append(block_ids)
+            return
+        self._pending.written.append(block_ids)  # copied: the engine may free them
+        for group, group_blocks in enumerate(by_group):
+            own = [layers[layer] for layer in group_layers(groups, group)]
+            for index, block in enumerate(group_blocks):
+                self._write(block, [keys[index] for keys, _ in own], [values[index] for _, values in own])
+
+    def _write_snapshots(self, snapshots: list[KeptSnapshot]) -> None:
+        assert self.state is not None, "offer_snapshots checked"
+        for kept in snapshots:
             try:
-                # Copies (the references keep the blocks intact), each layer of its group's blocks.
-                layers = self.read_blocks([[block.block_id for block in group] for group in by_group])
-            except Exception:  # a task boundary: a failed copy loses these blocks, not the engine
-                logger.exception("kv file tier: could not copy %d blocks out", len(blocks))
-                self._pending.written.append(block_ids)
+                state = self.state.read(kept.row)  # held: no step rewrites the row
+            except Exception:  # a task boundary: a failed copy loses this snapshot, not the engine
+                logger.exception("kv file tier: could not copy a state snapshot out")
+                self._pending.written_states.append(kept.row)
                 continue
-            self._pending.written.append(block_ids)  # copied: the engine may free them
-            for group, group_blocks in enumerate(by_group):
-                own = [layers[layer] for layer in group_layers(groups, group)]
-                for index, block in enumerate(group_blocks):
-                    self._write(block, [keys[index] for keys, _ in own], [values[index] for _, values in own])
+            self._pending.written_states.append(kept.row)
+            try:
+                written = self.store.write_state(kept.block_hash, kept.token_ids, state)
+            except OSError as error:
+                logger.warning("kv file tier: writing a state snapshot failed: %s", error)
+                continue
+            with self._lock:
+                self.stats.written_bytes += written
 
     def _write(self, block: FullBlock, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         try:
@@ -179,8 +244,12 @@ class FileTier:
         started = time.perf_counter()
         read: dict[tuple[int, int], StoredBlock] = {}
         num_blocks = stored
+        state: StateRows | None = None
         while num_blocks > local:
             missing = self._read_needed(hashes, token_ids, num_blocks, read)
+            if missing is None and self.state is not None:
+                state = self._read_state(hashes, token_ids, num_blocks)
+                missing = None if state is not None else num_blocks - 1
             if missing is None:
                 break
             num_blocks = self.store.longest_prefix(hashes[:missing])
@@ -189,6 +258,7 @@ class FileTier:
         if num_blocks <= local:
             return None
         remote = self._assemble(num_blocks, read)
+        remote.state = state
         with self._lock:
             self.stats.hits += 1
             self.stats.hit_tokens += (num_blocks - local) * size
@@ -221,6 +291,17 @@ class FileTier:
                     return index
                 read[group, index] = block
         return None
+
+    def _read_state(self, hashes: list[int], token_ids: list[int], num_blocks: int) -> StateRows | None:
+        """The stored state after the prefix's last block; None if it is gone or unusable."""
+        size = self.block_size
+        tokens = tuple(token_ids[(num_blocks - 1) * size : num_blocks * size])
+        try:
+            return self.store.read_state(hashes[num_blocks - 1], tokens)
+        except UnusableBlockError:
+            with self._lock:
+                self.stats.bad_files += 1
+            return None
 
     def _assemble(self, num_blocks: int, read: dict[tuple[int, int], StoredBlock]) -> RemoteKV:
         """The read blocks as a prefix's KV: each layer's rows, its group's needed blocks."""

@@ -15,6 +15,9 @@ from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.protocol.kv_transfer import FIELD, KVTransferParams, KVTransferParamsError
 
 ROLES = ("prefill", "decode", "both")
+# A model with state layers: per state layer, one sequence's (convolution window [C, K - 1]
+# in the cache's dtype, recurrent state float32) after exactly a prefix's tokens.
+StateRows = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class KVTransferError(RuntimeError):
@@ -41,6 +44,10 @@ class KVLayout:
     # Per layer, (KV heads, head dim) where layers differ (Gemma 4); () when every layer's
     # are (num_kv_heads, head_dim). The layers are the cache layers (ModelConfig.cache_layers).
     layer_shapes: tuple[tuple[int, int], ...] = ()
+    # A model with state layers (engine/worker/state_cache.py): how many, and one layer's
+    # (convolution window, recurrent state) shape. A prefix moves with the state after it.
+    num_state_layers: int = 0
+    state_shapes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # JSON gives lists: compare as tuples; spell one group of every layer one way.
@@ -50,6 +57,11 @@ class KVLayout:
         shapes = tuple((int(heads), int(dim)) for heads, dim in self.layer_shapes)
         uniform = all(shape == (self.num_kv_heads, self.head_dim) for shape in shapes)
         object.__setattr__(self, "layer_shapes", () if uniform else shapes)
+        object.__setattr__(self, "state_shapes", tuple(tuple(int(d) for d in shape) for shape in self.state_shapes))
+
+    @property
+    def has_state(self) -> bool:
+        return self.num_state_layers > 0
 
     def layer_shape(self, layer: int) -> tuple[int, int]:
         """(KV heads, head dim) of `layer`'s keys and values."""
@@ -82,11 +94,13 @@ class KVLayout:
             del value["group_windows"], value["layer_groups"]
         if not value["layer_shapes"]:
             del value["layer_shapes"]
+        if not value["num_state_layers"]:
+            del value["num_state_layers"], value["state_shapes"]
         return value
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> KVLayout:
-        optional = {"group_windows", "layer_groups", "layer_shapes"}
+        optional = {"group_windows", "layer_groups", "layer_shapes", "num_state_layers", "state_shapes"}
         try:
             return cls(**{name: value[name] for name in cls.__slots__ if name in value or name not in optional})  # type: ignore[attr-defined]
         except (KeyError, TypeError) as error:
@@ -103,13 +117,16 @@ class RemoteKV:
     the last window's first block for a sliding-window group's layer).
     `origin`: "prefill" (pulled from a prefill replica), "file" (the file tier's full
     blocks) or "peer" (another replica's cached blocks); the last two are counted as cached
-    tokens, and dropped if the local prefix cache has as many when the request starts."""
+    tokens, and dropped if the local prefix cache has as many when the request starts.
+    `state`: a model with state layers' state after exactly those tokens (then a whole
+    number of blocks: its snapshots are kept at block boundaries)."""
 
     num_tokens: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     origin: str = "prefill"
     first_blocks: tuple[int, ...] = ()  # per layer; () when every layer starts at block 0
+    state: StateRows | None = None
 
     def first_block(self, layer: int) -> int:
         return self.first_blocks[layer] if self.first_blocks else 0
@@ -120,7 +137,8 @@ class RemoteKV:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        state = [tensor for pair in self.state or [] for tensor in pair]
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values + state)
 
 
 @dataclass(slots=True)

@@ -44,8 +44,11 @@ class KVTransport(Protocol):
         ...
 
 
-def tokens_to_pull(num_prompt_tokens: int) -> int:
-    return num_prompt_tokens - 1
+def tokens_to_pull(num_prompt_tokens: int, state_block_size: int = 0) -> int:
+    """All but the last prompt token; for a model with state layers (`state_block_size`: its
+    block size), the prompt's last block boundary before that token, where its state is kept."""
+    last = num_prompt_tokens - 1
+    return last // state_block_size * state_block_size if state_block_size else last
 
 
 class HTTPTransport:
@@ -64,7 +67,7 @@ class HTTPTransport:
         return prefill_answer(request_id, block_ids, self.engine_id, self.host, self.port)
 
     async def pull(self, remote: RemotePrefill, layout: KVLayout, token_ids: list[int]) -> RemoteKV:
-        num_tokens = tokens_to_pull(len(token_ids))
+        num_tokens = tokens_to_pull(len(token_ids), layout.block_size if layout.has_state else 0)
         needed = [len(blocks) for blocks in needed_blocks(layout.kv_groups, num_tokens, layout.block_size)]
         held = remote.group_block_ids
         if len(held) != len(needed) or any(len(ids) < n for ids, n in zip(held, needed, strict=False)):
@@ -151,11 +154,15 @@ def assemble(
         raise KVTransferError(f"{source} computed a different prompt")
     keys: list[Any] = [None] * layout.num_layers
     values: list[Any] = [None] * layout.num_layers
+    state: list[list[Any]] = [[None, None] for _ in range(layout.num_state_layers)]
     num_blocks = math.ceil(len(token_ids) / layout.block_size)
     first_blocks = layout.first_blocks(len(token_ids))
     for header, payload in frames[1:-1]:
         tensor = wire.tensor_from(header, payload)
         layer = int(header["layer"])
+        if header["kind"] in wire.STATE_KINDS:
+            _place_state(state, layout, header["kind"], layer, tensor, source)
+            continue
         if not 0 <= layer < layout.num_layers:
             raise KVTransferError(f"{source} sent layer {layer}")
         expected_shape = [num_blocks - first_blocks[layer], layout.block_size, *layout.layer_shape(layer)]
@@ -163,6 +170,18 @@ def assemble(
             raise KVTransferError(f"{source} sent a tensor of shape {list(tensor.shape)} for layer {layer}")
         target = keys if header["kind"] == "key" else values
         target[layer] = tensor
-    if any(t is None for t in keys + values):
+    if any(t is None for t in keys + values) or any(t is None for pair in state for t in pair):
         raise KVTransferError(f"the KV stream from {source} missed layers")
-    return RemoteKV(len(token_ids), keys, values, first_blocks=first_blocks)
+    rows = [(conv, recurrent) for conv, recurrent in state] if layout.has_state else None
+    return RemoteKV(len(token_ids), keys, values, first_blocks=first_blocks, state=rows)
+
+
+def _place_state(state: list[list[Any]], layout: KVLayout, kind: str, layer: int, tensor: Any, source: str) -> None:
+    """A state frame (wire.py) into `state[layer]`, checked against the layout's shapes."""
+    which = wire.STATE_KINDS.index(kind)
+    dtype = layout.dtype if which == 0 else "float32"
+    if not 0 <= layer < layout.num_state_layers:
+        raise KVTransferError(f"{source} sent state layer {layer}")
+    if tuple(tensor.shape) != layout.state_shapes[which] or wire.DTYPE_NAMES[tensor.dtype] != dtype:
+        raise KVTransferError(f"{source} sent a {kind} state of shape {list(tensor.shape)} for layer {layer}")
+    state[layer][which] = tensor

@@ -6,6 +6,8 @@
             | {"kind": "key" | "value", "layer": i, "dtype": "float32",
                "shape": [b, block_size, kv_heads, head_dim], "nbytes": N}
                                       (b: the blocks layer i's KV cache group needs)
+            | {"kind": "conv" | "recurrent", "layer": j, ...}   (a model with state layers:
+                                      state layer j's state after the tokens, one of each)
             | {"kind": "end"}                            (last frame, no payload)
 
 No pickle: a payload is the tensor's own bytes, read back with `torch.frombuffer`.
@@ -23,6 +25,7 @@ MAGIC = b"PFKV"
 _PREFIX = struct.Struct(">4sI")
 MAX_HEADER_BYTES = 1 << 24
 
+STATE_KINDS = ("conv", "recurrent")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
@@ -44,6 +47,17 @@ def tensor_frame(kind: str, layer: int, tensor: torch.Tensor) -> bytes:
         "nbytes": len(payload),
     }
     return frame(header, payload)
+
+
+def kv_frames(layers: list[tuple[torch.Tensor, torch.Tensor]], state: list[Any] | None = None) -> list[bytes]:
+    """A prefix's tensors as frames: every layer's keys and values, then, for a model with
+    state layers, each one's (conv, recurrent) state."""
+    frames = []
+    for layer, (keys, values) in enumerate(layers):
+        frames += [tensor_frame("key", layer, keys), tensor_frame("value", layer, values)]
+    for layer, pair in enumerate(state or []):
+        frames += [tensor_frame(kind, layer, tensor) for kind, tensor in zip(STATE_KINDS, pair, strict=True)]
+    return frames
 
 
 class FrameReader:

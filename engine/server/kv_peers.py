@@ -168,15 +168,12 @@ def add_peer_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> Non
         if len(body.token_ids) != len(hashes) * ours.block_size:
             return error_json(400, "token_ids must be the hashed blocks' tokens")
         started = time.monotonic()
-        num_blocks, blocks = await engine.read_cached_prefix(hashes, body.token_ids)
+        num_blocks, blocks, state = await engine.read_cached_prefix(hashes, body.token_ids)
         if num_blocks < body.min_blocks:
             return error_json(404, f"this replica caches {num_blocks} blocks of that prefix")
         tokens = body.token_ids[: num_blocks * ours.block_size]
         hello = {"kind": "hello", "layout": ours.as_dict(), "token_ids": tokens, "num_blocks": num_blocks}
-        frames = [wire.frame(hello)]
-        for layer, (keys, values) in enumerate(blocks):
-            frames += [wire.tensor_frame("key", layer, keys), wire.tensor_frame("value", layer, values)]
-        frames.append(wire.frame({"kind": "end"}))
+        frames = [wire.frame(hello), *wire.kv_frames(blocks, state), wire.frame({"kind": "end"})]
         transfers.metrics.kv_transferred(
             "peer_sent", num_blocks, sum(len(f) for f in frames), time.monotonic() - started
         )

@@ -125,11 +125,12 @@ def add_kv_routes(app: FastAPI, transfers: KVTransfers, engine_of: Any) -> None:
         if refusal is not None:
             return refusal
         try:
-            token_ids, blocks = await engine.read_pinned(body.request_id, body.group_block_ids)
+            token_ids, blocks, state = await engine.read_pinned(body.request_id, body.group_block_ids)
         except KVTransferError as error:
             return error_json(404, str(error))
+        frames = wire.kv_frames(blocks, state)
         return StreamingResponse(
-            _send(engine, transfers.metrics, body, ours, token_ids, blocks), media_type="application/octet-stream"
+            _send(engine, transfers.metrics, body, ours, token_ids, frames), media_type="application/octet-stream"
         )
 
 
@@ -139,18 +140,16 @@ async def _send(
     body: PullRequest,
     layout: KVLayout,
     token_ids: list[int],
-    blocks: list[Any],
+    frames: list[bytes],
 ) -> AsyncIterator[bytes]:
     started, sent = time.monotonic(), 0
     done = False
     try:
         hello = {"kind": "hello", "layout": layout.as_dict(), "token_ids": token_ids, "num_blocks": body.num_blocks}
         yield wire.frame(hello)
-        for layer, (keys, values) in enumerate(blocks):
-            for kind, tensor in (("key", keys), ("value", values)):
-                data = wire.tensor_frame(kind, layer, tensor)
-                sent += len(data)
-                yield data
+        for data in frames:
+            sent += len(data)
+            yield data
         yield wire.frame({"kind": "end"})
         done = True
     finally:

@@ -52,6 +52,10 @@ class EngineCollector(Collector):
         yield gauge("num_free_blocks", "KV blocks free now.", stats.num_free_blocks)
         yield gauge("num_total_blocks", "KV blocks in the cache.", stats.num_total_blocks)
         yield gauge("num_cached_blocks", "KV blocks holding a reusable prefix.", stats.num_cached_blocks)
+        if stats.num_state_slots:  # a model with state layers
+            yield gauge("num_state_slots", "State-cache slots (one per running sequence).", stats.num_state_slots)
+            yield gauge("num_free_state_slots", "State-cache slots free now.", stats.num_free_state_slots)
+            yield gauge("num_state_snapshots", "State snapshots kept for prefix caching.", stats.num_state_snapshots)
         yield gauge("num_shared_blocks", "KV blocks referenced by several sequences.", stats.num_shared_blocks)
         yield gauge(
             "num_blocks_saved_by_sharing", "Block copies that sharing avoids now.", stats.num_blocks_saved_by_sharing

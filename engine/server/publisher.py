@@ -77,6 +77,8 @@ class CapacityPublisher:
             waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
             prefill_tokens_per_s=round(stats.prefill_tokens_per_s, 1),
             adapters=sorted(self.adapters()),
+            free_state_slots=stats.num_free_state_slots if stats.num_state_slots else None,
+            total_state_slots=stats.num_state_slots or None,
         )
 
     async def run(self) -> None:

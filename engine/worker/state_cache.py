@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.engine.core.state_slots import StateCopy
+from pagefleet.engine.core.state_slots import StateCopy, StateLoad
+from pagefleet.engine.kv_transfer.params import StateRows
 from pagefleet.engine.models.config import ModelConfig
 from pagefleet.engine.worker.step_input import ChunkInput
 
@@ -75,3 +76,15 @@ class StateCache:
             for row, target in copies:  # in order: a later copy may read what an earlier wrote
                 conv[target] = source_conv[row].to(conv.device)
                 recurrent[target] = source_recurrent[row].to(recurrent.device)
+
+    def read_row(self, row: int) -> StateRows:
+        """Host copies of one row of every state layer (a snapshot a connector moves out;
+        any thread, for a row held so that no step rewrites it)."""
+        return [(conv[row].cpu().clone(), recurrent[row].cpu().clone()) for conv, recurrent in self.layers.values()]
+
+    def load(self, loads: list[StateLoad]) -> None:
+        """Write each load's state (from outside: a pull, the file tier) into its slot."""
+        for slot, rows in loads:
+            for (conv, recurrent), (conv_row, recurrent_row) in zip(self.layers.values(), rows, strict=True):
+                conv[slot] = conv_row.to(conv.device, conv.dtype)
+                recurrent[slot] = recurrent_row.to(recurrent.device, recurrent.dtype)

@@ -214,11 +214,12 @@ def test_a_peer_serves_each_group_s_blocks_of_a_prefix(
     for index, prompt in enumerate(prompts):
         full, hashes = reusable_prefix(prompt, BLOCK, chain_root())
         assert wanting.count_available(hashes, full) == 0 and peer.count_available(hashes, full) == len(hashes)
-        num_blocks, held = peer.hold_prefix(hashes, full)
-        assert num_blocks == len(hashes)
-        assert tuple(len(blocks) for blocks in held) == _blocks(num_blocks * BLOCK)
+        held = peer.hold_prefix(hashes, full)
+        num_blocks = held.num_blocks
+        assert num_blocks == len(hashes) and held.state_row is None
+        assert tuple(len(blocks) for blocks in held.block_ids) == _blocks(num_blocks * BLOCK)
         try:
-            layers = peer.read_blocks(held)
+            layers = peer.read_blocks(held.block_ids)
         finally:
             peer.release(held)
         tokens = full[: num_blocks * BLOCK]

@@ -1,7 +1,7 @@
 """Qwen3-Next and Qwen3.5 (dense and MoE): Gated DeltaNet layers whose per-request state
 lives in the state cache. Greedy output equals transformers' (float32) token for token
 however the engine schedules the work; every slot comes back; what the state cannot go
-through yet is refused by name."""
+through yet is refused by name (the KV connectors with state: test_kv_connector_state.py)."""
 
 from __future__ import annotations
 
@@ -139,23 +139,27 @@ def test_a_shared_prefix_resumes_from_its_state_snapshot(linear_models: dict[str
 @pytest.mark.parametrize(
     ("setting", "value"),
     [
-        ("kv_cache_dir", "/tmp/pagefleet-unused"),
-        ("kv_role", "producer"),
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
         ("tensor_parallel_size", 2),
         ("enable_lora", True),
+        # KV leaving the replica moves with the prefix cache's state snapshots.
+        ("kv_role", "prefill"),
+        ("kv_cache_dir", "/tmp/pagefleet-unused"),
     ],
 )
 def test_what_the_state_cannot_go_through_yet_is_refused(
     linear_models: dict[str, Path], setting: str, value: object
 ) -> None:
     with pytest.raises(InvalidParameterError, match=setting):
-        LLM(str(linear_models["qwen3_5"]), dtype="float32", **{setting: value})
+        LLM(str(linear_models["qwen3_5"]), dtype="float32", enable_prefix_caching=False, **{setting: value})
 
 
-def test_pagefleet_serve_answers_and_refuses_a_kv_transfer(linear_models: dict[str, Path], tmp_path: Path) -> None:
-    """Through the OpenAI API: streamed and whole greedy answers are transformers' tokens,
-    and a request asking to hand its KV to a decode replica is refused in the API's shape."""
+def test_pagefleet_serve_answers_and_moves_a_prompt_with_its_state(
+    linear_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Through the OpenAI API: streamed and whole greedy answers are transformers' tokens;
+    a prompt prefilled for a decode replica is pulled over HTTP with its state (this replica
+    serves both sides) and decodes to the same tokens."""
     import httpx
     import openai
 
@@ -174,15 +178,22 @@ def test_pagefleet_serve_answers_and_refuses_a_kv_transfer(linear_models: dict[s
         assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
         ids = client.completions.create(**body, extra_body={"ignore_eos": True, "return_token_ids": True})
         assert ids.choices[0].token_ids == expected
-        refused = httpx.post(
+        long_prompt = random_prompts([37], TINY_VOCAB, seed=10)[0]
+        request = {"model": server.model, "prompt": long_prompt, "temperature": 0.0, "ignore_eos": True}
+        prefilled = httpx.post(
             f"{server.url}/v1/completions",
-            json={
-                "model": server.model,
-                "prompt": "hi",
-                "max_tokens": 2,
-                "kv_transfer_params": {"do_remote_decode": True},
-            },
+            json={**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
         )
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "kv_transfer_params"
+        assert prefilled.status_code == 200, prefilled.text
+        params = prefilled.json()["kv_transfer_params"]
+        decoded = httpx.post(
+            f"{server.url}/v1/completions",
+            json={**request, "max_tokens": 6, "return_token_ids": True, "kv_transfer_params": params},
+        )
+        assert decoded.status_code == 200, decoded.text
+        assert decoded.json()["choices"][0]["token_ids"] == hf_greedy(model_dir, long_prompt, 6)[0]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'pagefleet:num_state_slots{model_name="' in metrics
+        assert 'pagefleet:num_free_state_slots{model_name="' in metrics
     finally:
         stop_server(server)

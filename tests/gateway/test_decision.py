@@ -146,3 +146,13 @@ def test_room_is_ranked_in_the_tokens_a_request_can_still_take() -> None:
     assert grouped_record.room_blocks == 180 and raw.replica.room_blocks == 120
     decision = decide([raw, Candidate(grouped_record)], PROMPT, saturation_s=1.0)
     assert decision.replica.replica_id == "b"
+
+
+def test_a_state_model_replica_without_a_free_state_slot_has_no_room() -> None:
+    """A model with state layers runs one sequence per state slot: a replica whose slots
+    are all taken queues a new request whatever its free blocks, so it ranks below one
+    with a slot to spare."""
+    full = _replica("a", free=180).model_copy(update={"free_state_slots": 0, "total_state_slots": 8})
+    spare = _replica("b", free=40).model_copy(update={"free_state_slots": 1, "total_state_slots": 8})
+    assert (full.room_blocks, spare.room_blocks) == (0, 40)
+    assert decide([Candidate(full), Candidate(spare)], PROMPT, saturation_s=1.0).replica.replica_id == "b"
