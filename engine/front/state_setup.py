@@ -1,6 +1,11 @@
 """The state cache's share of the memory budget, for a model with state layers (engine/
 worker/state_cache.py): one slot per sequence `max_num_seqs` lets run, taken from the KV
-budget before it becomes blocks, and what such a model cannot run with yet."""
+budget before it becomes blocks, and what such a model cannot run with yet.
+
+A real Qwen3.5's state is tens of MiB per sequence, so `max_num_seqs`' default of 256 slots
+(and as many prefix snapshots) would not fit a default budget: the slots are then lowered
+until the state cache takes at most half of it, with a warning, so that such a model serves
+at its defaults; the engine runs no more sequences at once than it has slots."""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from pagefleet.engine.worker.state_cache import state_bytes_per_slot
 
 logger = logging.getLogger(__name__)
 
+STATE_SHARE = 0.5  # of the KV budget, at most, when max_num_seqs' slots are lowered to fit
+
 
 def state_cache_budget(config: EngineConfig, model_config: ModelConfig, log: bool = True) -> tuple[int, int, int]:
     """(running slots, snapshot rows, bytes of both) of the state cache; zeros for a model
@@ -20,15 +27,30 @@ def state_cache_budget(config: EngineConfig, model_config: ModelConfig, log: boo
     if not model_config.state_layers:
         return 0, 0, 0
     check_state_model(config)
+    rows_per_slot = 2 if config.enable_prefix_caching else 1  # a slot and a snapshot row
+    row_bytes = state_bytes_per_slot(model_config, config.torch_dtype)
     num_slots = config.max_num_seqs
+    if not config.num_kv_blocks:
+        budget = config.kv_cache_bytes()
+        fitting = int(budget * STATE_SHARE) // (rows_per_slot * row_bytes)
+        if fitting < 1:
+            raise InvalidParameterError(
+                "kv_cache_memory",
+                f"one sequence's state takes {rows_per_slot * row_bytes / 2**20:.0f} MiB, more than half the "
+                f"KV budget of {budget / 2**20:.0f} MiB: raise kv_cache_memory",
+            )
+        if fitting < num_slots:
+            logger.warning(
+                "max_num_seqs lowered from %d to %d: the state cache of this model's %d state layers takes "
+                "%.1f MiB per sequence, and at most half the KV budget (raise kv_cache_memory for more)",
+                num_slots,
+                fitting,
+                len(model_config.state_layers),
+                rows_per_slot * row_bytes / 2**20,
+            )
+            num_slots = fitting
     num_snapshots = num_slots if config.enable_prefix_caching else 0
-    num_bytes = (num_slots + num_snapshots) * state_bytes_per_slot(model_config, config.torch_dtype)
-    if num_bytes >= config.kv_cache_bytes() and not config.num_kv_blocks:
-        raise InvalidParameterError(
-            "max_num_seqs",
-            f"the state cache's {num_slots} slots and {num_snapshots} prefix snapshots take "
-            f"{num_bytes / 2**20:.0f} MiB, the whole KV budget: lower max_num_seqs or raise kv_cache_memory",
-        )
+    num_bytes = (num_slots + num_snapshots) * row_bytes
     if log:
         logger.info(
             "state cache: %d slots and %d prefix snapshots for %d state layers (%.1f MiB)",

@@ -197,3 +197,24 @@ def test_pagefleet_serve_answers_and_moves_a_prompt_with_its_state(
         assert 'pagefleet:num_free_state_slots{model_name="' in metrics
     finally:
         stop_server(server)
+
+
+def test_max_num_seqs_is_lowered_to_the_state_slots_that_fit(linear_models: dict[str, Path]) -> None:
+    """At the defaults a large state (a real Qwen3.5's is tens of MiB a sequence) would not
+    fit 256 slots and their snapshots: the slots are lowered until the state cache takes at
+    most half the KV budget, and the engine runs no more sequences than it has slots."""
+    from pagefleet.engine.worker.state_cache import state_bytes_per_slot
+
+    llm = LLM(str(linear_models["qwen3_5"]), dtype="float32")
+    row = state_bytes_per_slot(llm.engine.parts.model_config, llm.engine.config.torch_dtype)
+    budget = 2 * 256 * row * 0.75  # three quarters of what 256 slots and snapshots take
+    small = LLM(str(linear_models["qwen3_5"]), dtype="float32", kv_cache_memory=int(budget))
+    states = small.engine.kv_cache.states
+    assert states is not None and states.device.num_slots == int(budget * 0.5) // (2 * row) < 256
+    assert small.engine.config.max_num_seqs == states.device.num_slots
+    prompts = random_prompts([9] * (states.device.num_slots + 3), TINY_VOCAB, seed=13)
+    outputs = small.generate(prompts, _greedy(max_tokens=4))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+    assert_every_slot_free(small)
+    with pytest.raises(InvalidParameterError, match="kv_cache_memory"):
+        LLM(str(linear_models["qwen3_5"]), dtype="float32", kv_cache_memory=2 * row - 1)
