@@ -30,6 +30,11 @@ building and loading them.
   (the same bits as the Python loop, without the interpreter between them).
 - `int8_linear` (csrc/cpu_int8.cpp; wrapper and reference in pagefleet/engine/layers/int8.py):
   an int8 W8A8 layer: activations quantized per token, oneDNN's int8 GEMM, one rescale.
+- `causal_conv1d_state`, `gated_delta_rule_state`, `selective_scan_state` (csrc/cpu_state.cpp;
+  wrappers in cpu_state.py, references `causal_conv1d_torch`, `gated_delta_rule_torch` and
+  `selective_scan_torch`): the state layers' recurrences over a flat batch of sequences, each
+  sequence's rows walked in order by one work item per head (channel block for the conv),
+  so a row's bits do not depend on how its prompt was split or what shared its batch.
 
 Building: `torch.utils.cpp_extension` (g++ and ninja) compiles it once per torch version,
 instruction set and source into `$PAGEFLEET_CACHE_DIR/ops` (else `~/.cache/pagefleet/ops`),
@@ -62,6 +67,8 @@ SOURCES = [
         "cpu_int8.cpp",
         "cpu_decoder.cpp",
         "cpu_experts.cpp",
+        "cpu_state.cpp",
+        "cpu_state_rows.h",
         "cpu_quant_columns.h",
         "cpu_attention_avx2.h",
         "cpu_quant_vnni.h",

@@ -35,8 +35,9 @@ from pagefleet.engine.models.linear_attention_config import Mamba2Options
 from pagefleet.engine.models.llama import LlamaAttention, LlamaMLP
 from pagefleet.engine.models.weights import WeightLoader, conv1d_kernel
 from pagefleet.engine.worker.state_cache import StateMetadata
-from pagefleet.kernels.causal_conv1d import causal_conv1d, causal_conv1d_torch
-from pagefleet.kernels.selective_scan import selective_scan, selective_scan_torch
+from pagefleet.kernels.causal_conv1d import causal_conv1d
+from pagefleet.kernels.cpu_state import causal_conv1d_cpu, selective_scan_cpu
+from pagefleet.kernels.selective_scan import selective_scan
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -78,10 +79,10 @@ class Mamba2Mixer(nn.Module):
         spans = (step.query_start, step.slots, step.has_state)
         group_dims = o.num_groups * o.state_size
         gate, xbc, dt = self.in_proj(hidden).split([o.intermediate_size, o.conv_dim, o.num_heads], dim=-1)
-        conv = causal_conv1d if hidden.is_cuda else causal_conv1d_torch
+        conv = causal_conv1d if hidden.is_cuda else causal_conv1d_cpu
         xbc = conv(xbc.contiguous(), self.conv_weight, self.conv_bias, state[0], *spans, activation="silu")
         x, b, c = xbc.split([o.intermediate_size, group_dims, group_dims], dim=-1)
-        scan = selective_scan if hidden.is_cuda else selective_scan_torch
+        scan = selective_scan if hidden.is_cuda else selective_scan_cpu
         y = scan(
             x.reshape(num_tokens, o.num_heads, o.head_dim),
             dt.contiguous(),

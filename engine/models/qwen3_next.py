@@ -41,8 +41,9 @@ from pagefleet.engine.models.llama import LlamaMLP
 from pagefleet.engine.models.moe import SparseMoeBlock, declare_expert_tensors
 from pagefleet.engine.models.weights import WeightLoader, conv1d_kernel
 from pagefleet.engine.worker.state_cache import StateMetadata
-from pagefleet.kernels.causal_conv1d import causal_conv1d, causal_conv1d_torch
-from pagefleet.kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_torch
+from pagefleet.kernels.causal_conv1d import causal_conv1d
+from pagefleet.kernels.cpu_state import causal_conv1d_cpu, gated_delta_rule_cpu
+from pagefleet.kernels.gated_delta_rule import gated_delta_rule
 
 
 class GatedRMSNorm(nn.Module):
@@ -79,12 +80,12 @@ class GatedDeltaNet(nn.Module):
         o, num_tokens = self.options, hidden.shape[0]
         mixed, z = self.in_proj_qkvz(hidden).split([o.conv_dim, o.value_dim], dim=-1)
         b, a = self.in_proj_ba(hidden).split([o.num_value_heads, o.num_value_heads], dim=-1)
-        conv = causal_conv1d if hidden.is_cuda else causal_conv1d_torch
+        conv = causal_conv1d if hidden.is_cuda else causal_conv1d_cpu
         mixed = conv(mixed.contiguous(), self.conv_weight, None, state[0], *_spans(step), activation="silu")
         q, k, v = mixed.split([o.key_dim, o.key_dim, o.value_dim], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        rule = gated_delta_rule if hidden.is_cuda else gated_delta_rule_torch
+        rule = gated_delta_rule if hidden.is_cuda else gated_delta_rule_cpu
         out = rule(
             q.reshape(num_tokens, o.num_key_heads, o.key_head_dim),
             k.reshape(num_tokens, o.num_key_heads, o.key_head_dim),
