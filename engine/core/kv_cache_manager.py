@@ -117,7 +117,7 @@ class PendingCopies:
     state_swap_out: list[StateCopy] = field(default_factory=list)
     state_swap_in: list[StateCopy] = field(default_factory=list)
     state: list[StateCopy] = field(default_factory=list)
-    state_loads: list[StateLoad] = field(default_factory=list)  # a remote prefix's state -> its slot, first
+    state_loads: list[StateLoad] = field(default_factory=list)  # a remote prefix's state -> its slot
 
     def take(self) -> PendingCopies:
         taken = PendingCopies(
@@ -351,13 +351,16 @@ class KVCacheManager:
         block_hash = record.block_hashes[computed // size - 1]
         row = self.snapshots.keep(block_hash, slot, self.pending.state)
         if row is not None and self.collect_full_blocks:  # for the file tier, once copied
-            self.snapshots.hold(block_hash)
+            self.snapshots.hold_row(row)
             self._kept_snapshots.append(KeptSnapshot(block_hash, self._block_tokens(seq, computed // size - 1), row))
 
-    def take_copied_snapshots(self, copies: PendingCopies) -> list[KeptSnapshot]:
-        """Snapshots kept for a KV tier whose copy into their row ran (in `copies`, the
-        step's), each held until `release_snapshot`."""
+    def state_copies_ran(self, copies: PendingCopies) -> list[KeptSnapshot]:
+        """The runner ran a step's copies (`copies`): the snapshots they filled may be read
+        from another thread now. Returns those kept for a KV tier, each held until
+        `release_snapshot`."""
         copied_rows = {row for _, row in copies.state}
+        if self.snapshots is not None and copied_rows:
+            self.snapshots.mark_copied(copied_rows)
         copied = [kept for kept in self._kept_snapshots if kept.row in copied_rows]
         self._kept_snapshots = [kept for kept in self._kept_snapshots if kept.row not in copied_rows]
         return copied

@@ -12,6 +12,8 @@ running slots, kept least recently used first out.
 A connector moving a prefix out of the replica (a prefill replica's pinned prompt, a peer's
 pull, the file tier's writer) holds its snapshot row while it copies it: a held row is
 never reused for another snapshot, so it keeps its bits under a reader on another thread.
+A row is held only once the copy that fills it has run (the step after it was kept): a
+reader beside that step would read it half written.
 
 With events on, keeping and forgetting a snapshot queue a `KVEvent` of its name in the
 fleet's index (`state_snapshot_hash` of its block's), beside the block pool's events.
@@ -35,6 +37,7 @@ class StateSnapshots:
         self._free = list(range(first_row + num_snapshots - 1, first_row - 1, -1))
         self._rows: OrderedDict[int, int] = OrderedDict()  # block hash -> row, oldest use first
         self._held: Counter[int] = Counter()  # row -> holds (never reused while held)
+        self._uncopied: set[int] = set()  # rows whose filling copy has not run yet
         self.events: deque[KVEvent] | None = None  # the block pool's queue, once events are on
 
     def enable_events(self, events: deque[KVEvent]) -> None:
@@ -78,11 +81,22 @@ class StateSnapshots:
         return row
 
     def hold(self, block_hash: int) -> int | None:
-        """The row of the state after that block, held until `release` (None: not kept)."""
-        row = self.try_lookup(block_hash)
-        if row is not None:
-            self._held[row] += 1
+        """The row of the state after that block, held until `release` (None: not kept, or
+        its copy has not run yet)."""
+        row = self._rows.get(block_hash)
+        if row is None or row in self._uncopied:
+            return None
+        self._rows.move_to_end(block_hash)
+        self._held[row] += 1
         return row
+
+    def hold_row(self, row: int) -> None:
+        """Hold a row just kept, for a reader that waits for its copy (the file tier's)."""
+        self._held[row] += 1
+
+    def mark_copied(self, rows: set[int]) -> None:
+        """The copies into `rows` ran: they may be held."""
+        self._uncopied -= rows
 
     def release(self, row: int) -> None:
         assert self._held[row] > 0, f"snapshot row {row} released more than held"
@@ -113,6 +127,7 @@ class StateSnapshots:
         row = self._row_for(block_hash)
         if row is not None:
             copies.append((slot, row))
+            self._uncopied.add(row)
         return row
 
     def reset(self) -> None:

@@ -324,10 +324,11 @@ class LLMEngine:
         if plan.is_empty:
             return self._fail_unschedulable()
         results = self.runner.execute(runner_input(plan, self.runner.model_config.vocab_size))
+        snapshots = self.kv_cache.state_copies_ran(plan.copies)
         outputs = self.update.apply(plan, results, started)
         if self.kv_connector.wants_filled_blocks:
             self.kv_connector.blocks_filled(self.kv_cache.take_full_blocks())
-            self.kv_connector.snapshots_kept(self.kv_cache.take_copied_snapshots(plan.copies))
+            self.kv_connector.snapshots_kept(snapshots)
         for output in outputs:
             if output.finished:
                 del self.requests[output.request_id]

@@ -34,7 +34,15 @@ FAMILIES = (
     ),
     Family("deepseek", "DeepseekV3ForCausalLM", ("DeepseekV3ForCausalLM",)),
     Family(
-        "qwen3_next", "Qwen3NextForCausalLM", ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+        "qwen3_next",
+        "Qwen3NextForCausalLM",
+        (
+            "Qwen3NextForCausalLM",
+            "Qwen3_5ForCausalLM",
+            "Qwen3_5MoeForCausalLM",
+            "Qwen3_5ForConditionalGeneration",
+            "Qwen3_5MoeForConditionalGeneration",
+        ),
     ),
     Family("llama4", "Llama4ForCausalLM", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")),
     Family("granite_hybrid", "GraniteMoeHybridForCausalLM", ("GraniteMoeHybridForCausalLM",)),
@@ -51,6 +59,8 @@ LANGUAGE_MODEL_OF = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",  # Qwen3.5 as released
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 
 # HF architecture name -> our model family.

@@ -176,13 +176,14 @@ class ModelRunner:
         self.sampler = Sampler(model_config.eos_token_ids, seed)
 
     def _run_state_copies(self, copies: PendingCopies) -> None:
-        """Remote prefixes' states first (into fresh slots), then snapshots and forks
-        (queued when the last step ended, before this step's swaps chose their slots), then
-        swap-outs, then swap-ins."""
+        """Snapshots, prefix hits and forks first (queued when the last step ended, before
+        this step's swaps and loads chose their slots: a snapshot reads a slot that a
+        sequence which just finished left, and that a load may now fill), then remote
+        prefixes' states (into fresh slots), then swap-outs, then swap-ins."""
         if self.state_cache is None:
             return
-        self.state_cache.load(copies.state_loads)
         self.state_cache.copy(copies.state)
+        self.state_cache.load(copies.state_loads)
         if self.host_state_cache is not None:
             self.host_state_cache.copy(copies.state_swap_out, self.state_cache)
             self.state_cache.copy(copies.state_swap_in, self.host_state_cache)

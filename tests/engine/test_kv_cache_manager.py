@@ -94,3 +94,34 @@ def test_swap_out_and_in_keeps_sharing() -> None:
     assert manager.num_free_host_blocks == 6
     manager.free_request(request)
     assert manager.num_free_blocks == 6
+
+
+def test_a_state_snapshot_is_held_only_once_its_copy_ran_and_never_reused_while_held() -> None:
+    """A model with state layers: a prompt's chunk ending on a block boundary keeps its
+    state in a snapshot row by a copy that runs before the next step; a connector on another
+    thread may hold (and read) the row only after that, and a held row is never evicted
+    for another snapshot, even by a prefix-cache reset (it is freed when released)."""
+    manager = KVCacheManager(
+        num_blocks=16, block_size=4, enable_prefix_caching=True, num_state_slots=2, num_state_snapshots=1
+    )
+    first, second = _request(list(range(9))).sequences[0], _request(list(range(100, 109))).sequences[0]
+    assert manager.allocate_slots(first, 8)
+    manager.commit(first, 8)  # ends on the prompt's last boundary before its last token
+    copies = manager.pending.take()
+    assert len(copies.state) == 1
+    (_, row), (block_hash,) = copies.state[0], manager._record(first).block_hashes[1:2]
+    assert manager.hold_snapshot(block_hash) is None, "its copy has not run"
+    manager.state_copies_ran(copies)
+    assert manager.hold_snapshot(block_hash) == row
+    assert manager.allocate_slots(second, 8)
+    manager.commit(second, 8)  # the only row is held: this snapshot is not kept
+    assert manager.pending.take().state == [] and manager.snapshots.num_cached == 1  # type: ignore[union-attr]
+    manager.free(first)
+    manager.free(second)
+    assert manager.reset_prefix_cache() and manager.snapshots.num_cached == 0  # type: ignore[union-attr]
+    manager.release_snapshot(row)
+    assert manager.snapshots.num_held == 0  # type: ignore[union-attr]
+    third = _request(list(range(200, 209))).sequences[0]
+    assert manager.allocate_slots(third, 8)
+    manager.commit(third, 8)
+    assert manager.pending.take().state[0][1] == row, "the released row is free again"

@@ -218,3 +218,31 @@ def test_max_num_seqs_is_lowered_to_the_state_slots_that_fit(linear_models: dict
     assert_every_slot_free(small)
     with pytest.raises(InvalidParameterError, match="kv_cache_memory"):
         LLM(str(linear_models["qwen3_5"]), dtype="float32", kv_cache_memory=2 * row - 1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_the_language_model_of_a_qwen3_5_image_checkpoint_equals_transformers(
+    linear_models: dict[str, Path], arch: str, tmp_path: Path
+) -> None:
+    """Qwen3.5 is released as image checkpoints (Qwen3_5ForConditionalGeneration): its text
+    model is served from them, the vision tower's weights skipped."""
+    import torch
+    import transformers as tf
+
+    text = tf.AutoModelForCausalLM.from_pretrained(linear_models[arch], dtype=torch.float32)
+    tower = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.config.hidden_size)
+    whole_config, whole_model = {
+        "qwen3_5": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration),
+        "qwen3_5_moe": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration),
+    }[arch]
+    config = whole_config(text_config=text.config.to_dict(), vision_config=tower, tie_word_embeddings=False)
+    model = whole_model(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model.save_pretrained(tmp_path)
+    tf.AutoTokenizer.from_pretrained(linear_models[arch]).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=8)
+    assert llm.engine.parts.model_config.language_model_of == type(model).__name__
+    prompts = random_prompts([17, 33], TINY_VOCAB, seed=14)
+    for prompt, output in zip(prompts, llm.generate(prompts, _greedy()), strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(linear_models[arch], prompt, NEW_TOKENS)[0]
