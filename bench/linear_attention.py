@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])
-    parser.add_argument("--decodes", type=int, default=32)
+    parser.add_argument("--decodes", type=int, default=64)
     parser.add_argument(
         "--transformers-requests",
         type=int,
