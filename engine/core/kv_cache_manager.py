@@ -168,9 +168,13 @@ class KVCacheManager:
         num_state_slots: int = 0,
         num_host_state_slots: int = 0,
         num_state_snapshots: int = 0,
+        state_chunk_size: int = 0,
     ) -> None:
         self.block_size = block_size
         self.groups = groups
+        # The runner's chunked state kernel (kernels/chunked_gated_delta_rule.py): a prompt's
+        # chunks end at its multiples, so every path cuts a prompt at the same places.
+        self.state_chunk_size = state_chunk_size
         # Models with state layers: a slot per running sequence beside its blocks.
         self.states = StateSlotTable(num_state_slots, num_host_state_slots) if num_state_slots else None
         # Their prefix cache: states at block boundaries, in the rows after the running slots.
@@ -336,10 +340,14 @@ class KVCacheManager:
 
     def chunk_end(self, seq: Sequence, start: int, end: int) -> int:
         """Where a chunk of the sequence's tokens [start, end) ends: `end`, or with state
-        snapshots its prompt's last block boundary if it crosses it."""
-        if self.snapshots is None:
-            return end
-        return snapshot_chunk_end(seq.num_prompt_tokens, self.block_size, start, end)
+        snapshots its prompt's last block boundary if it crosses it; with a chunked state
+        kernel, inside the prompt, a multiple of its chunk (`start`, no token, if none fits)."""
+        if self.snapshots is not None:
+            end = snapshot_chunk_end(seq.num_prompt_tokens, self.block_size, start, end)
+        size = self.state_chunk_size
+        if size and end < seq.num_prompt_tokens:
+            end = max(start, end // size * size)
+        return end
 
     def _snapshot_state(self, seq: Sequence, record: SequenceBlocks) -> None:
         """A prompt's chunk that ended on a block boundary: its state kept by that block's hash."""

@@ -34,6 +34,7 @@ def _chunk(chunk: ScheduledChunk, prompt_logprobs: bool) -> ChunkInput:
         request.rotates_long,
         len(chunk.draft_token_ids),
         state_slot=chunk.state_slot,
+        num_prompt_tokens=request.num_prompt_tokens,
     )
     if prompt_logprobs:
         scored.num_prompt_top, scored.prompt_targets = _prompt_targets(request, chunk)

@@ -111,6 +111,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_state_slots,
         num_host_state_slots,
         num_snapshots,
+        device.runner.state_chunk_size,
     )
     lora = device.lora
     speculative = config.speculative

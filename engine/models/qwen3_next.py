@@ -42,6 +42,7 @@ from pagefleet.engine.models.moe import SparseMoeBlock, declare_expert_tensors
 from pagefleet.engine.models.weights import WeightLoader, conv1d_kernel
 from pagefleet.engine.worker.state_cache import StateMetadata
 from pagefleet.kernels.causal_conv1d import causal_conv1d
+from pagefleet.kernels.chunked_gated_delta_rule import chunked_gated_delta_rule
 from pagefleet.kernels.cpu_state import causal_conv1d_cpu, gated_delta_rule_cpu
 from pagefleet.kernels.gated_delta_rule import gated_delta_rule
 
@@ -85,8 +86,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([o.key_dim, o.key_dim, o.value_dim], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        rule = gated_delta_rule if hidden.is_cuda else gated_delta_rule_cpu
-        out = rule(
+        heads = (
             q.reshape(num_tokens, o.num_key_heads, o.key_head_dim),
             k.reshape(num_tokens, o.num_key_heads, o.key_head_dim),
             v.reshape(num_tokens, o.num_value_heads, o.value_head_dim),
@@ -94,8 +94,14 @@ class GatedDeltaNet(nn.Module):
             beta,
             state[1],
             *_spans(step),
-            use_qk_l2norm=True,
         )
+        if step.chunk_size:  # the Triton path: chunked prefills (kernels/chunked_gated_delta_rule.py)
+            out = chunked_gated_delta_rule(
+                *heads, step.start_positions, step.chunk_limits, chunk_size=step.chunk_size, use_qk_l2norm=True
+            )
+        else:
+            rule = gated_delta_rule if hidden.is_cuda else gated_delta_rule_cpu
+            out = rule(*heads, use_qk_l2norm=True)
         out = self.norm(out.reshape(-1, o.value_head_dim), z.reshape(-1, o.value_head_dim))
         return self.out_proj(out.reshape(num_tokens, o.value_dim))
 

@@ -24,6 +24,7 @@ from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, Ste
 from pagefleet.engine.layers.rotary import rope_rows
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
+from pagefleet.engine.models.linear_attention_config import LinearAttentionOptions
 from pagefleet.engine.models.loading import CausalLM
 from pagefleet.engine.sample.sampler import Sampler, SampleResult, TokenLogprobs, token_logprobs
 from pagefleet.engine.worker.state_cache import StateCache, StateMetadata
@@ -117,6 +118,14 @@ def padded_view(pages: torch.Tensor, block_size: int, heads: int, head_dim: int)
     return pages.as_strided((pages.shape[0], block_size, heads, head_dim), strides, pages.storage_offset())
 
 
+def state_chunk_size(model_config: ModelConfig, backend: AttentionBackend, block_size: int) -> int:
+    """The chunk of a linear-attention prompt's chunked form: a block on the Triton kernels
+    (the scheduler then cuts such prompts at block multiples: KVCacheManager.chunk_end), 0
+    (token by token) elsewhere and for Mamba-2's scan."""
+    gated_delta = isinstance(model_config.linear_attention, LinearAttentionOptions)
+    return block_size if gated_delta and backend.name == "triton" else 0
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -171,6 +180,7 @@ class ModelRunner:
         num_slots, num_snapshots, num_host_slots = state_rows
         self.state_cache = StateCache(model_config, num_slots + num_snapshots, dtype, device) if num_slots else None
         self.host_state_cache = StateCache(model_config, num_host_slots, dtype, "cpu") if num_host_slots else None
+        self.state_chunk_size = state_chunk_size(model_config, backend, block_size)
         self.kv_caches, self.layer_groups = self._model_layer_caches()
         self.host_tensors = [cache_pair(num_host_blocks, s, "cpu") for s in tensor_shapes] if num_host_blocks else []
         self.sampler = Sampler(model_config.eos_token_ids, seed)
@@ -250,7 +260,7 @@ class ModelRunner:
             if sample.draft_token_ids:
                 draft_spans[index] = len(logit_rows)
                 logit_rows.extend(range(row + 1, row + 1 + len(sample.draft_token_ids)))
-        state = StateMetadata.of(chunks, self.device) if self.state_cache is not None else None
+        state = StateMetadata.of(chunks, self.device, self.state_chunk_size) if self.state_cache is not None else None
         step = StepInputs(plan.copies, input_ids, positions, layouts, logit_rows, state)
         if self.workers is not None:
             self.workers.send(step)

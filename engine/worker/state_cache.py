@@ -20,23 +20,33 @@ StatePair = tuple[torch.Tensor, torch.Tensor]  # (conv [slots, C, K - 1], recurr
 @dataclass(slots=True)
 class StateMetadata:
     """A step's sequences as the state layers see them, in batch order: sequence i's rows
-    are query_start[i]:query_start[i + 1]; it carries on from slot `slots[i]`'s state where
-    `has_state[i]` (a later chunk, a decode), else from zeros (its first chunk)."""
+    are query_start[i]:query_start[i + 1], from position start_positions[i]; it carries on
+    from slot `slots[i]`'s state where `has_state[i]` (a later chunk, a decode), else from
+    zeros (its first chunk). With `chunk_size` (the Triton path), the delta rule runs its
+    chunked form on whole aligned chunks below `chunk_limits[i]` (the prompt's length
+    rounded down to a chunk), the recurrent one elsewhere (kernels/chunked_gated_delta_rule.py)."""
 
     query_start: torch.Tensor  # int64 [N + 1]
     slots: torch.Tensor  # int64 [N]
     has_state: torch.Tensor  # bool [N]
+    start_positions: torch.Tensor  # int64 [N]
+    chunk_limits: torch.Tensor  # int64 [N]
+    chunk_size: int = 0  # 0: the recurrent form everywhere
 
     @classmethod
-    def of(cls, chunks: list[ChunkInput], device: torch.device) -> StateMetadata:
+    def of(cls, chunks: list[ChunkInput], device: torch.device, chunk_size: int = 0) -> StateMetadata:
         starts = [0]
         for chunk in chunks:
             assert chunk.state_slot is not None, "every chunk of a state model has a slot"
             starts.append(starts[-1] + chunk.num_new_tokens)
+        limits = [c.num_prompt_tokens // chunk_size * chunk_size if chunk_size else 0 for c in chunks]
         return cls(
             torch.tensor(starts, dtype=torch.int64, device=device),
             torch.tensor([c.state_slot for c in chunks], dtype=torch.int64, device=device),
             torch.tensor([c.start > 0 for c in chunks], dtype=torch.bool, device=device),
+            torch.tensor([c.start for c in chunks], dtype=torch.int64, device=device),
+            torch.tensor(limits, dtype=torch.int64, device=device),
+            chunk_size,
         )
 
 

@@ -35,6 +35,7 @@ class ChunkInput:
     # Its row of the state cache (models with state layers): the state after `start`
     # tokens, which this chunk carries on from (from zeros at start 0) and overwrites.
     state_slot: int | None = None
+    num_prompt_tokens: int = 0  # its request's (a chunked state kernel chunks only the prompt)
 
     @property
     def num_new_tokens(self) -> int:

@@ -96,3 +96,29 @@ def test_triton_backend_copy_on_write(tiny_llama: Path) -> None:
         assert llm.stats().num_cow_copies > 0
         assert_no_block_leaked(llm)
     assert beams["triton"] == beams["torch"]
+
+
+@pytest.mark.triton
+def test_triton_backend_chunks_a_linear_attention_prompt_and_keeps_one_answer(tmp_path: Path) -> None:
+    """Qwen3.5's Gated DeltaNet layers on the Triton path run a prompt's whole blocks in the
+    chunked form (a block a chunk) and the rest token by token; the scheduler ends a prompt's
+    chunks at block multiples (a budget of 20 cuts at 16). Transformers' greedy tokens,
+    batched and chunked; a prompt resumed from its prefix snapshot is cut at the same places
+    as its cold run: the same bits."""
+    from tests.conftest import build_tiny_model
+
+    model_dir = build_tiny_model("qwen3_5", tmp_path / "qwen3_5")
+    settings = dict(dtype="float32", attention_backend="triton", block_size=8)
+    batched = LLM(str(model_dir), max_num_batched_tokens=20, **settings)  # type: ignore[arg-type]
+    assert batched.engine.runner.state_chunk_size == 8 and batched.engine.kv_cache.state_chunk_size == 8
+    prompts = random_prompts([33, 17, 5], TINY_VOCAB, seed=15)
+    outputs = batched.generate(prompts, _greedy(TRITON_NEW_TOKENS))
+    _assert_matches_hf(model_dir, prompts, outputs, TRITON_NEW_TOKENS)
+    alone = LLM(str(model_dir), **settings)  # type: ignore[arg-type]
+    first = alone.generate([prompts[0]], _greedy(TRITON_NEW_TOKENS))[0]
+    resumed = alone.generate([prompts[0]], _greedy(TRITON_NEW_TOKENS))[0]  # from the snapshot at 32
+    assert resumed.num_cached_tokens == 32
+    assert resumed.outputs[0].logprobs == first.outputs[0].logprobs
+    assert first.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    assert_no_block_leaked(batched)
+    assert_no_block_leaked(alone)
