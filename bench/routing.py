@@ -2,6 +2,15 @@
 
     python bench/routing.py [--workloads shared,sessions,decode] [--routers ...] [--runs 1]
                             [--json results.json] [--plot docs/routing-goodput.png]
+    python bench/routing.py --simulate gpu-8b --replicas 8,32,128 --time-scale 25
+                            [--workloads b2b-saas,chat,decode-control]
+
+With `--simulate PROFILE`, the replicas are a `pagefleet sim-fleet` of that many simulated
+replicas (engine/sim: the real server and scheduler over the profile's cost model), and the
+workloads are llm-d's shapes at full size (routing_workloads.py). The arrival schedule is
+stretched by the time scale and every figure converted back to the profile's time; each cell
+also reports the CPU the simulated replicas used (in cores of this machine: below 2, nothing
+waited for a core) and the router's CPU per request.
 
 Three `pagefleet serve` replicas of SmolLM2-135M-Instruct (float32, each at its defaults but
 for a small KV budget: 250 blocks of 16 tokens, 4,000 token slots), one Redis. In front of
@@ -27,12 +36,14 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 from common import free_port, progress
 from peers import vllm_router_binary
-from routing_workloads import WORKLOADS, Outcome, replay
+from routing_workloads import FULL_SIZE_WORKLOADS, WORKLOADS, Outcome, replay, stretched
 
 from pagefleet.cli.up import Fleet, FleetSpec, ModelSpec
 
@@ -43,9 +54,11 @@ PAGEFLEET_POLICIES = ["affinity", "kv", "round_robin"]
 VLLM_ROUTER_POLICIES = ["cache_aware", "sticky_least_loaded", "consistent_hash", "power_of_two", "round_robin"]
 ROUTERS = [f"pagefleet:{p}" for p in PAGEFLEET_POLICIES] + [f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES]
 RATES = {"shared": [1.0, 2.0, 4.0], "sessions": [0.2, 0.4, 0.8], "decode": [0.5, 1.0, 2.0]}
+# Simulated GPU fleets: offered requests per second and replica, in the profile's time.
+RATES_PER_REPLICA = {"b2b-saas": [2.0, 6.0, 12.0], "chat": [1.0, 3.0, 6.0], "decode-control": [0.5, 1.0, 2.0]}
 # Enough that the 8 first sightings of `shared`'s prompts, which no router can serve from
 # cache, are under a tenth of a cell: its p90 then measures routing, not the cold start.
-REQUESTS = {"shared": 100, "sessions": 48, "decode": 32}
+REQUESTS = {"shared": 100, "sessions": 48, "decode": 32, "b2b-saas": 1200, "chat": 600, "decode-control": 400}
 
 
 def start_fleet(log_dir: Path, kv_tiers: bool = False) -> tuple[Fleet, list[str]]:
@@ -69,8 +82,54 @@ def start_fleet(log_dir: Path, kv_tiers: bool = False) -> tuple[Fleet, list[str]
     return fleet, urls
 
 
-def start_router(fleet: Fleet, router: str, replicas: list[str]) -> str:
-    """One router in front of the replicas, as a child of the fleet; its URL once it serves."""
+@dataclass
+class Target:
+    """The replicas under test: a real fleet, or a simulated one whose `time_scale` stretches
+    every modelled duration (figures are converted back to the profile's time)."""
+
+    fleet: Fleet
+    replicas: list[str]
+    model: str = MODEL
+    time_scale: float = 1.0
+    hosts: list[psutil.Process] = field(default_factory=list)  # the simulated replicas' processes
+
+
+def start_sim_fleet(log_dir: Path, profile: str, replicas: int, time_scale: float, flags: list[str]) -> Target:
+    """`pagefleet sim-fleet` with `replicas` simulated replicas of `profile` (and their
+    `flags`), one Redis."""
+    spec = FleetSpec(kv_tier=False, redis_port=free_port(), gateway_port=free_port(), log_dir=log_dir, models=[])
+    fleet = Fleet(spec)
+    fleet.start_redis()
+    base = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "pagefleet.cli.main",
+        "sim-fleet",
+        "--replicas",
+        str(replicas),
+        "--profile",
+        profile,
+    ]
+    command += ["--time-scale", str(time_scale), "--base-port", str(base), "--redis-url", fleet.redis_url]
+    command += ["--enable-prompt-tokens-details", "--max-waiting-requests", "100000", *flags]
+    child = fleet.spawn("sim-fleet", command)
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(replicas)]
+    deadline = time.monotonic() + 900
+    for url in urls:
+        fleet.wait_healthy(url, deadline)
+    hosts = psutil.Process(child.process.pid).children()
+    return Target(fleet, urls, f"sim-{profile}", time_scale, hosts)
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User and system CPU the processes used so far."""
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
+def start_router(fleet: Fleet, router: str, replicas: list[str], model: str = MODEL) -> tuple[str, psutil.Process]:
+    """One router in front of the replicas, as a child of the fleet; its URL once it
+    serves, and its process."""
     kind, policy = router.split(":")
     port = free_port()
     if kind == "pagefleet":
@@ -79,16 +138,16 @@ def start_router(fleet: Fleet, router: str, replicas: list[str]) -> str:
     else:
         command = [str(vllm_router_binary()), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *replicas]
         command += ["--policy", policy, "--log-level", "warning", "--prometheus-port", str(free_port())]
-    fleet.spawn(router.replace(":", "-"), command)
+    process = psutil.Process(fleet.spawn(router.replace(":", "-"), command).process.pid)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         fleet.check_alive()
         try:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
             if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code == 200:
                 time.sleep(2.0)  # pagefleet's gateway reads the tokenizer once it sees replicas
-                return url
+                return url, process
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -154,21 +213,34 @@ def summarize(outcomes: list[Outcome], seconds: float, slo_s: float, preempted: 
 
 def run_cell(
     url: str,
-    replicas: list[str],
+    target: Target,
     workload: str,
     rate: float,
     seed: int,
     slo_s: float,
     requests: int,
     tier: Path | None = None,
+    router: psutil.Process | None = None,
 ) -> dict[str, object]:
+    """One router at one offered load (requests/s in the profile's time); every duration
+    reported is in the profile's time (wall time over the time scale)."""
+    replicas, scale = target.replicas, target.time_scale
     reset_caches(replicas, tier)
     before, reasons_before = [preemptions(r) for r in replicas], routing_reasons(url)
-    turns = WORKLOADS[workload](rate, requests or REQUESTS[workload], seed)
-    outcomes, seconds = asyncio.run(replay(url, MODEL, turns))
+    shape = WORKLOADS.get(workload) or FULL_SIZE_WORKLOADS[workload]
+    turns = stretched(shape(rate, requests or REQUESTS[workload], seed), scale)
+    cpu_before = (cpu_seconds(target.hosts), cpu_seconds([router]) if router is not None else 0.0)
+    outcomes, seconds = asyncio.run(replay(url, target.model, turns))
+    host_cpu = cpu_seconds(target.hosts) - cpu_before[0]
+    router_cpu = (cpu_seconds([router]) if router is not None else 0.0) - cpu_before[1]
     after, reasons_after = [preemptions(r) for r in replicas], routing_reasons(url)
-    cell = summarize(outcomes, seconds, slo_s, [a - b for a, b in zip(after, before, strict=True)])
+    for outcome in outcomes:
+        outcome.ttft /= scale
+        outcome.gaps = [gap / scale for gap in outcome.gaps]
+    cell = summarize(outcomes, seconds / scale, slo_s, [a - b for a, b in zip(after, before, strict=True)])
     cell["reasons"] = {k: v - reasons_before.get(k, 0.0) for k, v in reasons_after.items()}
+    cell["host_cores"] = host_cpu / seconds  # the simulated replicas' CPU, in cores of this machine
+    cell["router_cpu_ms"] = 1000 * router_cpu / max(1, len(outcomes))
     return cell
 
 
@@ -191,6 +263,13 @@ def _reasons(cell: dict[str, object]) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in reasons.items() if v) or "-"  # type: ignore[union-attr]
 
 
+def _preemptions(cell: dict[str, object]) -> str:
+    """Per replica for a few, their sum for a fleet."""
+    counts = cell["preemptions"]
+    assert isinstance(counts, list)
+    return str(counts) if len(counts) <= 4 else f"{sum(counts):.0f} in all"
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("inf")
 
@@ -200,15 +279,16 @@ def report(workload: str, cells: dict[str, dict[float, dict[str, object]]]) -> l
         f"## {workload}",
         "",
         "| router | rate/s | goodput/s | TTFT p50 | p90 | p99 | ITL p50 | p99 | cached | preemptions | failed "
-        "| reasons |",
+        "| reasons | host cores | router CPU/request |",
     ]
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for router, by_rate in cells.items():
         for rate, c in by_rate.items():
             lines.append(
                 f"| {router} | {rate:g} | {c['goodput']:.3f} | {c['ttft_p50']:.2f} | {c['ttft_p90']:.2f} | "
                 f"{c['ttft_p99']:.2f} | {c['itl_p50'] * 1000:.0f} ms | {c['itl_p99'] * 1000:.0f} ms | "
-                f"{c['cached']:.0%} | {c['preemptions']} | {c['failed']} | {_reasons(c)} |"
+                f"{c['cached']:.0%} | {_preemptions(c)} | {c['failed']} | {_reasons(c)} | "
+                f"{c.get('host_cores', float('nan')):.2f} | {c.get('router_cpu_ms', float('nan')):.2f} ms |"
             )
     knee = {router: max(float(c["goodput"]) for c in by_rate.values()) for router, by_rate in cells.items()}
     lines += ["", "Goodput at the knee (best over the rates):", ""]
@@ -261,9 +341,63 @@ def plot(results: dict[str, dict[str, dict[float, dict[str, object]]]], path: Pa
     progress(f"plot written to {path}")
 
 
+def run_workloads(
+    args: argparse.Namespace,
+    target: Target,
+    routers: list[str],
+    results: dict[str, dict[str, dict[float, dict[str, object]]]],
+    title: str,
+    kv_tiers: bool = False,
+) -> None:
+    """Every run, workload, router and rate of `args` on `target`, into `results`."""
+    models = target.fleet.spec.models
+    tier = target.fleet.spec.kv_dir(models[0]) if models else None
+    for run in range(args.first_run - 1, args.first_run - 1 + args.runs):
+        for workload in args.workloads.split(","):
+            rates = [float(r) for r in args.rates.split(",")] if args.rates else default_rates(workload, target)
+            name = f"{title}{workload} (run {run + 1})"
+            cells = results.setdefault(name, {})
+            for router in routers:
+                label = f"{router} +kv-tiers" if kv_tiers else router
+                url, process = start_router(target.fleet, router, target.replicas, target.model)
+                try:
+                    for rate in rates:
+                        progress(f"{name}, {label}, {rate:g}/s")
+                        cells.setdefault(label, {})[rate] = run_cell(
+                            url, target, workload, rate, run, args.slo_s, args.requests, tier, process
+                        )
+                finally:
+                    stop_router(target.fleet, router)
+            print("\n".join(report(name, cells)), flush=True)
+
+
+def fidelity(results: dict[str, dict[str, dict[float, dict[str, object]]]]) -> list[str]:
+    """Simulated over real, per workload, router and rate: TTFT p50 and p90, goodput."""
+    lines = ["## Simulated fleet / real fleet", "", "| workload | router | rate/s | TTFT p50 | TTFT p90 | goodput |"]
+    lines.append("|---|---|---|---|---|---|")
+    for name, cells in results.items():
+        simulated = results.get(f"simulated, {name}")
+        if simulated is None:
+            continue
+        for router, by_rate in cells.items():
+            for rate, real in by_rate.items():
+                sim = simulated.get(router, {}).get(rate)
+                if sim is None:
+                    continue
+                shares = [ratio(float(sim[k]), float(real[k])) for k in ("ttft_p50", "ttft_p90", "goodput")]
+                lines.append(f"| {name} | {router} | {rate:g} | " + " | ".join(f"{x:.2f}x" for x in shares) + " |")
+    return lines
+
+
+def default_rates(workload: str, target: Target) -> list[float]:
+    if workload in RATES:
+        return RATES[workload]
+    return [rate * len(target.replicas) for rate in RATES_PER_REPLICA[workload]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="shared,sessions,decode")
+    parser.add_argument("--workloads", default=None, help="default: shared,sessions,decode (simulated: full size)")
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--rates", default="", help="override every workload's rates, e.g. 0.5,1,2")
     parser.add_argument("--requests", type=int, default=0, help="requests per cell (default: per workload)")
@@ -275,6 +409,14 @@ def main() -> None:
     parser.add_argument("--from-json", type=Path, nargs="+", help="report and plot saved results; run nothing")
     parser.add_argument(
         "--kv-tiers", choices=["off", "on", "both"], default="off", help="the replicas' file tier and peer pulls"
+    )
+    parser.add_argument("--simulate", default=None, help="a profile: fleets of simulated replicas (engine/sim)")
+    parser.add_argument("--replicas", default="8,32,128", help="with --simulate: the fleet sizes")
+    parser.add_argument("--time-scale", type=float, default=25.0, help="with --simulate: modelled durations x K")
+    parser.add_argument(
+        "--against-real",
+        action="store_true",
+        help="with --simulate cpu-smollm2: the real three replicas first, then as many simulated, and their ratios",
     )
     args = parser.parse_args()
     if args.from_json:
@@ -288,31 +430,30 @@ def main() -> None:
             plot(saved, args.plot)
         return
     routers = args.routers.split(",")
+    args.workloads = args.workloads or ",".join(FULL_SIZE_WORKLOADS if args.simulate else WORKLOADS)
     results: dict[str, dict[str, dict[float, dict[str, object]]]] = {}
-    settings = {"off": [False], "on": [True], "both": [True, False]}[args.kv_tiers]
-    with tempfile.TemporaryDirectory() as scratch:
-        for kv_tiers in settings:
-            fleet, replicas = start_fleet(Path(scratch) / f"fleet-{kv_tiers}" / "logs", kv_tiers)
-            tier = fleet.spec.kv_dir(fleet.spec.models[0])
-            try:
-                for run in range(args.first_run - 1, args.first_run - 1 + args.runs):
-                    for workload in args.workloads.split(","):
-                        rates = [float(r) for r in args.rates.split(",")] if args.rates else RATES[workload]
-                        cells = results.setdefault(f"{workload} (run {run + 1})", {})
-                        for router in routers:
-                            label = f"{router} +kv-tiers" if kv_tiers else router
-                            url = start_router(fleet, router, replicas)
-                            try:
-                                for rate in rates:
-                                    progress(f"run {run + 1}, {workload}, {label}, {rate:g}/s")
-                                    cells.setdefault(label, {})[rate] = run_cell(
-                                        url, replicas, workload, rate, run, args.slo_s, args.requests, tier
-                                    )
-                            finally:
-                                stop_router(fleet, router)
-                        print("\n".join(report(f"{workload} (run {run + 1})", cells)), flush=True)
-            finally:
-                fleet.stop()
+    if args.against_real or not args.simulate:
+        settings = {"off": [False], "on": [True], "both": [True, False]}[args.kv_tiers]
+        with tempfile.TemporaryDirectory() as scratch:
+            for kv_tiers in settings:
+                fleet, urls = start_fleet(Path(scratch) / f"fleet-{kv_tiers}" / "logs", kv_tiers)
+                try:
+                    run_workloads(args, Target(fleet, urls), routers, results, "", kv_tiers)
+                finally:
+                    fleet.stop()
+    if args.simulate:
+        sizes = [REPLICAS] if args.against_real else [int(n) for n in args.replicas.split(",")]
+        flags = ENGINE_FLAGS if args.against_real else []  # the real replicas' KV budget
+        for replicas in sizes:
+            with tempfile.TemporaryDirectory() as scratch:
+                target = start_sim_fleet(Path(scratch) / "logs", args.simulate, replicas, args.time_scale, flags)
+                try:
+                    title = "simulated, " if args.against_real else f"{replicas} x {args.simulate}, "
+                    run_workloads(args, target, routers, results, title)
+                finally:
+                    target.fleet.stop()
+    if args.against_real:
+        print("\n".join(fidelity(results)), flush=True)
     if args.json:
         existing = json.loads(args.json.read_text()) if args.json.exists() else {}
         existing.update(

@@ -98,7 +98,58 @@ def decode_bound(rate: float, requests: int, seed: int) -> list[Turn]:
     return turns
 
 
+def b2b_saas(rate: float, requests: int, seed: int) -> list[Turn]:
+    """llm-d's b2b-saas at full size: 150 tenants' system prompts of 6,000 words (about as
+    many tokens), picked Zipf-distributed (tenant i with weight 1/(i+1)), each followed by a
+    100-word question; 64 answer tokens."""
+    rng = random.Random(seed)
+    systems = [f"Tenant {i} handbook: " + words(rng, 6000) for i in range(150)]
+    weights = [1.0 / (i + 1) for i in range(len(systems))]
+    turns, at = [], 0.0
+    for _ in range(requests):
+        at += rng.expovariate(rate)
+        system = rng.choices(systems, weights)[0]
+        turns.append(
+            Turn(at, [{"role": "system", "content": system}, {"role": "user", "content": words(rng, 100)}], 64)
+        )
+    return turns
+
+
+def chat_sessions(rate: float, requests: int, seed: int, turns_per_session: int = 5) -> list[Turn]:
+    """Multi-turn chat at full size: sessions with a 2,000-word system prompt of their own,
+    `turns_per_session` questions of 150 words, 128-token answers, 5 s of thinking between
+    turns on average; the history grows to about 3,400 tokens."""
+    rng = random.Random(seed)
+    starts, at = [], 0.0
+    for index in range(max(1, requests // turns_per_session)):
+        at += rng.expovariate(rate / turns_per_session)  # `rate` counts requests, not sessions
+        system = {"role": "system", "content": f"Session {index}: " + words(rng, 2000)}
+        first = Turn(at, [system, {"role": "user", "content": words(rng, 150)}], 128, session=f"s{index}")
+        for _ in range(turns_per_session - 1):
+            first.follow_up.append(Turn(rng.expovariate(0.2), [{"role": "user", "content": words(rng, 150)}], 128))
+        starts.append(first)
+    return starts
+
+
+def decode_control(rate: float, requests: int, seed: int) -> list[Turn]:
+    """The decode-bound control at full size: 200-word distinct prompts, 512 answer tokens."""
+    rng = random.Random(seed)
+    turns, at = [], 0.0
+    for _ in range(requests):
+        at += rng.expovariate(rate)
+        turns.append(Turn(at, [{"role": "user", "content": words(rng, 200)}], 512))
+    return turns
+
+
+def stretched(turns: list[Turn], scale: float) -> list[Turn]:
+    """`turns` with every wait (arrivals, thinking) `scale` times as long: a simulated
+    fleet's schedule at its time scale."""
+    return [Turn(t.at * scale, t.messages, t.max_tokens, t.session, stretched(t.follow_up, scale)) for t in turns]
+
+
 WORKLOADS = {"shared": shared_prompts, "sessions": sessions, "decode": decode_bound}
+# At full size, for fleets of simulated GPU replicas (bench/routing.py --simulate).
+FULL_SIZE_WORKLOADS = {"b2b-saas": b2b_saas, "chat": chat_sessions, "decode-control": decode_control}
 
 
 async def _ask(

@@ -11,7 +11,7 @@ import sys
 # threads spin and starve whatever else shares these cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from pagefleet.cli import gateway, generate, kube_operator, picker, serve, up  # noqa: E402
+from pagefleet.cli import gateway, generate, kube_operator, picker, serve, sim_fleet, up  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     gateway.register(commands)
     picker.register(commands)
     up.register(commands)
+    sim_fleet.register(commands)
     kube_operator.register(commands)
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_flags", False):

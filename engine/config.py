@@ -93,6 +93,12 @@ class EngineConfig:
             int8 GEMMs; "none" dequantizes every weight to `dtype`. Default: the model's
             own ("gguf" for a `.gguf` file or a built-in, "compressed-tensors" for a
             checkpoint whose config says so) on a CPU with one rank, else "none".
+        simulate: a cost-model profile (engine/sim/profiles.py: `gpu-8b`, `gpu-70b-tp4`,
+            `cpu-smollm2`): the scheduler, KV cache and prefix cache run for real, the model
+            does not; each step sleeps for the profile's time of it, and `model` gives only the
+            tokenizer (docs/routing.md). None (default): a real model.
+        time_scale: with `simulate`, every modelled duration is stretched this many times (a
+            fleet of fast GPUs then fits a few CPU cores).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -127,6 +133,8 @@ class EngineConfig:
     kv_cache_dir_size_gib: float = 10.0
     speculative_config: dict[str, Any] | None = None
     quantization: str | None = None
+    simulate: str | None = None
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -197,6 +205,26 @@ class EngineConfig:
             _fail("tensor_parallel_size", "prefill/decode disaggregation (kv_role) needs tensor_parallel_size=1")
         if self.speculative_config is not None:
             self.speculative  # noqa: B018 (parsing checks it)
+        if self.time_scale <= 0:
+            _fail("time_scale", f"must be > 0, got {self.time_scale}")
+        if self.simulate is not None:
+            self._check_simulated()
+
+    def _check_simulated(self) -> None:
+        """A simulated replica holds no KV to move and no weights to adapt."""
+        from pagefleet.engine.sim.profiles import profile
+
+        profile(self.simulate or "")
+        unmodelled = {
+            "kv_cache_dir": self.kv_cache_dir is not None,
+            "kv_role": self.kv_role != "both",
+            "enable_lora": self.enable_lora,
+            "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "speculative_config": self.speculative_config is not None,
+        }
+        for name, asked in unmodelled.items():
+            if asked:
+                _fail(name, "a simulated replica (simulate) holds no KV or weights: not with it")
 
     @property
     def hybrid_kv_cache(self) -> bool:
@@ -237,6 +265,18 @@ class EngineConfig:
         if budget > 1:
             return int(budget)
         return int(budget * _free_device_memory(device))
+
+
+def simulated_defaults(profile_name: str) -> dict[str, int]:
+    """The batch limits a simulated replica takes from its profile (engine/sim/profiles.py)
+    where its caller gave none: vLLM's defaults on the hardware it models. Empty for an
+    unknown profile (EngineConfig refuses it, naming the ones there are)."""
+    from pagefleet.engine.sim.profiles import PROFILES
+
+    profile = PROFILES.get(profile_name)
+    if profile is None:
+        return {}
+    return {"max_num_seqs": profile.max_num_seqs, "max_num_batched_tokens": profile.max_num_batched_tokens}
 
 
 def _free_device_memory(device: torch.device) -> int:

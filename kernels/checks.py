@@ -68,3 +68,23 @@ def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
         return
     check_tensor("sinks", sinks, 1, FLOAT_DTYPES, query.device)
     check_shape("sinks", sinks, (query.shape[1],))
+
+
+def check_chunk_arguments(
+    start_positions: torch.Tensor,
+    chunk_limits: torch.Tensor | None,
+    chunk_size: int,
+    slots: torch.Tensor,
+    device: torch.device,
+) -> None:
+    """The chunked kernels' chunk arguments: start_positions and chunk_limits (None: no
+    limits) one int32/int64 per sequence of `slots`, on `device`; chunk_size a power of two."""
+    check_tensor("start_positions", start_positions, 1, INDEX_DTYPES, device)
+    check_shape("start_positions", start_positions, tuple(slots.shape))
+    if chunk_limits is not None:
+        check_tensor("chunk_limits", chunk_limits, 1, INDEX_DTYPES, device)
+        check_shape("chunk_limits", chunk_limits, tuple(slots.shape))
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise KernelArgumentError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    if chunk_size & (chunk_size - 1):
+        raise KernelArgumentError(f"chunk_size: {chunk_size} is not a power of two")

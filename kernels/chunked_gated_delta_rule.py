@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagefleet.kernels.checks import INDEX_DTYPES, KernelArgumentError, check_shape, check_tensor
+from pagefleet.kernels.checks import check_chunk_arguments
 from pagefleet.kernels.gated_delta_rule import L2NORM_EPS, _check, _l2norm, _recurrent_step
 
 DOT_BLOCK = 16  # tl.dot's smallest tile side on NVIDIA GPUs: smaller chunks and heads are padded to it
@@ -75,15 +75,7 @@ def _check_chunked(
     chunk_size: int,
 ) -> None:
     _check(query, key, value, g, beta, state, query_start, slots, has_state)
-    check_tensor("start_positions", start_positions, 1, INDEX_DTYPES, query.device)
-    check_shape("start_positions", start_positions, tuple(slots.shape))
-    if chunk_limits is not None:
-        check_tensor("chunk_limits", chunk_limits, 1, INDEX_DTYPES, query.device)
-        check_shape("chunk_limits", chunk_limits, tuple(slots.shape))
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise KernelArgumentError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-    if chunk_size & (chunk_size - 1):
-        raise KernelArgumentError(f"chunk_size: {chunk_size} is not a power of two")
+    check_chunk_arguments(start_positions, chunk_limits, chunk_size, slots, query.device)
 
 
 @triton.jit
@@ -192,6 +184,23 @@ def _chunk_step(
 
 
 @triton.jit
+def _bounds(
+    query_start_ptr, start_positions_ptr, chunk_limits_ptr, sequence, HAS_LIMITS: tl.constexpr, CHUNK: tl.constexpr
+):
+    """(start, chunks_from, chunks_to, end) of a sequence: its rows [start, end), of which
+    [chunks_from, chunks_to) are whole chunks, as `_pieces` places them."""
+    start = tl.load(query_start_ptr + sequence).to(tl.int64)
+    end = tl.load(query_start_ptr + sequence + 1).to(tl.int64)
+    position = tl.load(start_positions_ptr + sequence).to(tl.int64)
+    chunkable_end = end  # rows from here on are never chunked: at or past the sequence's limit
+    if HAS_LIMITS:
+        limit = tl.load(chunk_limits_ptr + sequence).to(tl.int64)
+        chunkable_end = start + tl.maximum(tl.minimum(limit - position, end - start), 0)
+    chunks_from = start + tl.minimum((CHUNK - position % CHUNK) % CHUNK, chunkable_end - start)
+    return start, chunks_from, chunks_from + (chunkable_end - chunks_from) // CHUNK * CHUNK, end
+
+
+@triton.jit
 def _chunked_gated_delta_rule_kernel(
     query_ptr,
     key_ptr,
@@ -230,10 +239,7 @@ def _chunked_gated_delta_rule_kernel(
     BLOCK_V: tl.constexpr,
 ):
     sequence, head = tl.program_id(0), tl.program_id(1)
-    start = tl.load(query_start_ptr + sequence).to(tl.int64)
-    end = tl.load(query_start_ptr + sequence + 1).to(tl.int64)
     slot = tl.load(slots_ptr + sequence).to(tl.int64)
-    position = tl.load(start_positions_ptr + sequence).to(tl.int64)
     dims = tl.arange(0, BLOCK_K)
     dim_ok = dims < key_dim
     columns = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -253,12 +259,8 @@ def _chunked_gated_delta_rule_kernel(
     state_at = state_ptr + slot * stride_ss + head * stride_sh + dims[:, None] * stride_sk + columns[None, :]
     # Padding rows and columns of the state stay 0: their k, q and v are loaded as 0.
     recurrent = tl.load(state_at, mask=tile_mask & tl.load(has_state_ptr + sequence), other=0.0)
-    chunkable_end = end  # rows from here on are never chunked: at or past the sequence's limit
-    if HAS_LIMITS:
-        limit = tl.load(chunk_limits_ptr + sequence).to(tl.int64)
-        chunkable_end = start + tl.maximum(tl.minimum(limit - position, end - start), 0)
-    chunks_from = start + tl.minimum((CHUNK - position % CHUNK) % CHUNK, chunkable_end - start)
-    chunks_to = chunks_from + (chunkable_end - chunks_from) // CHUNK * CHUNK
+    bounds = _bounds(query_start_ptr, start_positions_ptr, chunk_limits_ptr, sequence, HAS_LIMITS, CHUNK)
+    start, chunks_from, chunks_to, end = bounds
     for row in range(start, chunks_from):
         recurrent = _row_step(recurrent, row, pointers, strides, dim_ok, column_ok, query_scale, eps, L2NORM)
     for first in range(chunks_from, chunks_to, CHUNK):

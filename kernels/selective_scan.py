@@ -115,6 +115,100 @@ def _round(value, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _head_params(A_ptr, D_ptr, dt_bias_ptr, head, dt_low, dt_high, threshold, ROUND: tl.constexpr, DTYPE: tl.constexpr):
+    """(A, D, dt_bias, dt_low, dt_high, threshold) of a head in float32, dt_bias rounded to
+    x's dtype (torch adds it to dt in dt's dtype)."""
+    bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    if ROUND:  # around each call: a nested @triton.jit call costs the interpreter ~1 ms
+        bias = _round(bias, DTYPE)
+    return tl.load(A_ptr + head), tl.load(D_ptr + head).to(tl.float32), bias, dt_low, dt_high, threshold
+
+
+@triton.jit
+def _dt(raw, bias, dt_low, dt_high, threshold, ROUND: tl.constexpr, DTYPE: tl.constexpr):
+    """clamp(softplus(raw + bias)) of a row's dt (or a chunk's, chunked_selective_scan.py),
+    float32 in and out, rounded to DTYPE where torch rounds it."""
+    dt = raw + bias
+    if ROUND:
+        dt = _round(dt, DTYPE)
+    # softplus = log1p(exp(dt)) below the threshold; log1p(u) as log(w) corrected by
+    # w = 1 + u's rounding error, where log(w) alone would lose u's low bits (dt ~ -7).
+    u = tl.exp(tl.minimum(dt, threshold))
+    w = 1.0 + u
+    softplus = tl.log(w) - ((w - 1.0) - u) / w
+    dt = tl.where(dt > threshold, dt, softplus)
+    if ROUND:
+        dt = _round(dt, DTYPE)
+    return tl.minimum(tl.maximum(dt, dt_low), dt_high)
+
+
+@triton.jit
+def _row_step(recurrent, row, pointers, strides, dim_ok, n_ok, params, ROUND: tl.constexpr, SKIP_IN_X: tl.constexpr):
+    """One row of the module docstring's recurrence for a head and a tile of P: writes the
+    row's output and returns the state [BLOCK_P, BLOCK_N]. pointers: row 0's (x, dt, B, C,
+    out) of the head and tile, strides their row strides; params: `_head_params`'s."""
+    x_at, dt_at, b_at, c_at, out_at = pointers
+    stride_xt, stride_dt, stride_bt, stride_ct, stride_ot = strides
+    A, D, bias, dt_low, dt_high, threshold = params
+    dtype = out_at.dtype.element_ty
+    dt = _dt(tl.load(dt_at + row * stride_dt).to(tl.float32), bias, dt_low, dt_high, threshold, ROUND, dtype)
+    x = tl.load(x_at + row * stride_xt, mask=dim_ok, other=0.0).to(tl.float32)
+    db = dt * tl.load(b_at + row * stride_bt, mask=n_ok, other=0.0).to(tl.float32)
+    if ROUND:
+        db = _round(db, dtype)
+    dbx = db[None, :] * x[:, None]
+    if ROUND:
+        dbx = _round(dbx, dtype)
+    recurrent = recurrent * tl.exp(dt * A) + dbx
+    readout = recurrent
+    if ROUND:
+        readout = _round(readout, dtype)
+    y = tl.sum(readout * tl.load(c_at + row * stride_ct, mask=n_ok, other=0.0).to(tl.float32)[None, :], axis=1)
+    skip = x * D
+    if ROUND:
+        y = _round(y, dtype)
+        if SKIP_IN_X:
+            skip = _round(skip, dtype)
+        y = _round(y + skip, dtype)  # so the store's cast is exact
+    else:
+        y = y + skip
+    tl.store(out_at + row * stride_ot, y.to(dtype), mask=dim_ok)
+    return recurrent
+
+
+@triton.jit
+def _program_tile(
+    tensors, row_strides, other_strides, scalars, ROUND: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """What a program (sequence, head, tile of P) of a scan kernel works on, from the kernel's
+    arguments: tensors (x, dt, A, B, C, D, dt_bias, state, slots, has_state, out), row_strides
+    (x's, dt's, B's and C's), other_strides (x's per head, B's and C's per group, state's per
+    slot, head and row of P) and scalars (heads, heads per group, P, N, dt_low, dt_high,
+    threshold). Returns (row 0's pointers and their row strides, as `_row_step` takes them;
+    P's and N's masks; `_head_params`; the state tile's address and mask; the state tile, its
+    slot's or zeros without has_state)."""
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, slots_ptr, has_state_ptr, out_ptr = tensors
+    stride_xt, stride_dt, stride_bt, stride_ct = row_strides
+    stride_xh, stride_bg, stride_cg, stride_ss, stride_sh, stride_sp = other_strides
+    num_heads, heads_per_group, head_dim, state_size, dt_low, dt_high, threshold = scalars
+    sequence, head = tl.program_id(0), tl.program_id(1)
+    dims, ns = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
+    dim_ok, n_ok = dims < head_dim, ns < state_size
+    group = head // heads_per_group
+    # Row 0's x, dt, B, C and out of this head and tile; row t's is at + t * its row stride.
+    x_at, out_at = x_ptr + head * stride_xh + dims, out_ptr + head * head_dim + dims
+    pointers = (x_at, dt_ptr + head, B_ptr + group * stride_bg + ns, C_ptr + group * stride_cg + ns, out_at)
+    strides = (stride_xt, stride_dt, stride_bt, stride_ct, num_heads * head_dim)
+    params = _head_params(A_ptr, D_ptr, dt_bias_ptr, head, dt_low, dt_high, threshold, ROUND, x_ptr.dtype.element_ty)
+    slot = tl.load(slots_ptr + sequence).to(tl.int64)
+    state_at = state_ptr + slot * stride_ss + head * stride_sh + dims[:, None] * stride_sp + ns[None, :]
+    tile_mask = dim_ok[:, None] & n_ok[None, :]
+    # Padding rows and columns of the state stay 0: their x, B and C are loaded as 0.
+    recurrent = tl.load(state_at, mask=tile_mask & tl.load(has_state_ptr + sequence), other=0.0)
+    return pointers, strides, dim_ok, n_ok, params, state_at, tile_mask, recurrent
+
+
+@triton.jit
 def _selective_scan_kernel(
     x_ptr,
     dt_ptr,
@@ -150,73 +244,35 @@ def _selective_scan_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    tensors = (x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, state_ptr, slots_ptr, has_state_ptr, out_ptr)
+    row_strides = (stride_xt, stride_dt, stride_bt, stride_ct)
+    other_strides = (stride_xh, stride_bg, stride_cg, stride_ss, stride_sh, stride_sp)
+    scalars = (num_heads, heads_per_group, head_dim, state_size, dt_low, dt_high, threshold)
+    tile = _program_tile(tensors, row_strides, other_strides, scalars, ROUND, BLOCK_P, BLOCK_N)
+    pointers, strides, dim_ok, n_ok, params, state_at, tile_mask, recurrent = tile
     sequence = tl.program_id(0)
-    head = tl.program_id(1)
-    group = head // heads_per_group
     start = tl.load(query_start_ptr + sequence).to(tl.int64)
     end = tl.load(query_start_ptr + sequence + 1).to(tl.int64)
-    slot = tl.load(slots_ptr + sequence).to(tl.int64)
-    has_state = tl.load(has_state_ptr + sequence)
-    dims = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    dim_ok = dims < head_dim
-    ns = tl.arange(0, BLOCK_N)
-    n_ok = ns < state_size
-    tile_mask = dim_ok[:, None] & n_ok[None, :]
-    state_at = state_ptr + slot * stride_ss + head * stride_sh + dims[:, None] * stride_sp + ns[None, :]
-    # Padding rows and columns stay 0: their x, B and C are loaded as 0.
-    recurrent = tl.load(state_at, mask=tile_mask & has_state, other=0.0)
-    dtype = x_ptr.dtype.element_ty
-    A = tl.load(A_ptr + head)
-    D = tl.load(D_ptr + head).to(tl.float32)
-    bias = tl.load(dt_bias_ptr + head).to(tl.float32)
-    if ROUND:  # around each call: a nested @triton.jit call costs the interpreter ~1 ms
-        bias = _round(bias, dtype)
-    # Each row's addresses, advanced by a row per iteration.
-    dt_at = dt_ptr + start * stride_dt + head
-    x_at = x_ptr + start * stride_xt + head * stride_xh + dims
-    b_at = B_ptr + start * stride_bt + group * stride_bg + ns
-    c_at = C_ptr + start * stride_ct + group * stride_cg + ns
-    out_at = out_ptr + (start * num_heads + head) * head_dim + dims
-    for _ in range(start, end):
-        dt = tl.load(dt_at).to(tl.float32) + bias
-        if ROUND:
-            dt = _round(dt, dtype)
-        # softplus = log1p(exp(dt)) below the threshold; log1p(u) as log(w) corrected by
-        # w = 1 + u's rounding error, where log(w) alone would lose u's low bits (dt ~ -7).
-        u = tl.exp(tl.minimum(dt, threshold))
-        w = 1.0 + u
-        softplus = tl.log(w) - ((w - 1.0) - u) / w
-        dt = tl.where(dt > threshold, dt, softplus)
-        if ROUND:
-            dt = _round(dt, dtype)
-        dt = tl.minimum(tl.maximum(dt, dt_low), dt_high)
-        x = tl.load(x_at, mask=dim_ok, other=0.0).to(tl.float32)
-        db = dt * tl.load(b_at, mask=n_ok, other=0.0).to(tl.float32)
-        if ROUND:
-            db = _round(db, dtype)
-        dbx = db[None, :] * x[:, None]
-        if ROUND:
-            dbx = _round(dbx, dtype)
-        recurrent = recurrent * tl.exp(dt * A) + dbx
-        readout = recurrent
-        if ROUND:
-            readout = _round(readout, dtype)
-        y = tl.sum(readout * tl.load(c_at, mask=n_ok, other=0.0).to(tl.float32)[None, :], axis=1)
-        skip = x * D
-        if ROUND:
-            y = _round(y, dtype)
-            if SKIP_IN_X_DTYPE:
-                skip = _round(skip, dtype)
-            y = _round(y + skip, dtype)  # so the store's cast is exact
-        else:
-            y = y + skip
-        tl.store(out_at, y.to(dtype), mask=dim_ok)
-        dt_at += stride_dt
-        x_at += stride_xt
-        b_at += stride_bt
-        c_at += stride_ct
-        out_at += num_heads * head_dim
+    for row in range(start, end):
+        recurrent = _row_step(recurrent, row, pointers, strides, dim_ok, n_ok, params, ROUND, SKIP_IN_X_DTYPE)
     tl.store(state_at, recurrent, mask=tile_mask)
+
+
+def _scalar_arguments(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor,
+    dt_limit: tuple[float, float],
+) -> tuple[int | float, ...]:
+    """A scan kernel's arguments from stride_xt to threshold, in its order (this module's and
+    chunked_selective_scan.py's): the strides, the sizes, dt_limit rounded to dt's dtype (as
+    torch.clamp rounds its bounds) and softplus's threshold."""
+    num_heads = x.shape[1]
+    dt_low, dt_high = torch.tensor(dt_limit, dtype=dt.dtype).tolist()
+    strides = (*x.stride()[:2], dt.stride(0), *B.stride()[:2], *C.stride()[:2], *state.stride()[:3])
+    return (*strides, num_heads, num_heads // B.shape[1], x.shape[2], B.shape[2], dt_low, dt_high, SOFTPLUS_THRESHOLD)
 
 
 def selective_scan(
@@ -251,13 +307,11 @@ def selective_scan(
         KernelArgumentError: a tensor of the wrong shape, dtype or device, or a bad dt_limit.
     """
     _check(x, dt, A, B, C, D, dt_bias, state, query_start, slots, has_state, dt_limit)
-    num_tokens, num_heads, head_dim = x.shape
-    num_groups, state_size = B.shape[1], B.shape[2]
+    num_heads, head_dim = x.shape[1], x.shape[2]
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     if slots.shape[0] == 0 or num_heads == 0 or head_dim == 0:
         return out
     block_p = min(block_p, triton.next_power_of_2(head_dim))
-    dt_low, dt_high = torch.tensor(dt_limit, dtype=dt.dtype).tolist()
     _selective_scan_kernel[(slots.shape[0], num_heads, triton.cdiv(head_dim, block_p))](
         x,
         dt,
@@ -271,22 +325,11 @@ def selective_scan(
         slots,
         has_state,
         out,
-        *x.stride()[:2],
-        dt.stride(0),
-        *B.stride()[:2],
-        *C.stride()[:2],
-        *state.stride()[:3],
-        num_heads,
-        num_heads // num_groups,
-        head_dim,
-        state_size,
-        dt_low,
-        dt_high,
-        SOFTPLUS_THRESHOLD,
+        *_scalar_arguments(x, dt, B, C, state, dt_limit),
         ROUND=x.dtype != torch.float32,
         SKIP_IN_X_DTYPE=torch.promote_types(x.dtype, D.dtype) == x.dtype,
         BLOCK_P=block_p,
-        BLOCK_N=triton.next_power_of_2(state_size),
+        BLOCK_N=triton.next_power_of_2(B.shape[2]),
     )
     return out
 

@@ -68,6 +68,10 @@ class DeviceParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    if config.simulate is not None:  # engine/sim: a cost model in the model's place
+        from pagefleet.engine.sim.parts import build_simulated_parts
+
+        return build_simulated_parts(config)
     if config.torch_device.type == "cpu":
         keep_freed_memory()
         if "OMP_NUM_THREADS" not in os.environ:

@@ -38,6 +38,7 @@ from pagefleet.engine.kv_transfer.transport import KVTransport
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.sample.beam_search import BeamSearchState
 from pagefleet.engine.sample.sampling_params import SamplingParams
+from pagefleet.engine.sim.runner import refuse_unmodelled
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +198,8 @@ class LLMEngine:
             checks.check_kv_role(params, remote_kv, token_ids)
         self.add_lora(lora_request)
         params = checks.with_logprobs_resolved(checks.with_bad_words_tokenized(params))
+        if self.config.simulate is not None:
+            refuse_unmodelled(params)
         checks.check_token_constraints(params)
         grammar = checks.compile_grammar(params)
         max_tokens = checks.resolve_max_tokens(len(token_ids), params)

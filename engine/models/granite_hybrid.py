@@ -14,7 +14,9 @@ few, each as transformers computes it.
 Granite's multipliers scale the embeddings, every residual branch and the logits. A Mamba
 layer's state is its request's slot of the state cache, carried from chunk to chunk; the
 scan runs token by token (kernels/selective_scan.py), so a token's state is the same bits
-however its prompt was chunked or batched.
+however its prompt was chunked or batched. On the Triton path a prompt's whole blocks run
+in the scan's chunked form, a block a chunk at absolute block multiples
+(kernels/chunked_selective_scan.py), which keeps that invariance.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pagefleet.engine.models.llama import LlamaAttention, LlamaMLP
 from pagefleet.engine.models.weights import WeightLoader, conv1d_kernel
 from pagefleet.engine.worker.state_cache import StateMetadata
 from pagefleet.kernels.causal_conv1d import causal_conv1d
+from pagefleet.kernels.chunked_selective_scan import chunked_selective_scan
 from pagefleet.kernels.cpu_state import causal_conv1d_cpu, selective_scan_cpu
 from pagefleet.kernels.selective_scan import selective_scan
 
@@ -82,8 +85,7 @@ class Mamba2Mixer(nn.Module):
         conv = causal_conv1d if hidden.is_cuda else causal_conv1d_cpu
         xbc = conv(xbc.contiguous(), self.conv_weight, self.conv_bias, state[0], *spans, activation="silu")
         x, b, c = xbc.split([o.intermediate_size, group_dims, group_dims], dim=-1)
-        scan = selective_scan if hidden.is_cuda else selective_scan_cpu
-        y = scan(
+        inputs = (
             x.reshape(num_tokens, o.num_heads, o.head_dim),
             dt.contiguous(),
             -torch.exp(self.A_log.float()),
@@ -93,8 +95,14 @@ class Mamba2Mixer(nn.Module):
             self.dt_bias,
             state[1],
             *spans,
-            dt_limit=o.time_step_limit,
         )
+        if step.chunk_size:  # the Triton path: chunked prefills (kernels/chunked_selective_scan.py)
+            y = chunked_selective_scan(
+                *inputs, step.start_positions, step.chunk_limits, step.chunk_size, dt_limit=o.time_step_limit
+            )
+        else:
+            scan = selective_scan if hidden.is_cuda else selective_scan_cpu
+            y = scan(*inputs, dt_limit=o.time_step_limit)
         return self.out_proj(self.norm(y.reshape(num_tokens, o.intermediate_size), gate))
 
 

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pagefleet.engine.config import EngineConfig
+from pagefleet.engine.config import EngineConfig, simulated_defaults
 from pagefleet.engine.errors import InvalidParameterError
 from pagefleet.engine.server.lora import parse_lora_modules
 from pagefleet.protocol.replica import PUBLISH_INTERVAL_S, RECORD_TTL_S
@@ -46,6 +46,8 @@ ENGINE_FIELDS = (
     "kv_cache_dir_size_gib",
     "speculative_config",
     "quantization",
+    "simulate",
+    "time_scale",
 )
 
 
@@ -173,6 +175,14 @@ class ServerSettings(BaseSettings):
     tensor_parallel_size: int = Field(
         _default("tensor_parallel_size"), description="devices (on a CPU: processes) the model is split across"
     )
+    simulate: str | None = Field(
+        None,
+        description="run a cost model of PROFILE (gpu-8b, gpu-70b-tp4, cpu-smollm2) instead of a model: the "
+        "scheduler, KV cache, prefix cache, events and metrics run for real; --model gives the tokenizer",
+    )
+    time_scale: float = Field(
+        _default("time_scale"), gt=0, description="with --simulate: stretch every modelled duration this many times"
+    )
 
     _engine_config: EngineConfig | None = PrivateAttr(None)
 
@@ -180,6 +190,8 @@ class ServerSettings(BaseSettings):
     def _check_engine_config(self) -> ServerSettings:
         """Build the engine's config now, so a bad engine flag is refused when the settings
         are parsed (naming the flag), not when the model loads."""
+        if self.simulate is not None:
+            self._take_profile_defaults()
         try:
             self._engine_config = EngineConfig(
                 model=self.model,
@@ -194,6 +206,14 @@ class ServerSettings(BaseSettings):
             raise ValueError("--lora-modules: needs --enable-lora")
         parse_lora_modules(self.lora_modules)
         return self
+
+    def _take_profile_defaults(self) -> None:
+        """A simulated replica's batch limits are its profile's unless given; it pulls no
+        KV from peers (it holds none)."""
+        for name, value in simulated_defaults(self.simulate or "").items():
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
+        self.kv_peer_pulls = "off"
 
     @property
     def model_name(self) -> str:

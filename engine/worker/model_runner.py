@@ -24,7 +24,6 @@ from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, Ste
 from pagefleet.engine.layers.rotary import rope_rows
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
-from pagefleet.engine.models.linear_attention_config import LinearAttentionOptions
 from pagefleet.engine.models.loading import CausalLM
 from pagefleet.engine.sample.sampler import Sampler, SampleResult, TokenLogprobs, token_logprobs
 from pagefleet.engine.worker.state_cache import StateCache, StateMetadata
@@ -119,11 +118,10 @@ def padded_view(pages: torch.Tensor, block_size: int, heads: int, head_dim: int)
 
 
 def state_chunk_size(model_config: ModelConfig, backend: AttentionBackend, block_size: int) -> int:
-    """The chunk of a linear-attention prompt's chunked form: a block on the Triton kernels
-    (the scheduler then cuts such prompts at block multiples: KVCacheManager.chunk_end), 0
-    (token by token) elsewhere and for Mamba-2's scan."""
-    gated_delta = isinstance(model_config.linear_attention, LinearAttentionOptions)
-    return block_size if gated_delta and backend.name == "triton" else 0
+    """The chunk of a state layer's chunked form (the gated delta rule's, Mamba-2's scan's):
+    a block on the Triton kernels (the scheduler then cuts such prompts at block multiples:
+    KVCacheManager.chunk_end), 0 (token by token) elsewhere."""
+    return block_size if model_config.linear_attention is not None and backend.name == "triton" else 0
 
 
 class ModelRunner:

@@ -22,9 +22,10 @@ class StateMetadata:
     """A step's sequences as the state layers see them, in batch order: sequence i's rows
     are query_start[i]:query_start[i + 1], from position start_positions[i]; it carries on
     from slot `slots[i]`'s state where `has_state[i]` (a later chunk, a decode), else from
-    zeros (its first chunk). With `chunk_size` (the Triton path), the delta rule runs its
-    chunked form on whole aligned chunks below `chunk_limits[i]` (the prompt's length
-    rounded down to a chunk), the recurrent one elsewhere (kernels/chunked_gated_delta_rule.py)."""
+    zeros (its first chunk). With `chunk_size` (the Triton path), the delta rule and Mamba-2's
+    scan run their chunked forms on whole aligned chunks below `chunk_limits[i]` (the
+    prompt's length rounded down to a chunk), the recurrent ones elsewhere
+    (kernels/chunked_gated_delta_rule.py, kernels/chunked_selective_scan.py)."""
 
     query_start: torch.Tensor  # int64 [N + 1]
     slots: torch.Tensor  # int64 [N]

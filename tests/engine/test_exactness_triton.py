@@ -99,15 +99,17 @@ def test_triton_backend_copy_on_write(tiny_llama: Path) -> None:
 
 
 @pytest.mark.triton
-def test_triton_backend_chunks_a_linear_attention_prompt_and_keeps_one_answer(tmp_path: Path) -> None:
-    """Qwen3.5's Gated DeltaNet layers on the Triton path run a prompt's whole blocks in the
-    chunked form (a block a chunk) and the rest token by token; the scheduler ends a prompt's
+@pytest.mark.parametrize("arch", ["qwen3_5", "granite4"])
+def test_triton_backend_chunks_a_linear_attention_prompt_and_keeps_one_answer(tmp_path: Path, arch: str) -> None:
+    """Qwen3.5's Gated DeltaNet layers and Granite 4's Mamba-2 layers on the Triton path run
+    a prompt's whole blocks in the chunked form (a block a chunk) and the rest token by
+    token; the scheduler ends a prompt's
     chunks at block multiples (a budget of 20 cuts at 16). Transformers' greedy tokens,
     batched and chunked; a prompt resumed from its prefix snapshot is cut at the same places
     as its cold run: the same bits."""
     from tests.conftest import build_tiny_model
 
-    model_dir = build_tiny_model("qwen3_5", tmp_path / "qwen3_5")
+    model_dir = build_tiny_model(arch, tmp_path / arch)
     settings = dict(dtype="float32", attention_backend="triton", block_size=8)
     batched = LLM(str(model_dir), max_num_batched_tokens=20, **settings)  # type: ignore[arg-type]
     assert batched.engine.runner.state_chunk_size == 8 and batched.engine.kv_cache.state_chunk_size == 8

@@ -13,8 +13,7 @@ at its first chunk boundary. Sizes are small and not powers of two (key dim 12 i
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 from pagefleet.kernels.checks import KernelArgumentError
 from pagefleet.kernels.chunked_gated_delta_rule import chunked_gated_delta_rule, chunked_gated_delta_rule_torch
 from pagefleet.kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_torch
+from tests.kernels.state_inputs import cat, chunked_batch, starts, take
 
 KEY_HEADS, HEADS, KEY_DIM, VALUE_DIM = 2, 4, 12, 20
 NUM_SLOTS = 7
@@ -40,12 +40,6 @@ IMPLEMENTATIONS = pytest.mark.parametrize(
 )
 
 Rows = tuple[torch.Tensor, ...]  # (query, key, value, g, beta), each [T, ...]
-
-
-def _batch(lengths: Sequence[int], slots: Sequence[int], has_state: Sequence[bool], positions: Sequence[int]) -> Rows:
-    """(query_start int32 [N + 1], slots int64 [N], has_state bool [N], start_positions int64 [N])."""
-    query_start = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    return query_start, torch.tensor(slots), torch.tensor(has_state, dtype=torch.bool), torch.tensor(positions)
 
 
 def _rows(num_rows: int, dtype: torch.dtype, seed: int = 1) -> Rows:
@@ -65,24 +59,12 @@ def _chunked(triton: bool) -> Callable[..., torch.Tensor]:
     return chunked_gated_delta_rule if triton else chunked_gated_delta_rule_torch
 
 
-def _take(rows: Rows, start: int, end: int) -> Rows:
-    return tuple(tensor[start:end] for tensor in rows)
-
-
-def _cat(parts: Sequence[Rows]) -> Rows:
-    return tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True))
-
-
 def _packed(rows: Rows) -> Rows:
     """query, key, value as views into one [T, q | k | v] projection, as the model passes them."""
     query, key, value, g, beta = rows
     packed = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], dim=1)
     q, k, v = packed.split([query[0].numel(), key[0].numel(), value[0].numel()], dim=1)
     return q.view(query.shape), k.view(key.shape), v.view(value.shape), g, beta
-
-
-def _starts(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    return list(itertools.pairwise((0, *itertools.accumulate(lengths))))
 
 
 @CHUNK_SIZES
@@ -93,11 +75,11 @@ def test_reference_is_close_to_transformers_chunked_form(chunk_size: int) -> Non
     lengths, slots = (16, 32), (3, 0)
     rows, state = _rows(sum(lengths), torch.float32), _state()
     out = chunked_gated_delta_rule_torch(
-        *rows, state, *_batch(lengths, slots, (False, False), (0, 0)), chunk_size=chunk_size
+        *rows, state, *chunked_batch(lengths, slots, (False, False), (0, 0)), chunk_size=chunk_size
     )
-    for (start, end), slot in zip(_starts(lengths), slots, strict=True):
+    for (start, end), slot in zip(starts(lengths), slots, strict=True):
         theirs, theirs_state = torch_chunk_gated_delta_rule(
-            *(tensor[None] for tensor in _take(rows, start, end)),
+            *(tensor[None] for tensor in take(rows, start, end)),
             chunk_size=chunk_size,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
@@ -112,8 +94,10 @@ def test_reference_is_close_to_the_recurrent_form() -> None:
     lengths, slots, has_state, positions = (1, 5, 17, 40), (3, 0, 5, 1), (True, False, True, False), (3, 0, 12, 0)
     rows, before = _rows(sum(lengths), torch.float32), _state()
     expected_state, state = before.clone(), before.clone()
-    expected = gated_delta_rule_torch(*rows, expected_state, *_batch(lengths, slots, has_state, positions)[:3])
-    out = chunked_gated_delta_rule_torch(*rows, state, *_batch(lengths, slots, has_state, positions), chunk_size=CHUNK)
+    expected = gated_delta_rule_torch(*rows, expected_state, *chunked_batch(lengths, slots, has_state, positions)[:3])
+    out = chunked_gated_delta_rule_torch(
+        *rows, state, *chunked_batch(lengths, slots, has_state, positions), chunk_size=CHUNK
+    )
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
     torch.testing.assert_close(state, expected_state, **TOLERANCE[torch.float32])
 
@@ -123,8 +107,8 @@ def test_rows_outside_whole_chunks_are_the_recurrent_forms_bits() -> None:
     reference's row step, bit for bit."""
     rows, before = _rows(5, torch.float32), _state()
     expected_state, state = before.clone(), before.clone()
-    expected = gated_delta_rule_torch(*rows, expected_state, *_batch((5,), (4,), (True,), (3,))[:3])
-    out = chunked_gated_delta_rule_torch(*rows, state, *_batch((5,), (4,), (True,), (3,)), chunk_size=CHUNK)
+    expected = gated_delta_rule_torch(*rows, expected_state, *chunked_batch((5,), (4,), (True,), (3,))[:3])
+    out = chunked_gated_delta_rule_torch(*rows, state, *chunked_batch((5,), (4,), (True,), (3,)), chunk_size=CHUNK)
     assert torch.equal(out, expected)
     assert torch.equal(state, expected_state)
 
@@ -139,7 +123,7 @@ def test_triton_matches_the_reference(dtype: torch.dtype, chunk_size: int) -> No
     would pass here too (both forms agree to rounding): the bit-for-bit tests below see them."""
     lengths, slots, positions = (1, 5, 0, 17, 40), (3, 0, 6, 5, 1), (7, 0, 4, 12, 0)
     rows, before = _packed(_rows(sum(lengths), dtype)), _state()
-    batch = _batch(lengths, slots, (True, False, True, True, False), positions)
+    batch = chunked_batch(lengths, slots, (True, False, True, True, False), positions)
     expected_state, state = before.clone(), before.clone()
     expected = chunked_gated_delta_rule_torch(*rows, expected_state, *batch, chunk_size=chunk_size)
     out = chunked_gated_delta_rule(*rows, state, *batch, chunk_size=chunk_size, block_v=16)
@@ -162,7 +146,7 @@ def _in_company(part: int, cut: int, position: int) -> tuple[Rows, int]:
     others = [(3, 0, 5), (13, 4, 6)]  # (length, slot, start position)
     others.insert(part % 3, (cut, 2, position))
     lengths, slots, positions = zip(*others, strict=True)
-    return _batch(lengths, slots, [slot != 2 or part > 0 for slot in slots], positions), part % 3
+    return chunked_batch(lengths, slots, [slot != 2 or part > 0 for slot in slots], positions), part % 3
 
 
 @IMPLEMENTATIONS
@@ -174,14 +158,14 @@ def test_the_same_bits_alone_split_or_batched(triton: bool, cuts: tuple[int, ...
     rows = _rows(37, torch.float32)
     alone_state = _state()
     state = alone_state.clone()
-    alone = chunked(*rows, alone_state, *_batch((37,), (2,), (False,), (0,)), chunk_size=CHUNK)
+    alone = chunked(*rows, alone_state, *chunked_batch((37,), (2,), (False,), (0,)), chunk_size=CHUNK)
     outs, start = [], 0
     for part, cut in enumerate(cuts):
         batch, index = _in_company(part, cut, start)
         lengths = (batch[0][1:] - batch[0][:-1]).tolist()
         parts = [_rows(length, torch.float32, seed=20 + i) for i, length in enumerate(lengths)]
-        parts[index] = _take(rows, start, start + cut)
-        out = chunked(*_cat(parts), state, *batch, chunk_size=CHUNK)
+        parts[index] = take(rows, start, start + cut)
+        out = chunked(*cat(parts), state, *batch, chunk_size=CHUNK)
         outs.append(out[sum(lengths[:index]) :][:cut])
         start += cut
     assert torch.equal(torch.cat(outs), alone)
@@ -197,15 +181,19 @@ def test_an_unaligned_call_is_cut_at_its_first_boundary(triton: bool) -> None:
     recurrent = gated_delta_rule if triton else gated_delta_rule_torch
     tile = dict(block_v=32) if triton else {}  # the recurrent kernel's tile for 20 columns: its exact ops
     rows, states = _rows(32, torch.float32), [_state() for _ in range(4)]
-    whole = chunked(*rows, states[0], *_batch((32,), (1,), (False,), (0,)), chunk_size=CHUNK)
+    whole = chunked(*rows, states[0], *chunked_batch((32,), (1,), (False,), (0,)), chunk_size=CHUNK)
     for state in states[1:]:
-        chunked(*_take(rows, 0, 12), state, *_batch((12,), (1,), (False,), (0,)), chunk_size=CHUNK)
-    resumed = chunked(*_take(rows, 12, 32), states[1], *_batch((20,), (1,), (True,), (12,)), chunk_size=CHUNK, **tile)
-    head = chunked(*_take(rows, 12, 16), states[2], *_batch((4,), (1,), (True,), (12,)), chunk_size=CHUNK, **tile)
-    tail = chunked(*_take(rows, 16, 32), states[2], *_batch((16,), (1,), (True,), (16,)), chunk_size=CHUNK, **tile)
+        chunked(*take(rows, 0, 12), state, *chunked_batch((12,), (1,), (False,), (0,)), chunk_size=CHUNK)
+    resumed = chunked(
+        *take(rows, 12, 32), states[1], *chunked_batch((20,), (1,), (True,), (12,)), chunk_size=CHUNK, **tile
+    )
+    head = chunked(*take(rows, 12, 16), states[2], *chunked_batch((4,), (1,), (True,), (12,)), chunk_size=CHUNK, **tile)
+    tail = chunked(
+        *take(rows, 16, 32), states[2], *chunked_batch((16,), (1,), (True,), (16,)), chunk_size=CHUNK, **tile
+    )
     assert torch.equal(resumed, torch.cat([head, tail]))
     assert torch.equal(states[1][1], states[2][1])
-    assert torch.equal(head, recurrent(*_take(rows, 12, 16), states[3], *_batch((4,), (1,), (True,), (12,))[:3]))
+    assert torch.equal(head, recurrent(*take(rows, 12, 16), states[3], *chunked_batch((4,), (1,), (True,), (12,))[:3]))
     torch.testing.assert_close(resumed, whole[12:], **TOLERANCE[torch.float32])
     torch.testing.assert_close(states[1][1], states[0][1], **TOLERANCE[torch.float32])
 
@@ -214,7 +202,7 @@ def test_an_unaligned_call_is_cut_at_its_first_boundary(triton: bool) -> None:
 def test_a_first_chunk_ignores_what_its_slot_held(triton: bool) -> None:
     """has_state=False: a slot full of NaN gives the bits of a slot of zeros (a chunk of 8
     and 5 rows after it)."""
-    batch, rows = _batch((13,), (1,), (False,), (0,)), _rows(13, torch.float32)
+    batch, rows = chunked_batch((13,), (1,), (False,), (0,)), _rows(13, torch.float32)
     results = []
     for fill in (float("nan"), 0.0):
         state = torch.full((NUM_SLOTS, HEADS, KEY_DIM, VALUE_DIM), fill)
@@ -226,7 +214,7 @@ def test_a_first_chunk_ignores_what_its_slot_held(triton: bool) -> None:
 def _arguments() -> dict[str, Any]:
     rows = dict(zip(("query", "key", "value", "g", "beta"), _rows(6, torch.float32), strict=True))
     names = ("query_start", "slots", "has_state", "start_positions")
-    batch = dict(zip(names, _batch((1, 5), (0, 1), (True, False), (3, 0)), strict=True))
+    batch = dict(zip(names, chunked_batch((1, 5), (0, 1), (True, False), (3, 0)), strict=True))
     return dict(**rows, state=_state(), **batch, chunk_size=CHUNK)
 
 
@@ -262,15 +250,21 @@ def test_rows_past_the_chunk_limit_are_the_decode_rows_bits(triton: bool) -> Non
     tile = dict(block_v=32) if triton else {}
     rows, states = _rows(34, torch.float32), [_state() for _ in range(2)]
     limits = torch.tensor([24])
-    whole = chunked(*rows, states[0], *_batch((34,), (1,), (False,), (0,)), limits, chunk_size=CHUNK, **tile)
-    parts = [chunked(*_take(rows, 0, 24), states[1], *_batch((24,), (1,), (False,), (0,)), chunk_size=CHUNK, **tile)]
+    whole = chunked(*rows, states[0], *chunked_batch((34,), (1,), (False,), (0,)), limits, chunk_size=CHUNK, **tile)
+    parts = [
+        chunked(*take(rows, 0, 24), states[1], *chunked_batch((24,), (1,), (False,), (0,)), chunk_size=CHUNK, **tile)
+    ]
     for row in range(24, 34):
         parts.append(
             chunked(
-                *_take(rows, row, row + 1), states[1], *_batch((1,), (1,), (True,), (row,)), chunk_size=CHUNK, **tile
+                *take(rows, row, row + 1),
+                states[1],
+                *chunked_batch((1,), (1,), (True,), (row,)),
+                chunk_size=CHUNK,
+                **tile,
             )
         )
     assert torch.equal(whole, torch.cat(parts))
     assert torch.equal(states[0][1], states[1][1])
-    unlimited = chunked(*rows, _state(), *_batch((34,), (1,), (False,), (0,)), chunk_size=CHUNK, **tile)
+    unlimited = chunked(*rows, _state(), *chunked_batch((34,), (1,), (False,), (0,)), chunk_size=CHUNK, **tile)
     assert not torch.equal(unlimited[24:], whole[24:]), "without the limit rows 24..31 are a chunk"

@@ -27,6 +27,7 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
 
 from pagefleet.kernels.checks import KernelArgumentError
 from pagefleet.kernels.selective_scan import NO_LIMIT, selective_scan, selective_scan_torch
+from tests.kernels.state_inputs import cat, packed_scan_rows, scan_inputs, take
 
 HEADS, GROUPS, HEAD_DIM, STATE_SIZE = 4, 2, 8, 16
 NUM_SLOTS = 7
@@ -67,35 +68,12 @@ def _rows(
     return x, dt, B, C
 
 
-def _inputs(rows: Rows, params: Params) -> Rows:
-    """(x, dt, A, B, C, D, dt_bias): the scan's first arguments, in its order."""
-    (x, dt, B, C), (A, D, dt_bias) = rows, params
-    return x, dt, A, B, C, D, dt_bias
-
-
 def _state(seed: int = 2, head_dim: int = HEAD_DIM, state_size: int = STATE_SIZE) -> torch.Tensor:
     return torch.randn(NUM_SLOTS, HEADS, head_dim, state_size, generator=torch.Generator().manual_seed(seed))
 
 
 def _scan(triton: bool) -> Callable[..., torch.Tensor]:
     return selective_scan if triton else selective_scan_torch
-
-
-def _take(rows: Rows, start: int, end: int) -> Rows:
-    return tuple(tensor[start:end] for tensor in rows)
-
-
-def _cat(parts: Sequence[Rows]) -> Rows:
-    return tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True))
-
-
-def _packed(rows: Rows) -> Rows:
-    """x, dt, B and C as the layer passes them: views into one [T, x | B | C | dt] tensor,
-    rows strided by its width."""
-    x, dt, B, C = rows
-    packed = torch.cat([x.flatten(1), B.flatten(1), C.flatten(1), dt], dim=1)
-    x_view, B_view, C_view, dt_view = packed.split([x[0].numel(), B[0].numel(), C[0].numel(), dt.shape[1]], dim=1)
-    return x_view.view(x.shape), dt_view, B_view.view(B.shape), C_view.view(C.shape)
 
 
 def _their_step(state: torch.Tensor, rows: Rows, params: Params) -> torch.Tensor:
@@ -130,16 +108,16 @@ def test_reference_equals_transformers_step(dtype: torch.dtype) -> None:
             for slot, stored in zip(slots, has_state, strict=True)
         ]
     )
-    out = selective_scan_torch(*_inputs(rows, params), state, *_batch(LENGTHS, slots, has_state))
+    out = selective_scan_torch(*scan_inputs(rows, params), state, *_batch(LENGTHS, slots, has_state))
     for sequence, (start, end) in enumerate(itertools.pairwise((0, *itertools.accumulate(LENGTHS)))):
         theirs_state = theirs_states[sequence : sequence + 1]  # a view: their step updates it in place
         for row in range(start, end):
-            theirs = _their_step(theirs_state, _take(rows, row, row + 1), params)
+            theirs = _their_step(theirs_state, take(rows, row, row + 1), params)
             assert torch.equal(out[row], theirs[0]), f"row {row}"
         assert torch.equal(state[slots[sequence]], theirs_state[0])
     for step in range(3):
         tokens = _rows(3, dtype, seed=10 + step)
-        out = selective_scan_torch(*_inputs(tokens, params), state, *_batch((1, 1, 1), slots, (True,) * 3))
+        out = selective_scan_torch(*scan_inputs(tokens, params), state, *_batch((1, 1, 1), slots, (True,) * 3))
         assert torch.equal(out, _their_step(theirs_states, tokens, params))
         assert torch.equal(state[list(slots)], theirs_states)
 
@@ -185,12 +163,12 @@ def test_triton_matches_the_reference(
     is compared at float32's tolerance whatever the dtype."""
     head_dim, state_size = 6, 12
     lengths, slots = (1, 5, 0, 17), (3, 0, 6, 5)
-    rows = _packed(_rows(sum(lengths), dtype, head_dim=head_dim, state_size=state_size))
+    rows = packed_scan_rows(_rows(sum(lengths), dtype, head_dim=head_dim, state_size=state_size))
     params, before = _params(param_dtype), _state(head_dim=head_dim, state_size=state_size)
     batch = _batch(lengths, slots, (True, False, True, True))
     expected_state, state = before.clone(), before.clone()
-    expected = selective_scan_torch(*_inputs(rows, params), expected_state, *batch, dt_limit=dt_limit)
-    out = selective_scan(*_inputs(rows, params), state, *batch, dt_limit=dt_limit, block_p=block_p)
+    expected = selective_scan_torch(*scan_inputs(rows, params), expected_state, *batch, dt_limit=dt_limit)
+    out = selective_scan(*scan_inputs(rows, params), state, *batch, dt_limit=dt_limit, block_p=block_p)
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
     torch.testing.assert_close(state, expected_state, **TOLERANCE[torch.float32])
@@ -219,14 +197,14 @@ def test_the_same_split_or_batched(triton: bool, dtype: torch.dtype) -> None:
     rows = _rows(17, dtype)
     alone_state = _state()
     state = alone_state.clone()
-    alone = scan(*_inputs(rows, params), alone_state, *_batch((17,), (2,), (False,)))
+    alone = scan(*scan_inputs(rows, params), alone_state, *_batch((17,), (2,), (False,)))
     outs, start = [], 0
     for part, cut in enumerate((1, 1, 4, 11)):
         lengths, slots, index = _in_company(part, cut)
         others = [_rows(length, dtype, seed=20 + i) for i, length in enumerate(lengths)]
-        others[index] = _take(rows, start, start + cut)
+        others[index] = take(rows, start, start + cut)
         batch = _batch(lengths, slots, [slot != 2 or part > 0 for slot in slots])
-        out = scan(*_inputs(_cat(others), params), state, *batch)
+        out = scan(*scan_inputs(cat(others), params), state, *batch)
         first = sum(lengths[:index])
         outs.append(out[first : first + cut])
         start += cut
@@ -241,7 +219,7 @@ def test_a_first_chunk_ignores_what_its_slot_held(triton: bool) -> None:
     results = []
     for fill in (float("nan"), 0.0):
         state = torch.full((NUM_SLOTS, HEADS, HEAD_DIM, STATE_SIZE), fill)
-        results.append((_scan(triton)(*_inputs(rows, params), state, *batch), state[1]))
+        results.append((_scan(triton)(*scan_inputs(rows, params), state, *batch), state[1]))
     for garbage, zeros in zip(*results, strict=True):
         assert torch.equal(garbage, zeros)
     assert not results[0][0].isnan().any()
