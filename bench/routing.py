@@ -366,6 +366,7 @@ def run_workloads(
                         cells.setdefault(label, {})[rate] = run_cell(
                             url, target, workload, rate, run, args.slo_s, args.requests, tier, process
                         )
+                        save(args.json, results)  # after every cell: a long run keeps what it measured
                 finally:
                     stop_router(target.fleet, router)
             print("\n".join(report(name, cells)), flush=True)
@@ -387,6 +388,17 @@ def fidelity(results: dict[str, dict[str, dict[float, dict[str, object]]]]) -> l
                 shares = [ratio(float(sim[k]), float(real[k])) for k in ("ttft_p50", "ttft_p90", "goodput")]
                 lines.append(f"| {name} | {router} | {rate:g} | " + " | ".join(f"{x:.2f}x" for x in shares) + " |")
     return lines
+
+
+def save(path: Path | None, results: dict[str, dict[str, dict[float, dict[str, object]]]]) -> None:
+    """Merge `results` into the JSON file at `path` (if any)."""
+    if path is None:
+        return
+    existing = json.loads(path.read_text()) if path.exists() else {}
+    existing.update(
+        {w: {r: {str(k): v for k, v in c.items()} for r, c in cells.items()} for w, cells in results.items()}
+    )
+    path.write_text(json.dumps(existing, indent=1))
 
 
 def default_rates(workload: str, target: Target) -> list[float]:
@@ -454,12 +466,7 @@ def main() -> None:
                     target.fleet.stop()
     if args.against_real:
         print("\n".join(fidelity(results)), flush=True)
-    if args.json:
-        existing = json.loads(args.json.read_text()) if args.json.exists() else {}
-        existing.update(
-            {w: {r: {str(k): v for k, v in c.items()} for r, c in cells.items()} for w, cells in results.items()}
-        )
-        args.json.write_text(json.dumps(existing, indent=1))
+    save(args.json, results)
     if args.plot:
         plot(results, args.plot)
 
