@@ -60,16 +60,28 @@ class Outcome:
     sent: float = 0.0  # perf_counter() when it was sent
 
 
-def shared_prompts(rate: float, requests: int, seed: int, prompts: int = 8, prompt_words: int = 700) -> list[Turn]:
-    """`prompts` system prompts of `prompt_words` words (about 0.93k SmolLM2 tokens each),
-    picked at random per request, each followed by a short question; 16 answer tokens."""
+def shared_prompts(
+    rate: float,
+    requests: int,
+    seed: int,
+    prompts: int = 8,
+    prompt_words: int = 700,
+    question_words: int = 12,
+    answer_tokens: int = 16,
+    zipf: bool = False,
+) -> list[Turn]:
+    """`prompts` system prompts of `prompt_words` words (700: about 0.93k SmolLM2 tokens
+    each), picked at random per request (uniformly, or with `zipf` tenant i with weight
+    1/(i+1)), each followed by a question of `question_words` words."""
     rng = random.Random(seed)
     systems = [f"Tenant {i} handbook: " + words(rng, prompt_words) for i in range(prompts)]
+    weights = [1.0 / (i + 1) for i in range(prompts)]
     turns, at = [], 0.0
     for _ in range(requests):
         at += rng.expovariate(rate)
-        messages = [{"role": "system", "content": rng.choice(systems)}, {"role": "user", "content": words(rng, 12)}]
-        turns.append(Turn(at, messages, 16))
+        system = rng.choices(systems, weights)[0] if zipf else rng.choice(systems)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": words(rng, question_words)}]
+        turns.append(Turn(at, messages, answer_tokens))
     return turns
 
 
@@ -100,19 +112,8 @@ def decode_bound(rate: float, requests: int, seed: int) -> list[Turn]:
 
 def b2b_saas(rate: float, requests: int, seed: int) -> list[Turn]:
     """llm-d's b2b-saas at full size: 150 tenants' system prompts of 6,000 words (about as
-    many tokens), picked Zipf-distributed (tenant i with weight 1/(i+1)), each followed by a
-    100-word question; 64 answer tokens."""
-    rng = random.Random(seed)
-    systems = [f"Tenant {i} handbook: " + words(rng, 6000) for i in range(150)]
-    weights = [1.0 / (i + 1) for i in range(len(systems))]
-    turns, at = [], 0.0
-    for _ in range(requests):
-        at += rng.expovariate(rate)
-        system = rng.choices(systems, weights)[0]
-        turns.append(
-            Turn(at, [{"role": "system", "content": system}, {"role": "user", "content": words(rng, 100)}], 64)
-        )
-    return turns
+    many tokens), Zipf-distributed, a 100-word question each; 64 answer tokens."""
+    return shared_prompts(rate, requests, seed, 150, 6000, 100, 64, zipf=True)
 
 
 def chat_sessions(rate: float, requests: int, seed: int, turns_per_session: int = 5) -> list[Turn]:

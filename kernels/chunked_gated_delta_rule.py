@@ -55,7 +55,14 @@ import triton
 import triton.language as tl
 
 from pagefleet.kernels.checks import check_chunk_arguments
-from pagefleet.kernels.gated_delta_rule import L2NORM_EPS, _check, _l2norm, _recurrent_step
+from pagefleet.kernels.gated_delta_rule import (
+    L2NORM_EPS,
+    _check,
+    _l2norm,
+    _program_tile,
+    _recurrent_step,
+    _row_step,
+)
 
 DOT_BLOCK = 16  # tl.dot's smallest tile side on NVIDIA GPUs: smaller chunks and heads are padded to it
 
@@ -76,28 +83,6 @@ def _check_chunked(
 ) -> None:
     _check(query, key, value, g, beta, state, query_start, slots, has_state)
     check_chunk_arguments(start_positions, chunk_limits, chunk_size, slots, query.device)
-
-
-@triton.jit
-def _row_step(recurrent, row, pointers, strides, dim_ok, column_ok, query_scale, eps, L2NORM: tl.constexpr):
-    """One row of the recurrence, gated_delta_rule.py's kernel's ops in its order; writes the
-    row's output and returns the state [BLOCK_K, BLOCK_V]."""
-    q_at, k_at, v_at, g_at, beta_at, out_at = pointers
-    stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot = strides
-    q = tl.load(q_at + row * stride_qt, mask=dim_ok, other=0.0).to(tl.float32)
-    k = tl.load(k_at + row * stride_kt, mask=dim_ok, other=0.0).to(tl.float32)
-    if L2NORM:
-        q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + eps)
-        k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + eps)
-    q = q / query_scale
-    v = tl.load(v_at + row * stride_vt, mask=column_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_at + row * stride_bt).to(tl.float32)
-    recurrent = recurrent * tl.exp(tl.load(g_at + row * stride_gt))
-    delta = (v - tl.sum(recurrent * k[:, None], axis=0)) * beta
-    recurrent = recurrent + k[:, None] * delta[None, :]
-    out = tl.sum(recurrent * q[:, None], axis=0)
-    tl.store(out_at + row * stride_ot, out.to(out_at.dtype.element_ty), mask=column_ok)
-    return recurrent
 
 
 @triton.jit
@@ -238,27 +223,16 @@ def _chunked_gated_delta_rule_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    sequence, head = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slots_ptr + sequence).to(tl.int64)
-    dims = tl.arange(0, BLOCK_K)
-    dim_ok = dims < key_dim
-    columns = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    column_ok = columns < value_dim
-    tile_mask = dim_ok[:, None] & column_ok[None, :]
-    key_head = head // heads_per_key
-    # Row 0's q, k, v, g, beta and out of this head; row t's is at + t * its row stride.
-    pointers = (
-        query_ptr + key_head * stride_qh + dims,
-        key_ptr + key_head * stride_kh + dims,
-        value_ptr + head * stride_vh + columns,
-        g_ptr + head,
-        beta_ptr + head,
-        out_ptr + head * value_dim + columns,
+    tile = _program_tile(
+        (query_ptr, key_ptr, value_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_state_ptr, out_ptr),
+        (stride_qt, stride_kt, stride_vt, stride_gt, stride_bt),
+        (stride_qh, stride_kh, stride_vh, stride_ss, stride_sh, stride_sk),
+        (num_heads, heads_per_key, key_dim, value_dim),
+        BLOCK_K,
+        BLOCK_V,
     )
-    strides = (stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, num_heads * value_dim)
-    state_at = state_ptr + slot * stride_ss + head * stride_sh + dims[:, None] * stride_sk + columns[None, :]
-    # Padding rows and columns of the state stay 0: their k, q and v are loaded as 0.
-    recurrent = tl.load(state_at, mask=tile_mask & tl.load(has_state_ptr + sequence), other=0.0)
+    pointers, strides, dim_ok, column_ok, state_at, tile_mask, recurrent = tile
+    sequence = tl.program_id(0)
     bounds = _bounds(query_start_ptr, start_positions_ptr, chunk_limits_ptr, sequence, HAS_LIMITS, CHUNK)
     start, chunks_from, chunks_to, end = bounds
     for row in range(start, chunks_from):

@@ -78,6 +78,67 @@ def _check(
 
 
 @triton.jit
+def _row_step(recurrent, row, pointers, strides, dim_ok, column_ok, query_scale, eps, L2NORM: tl.constexpr):
+    """One row of the recurrence (both kernels': chunked_gated_delta_rule.py's rows outside
+    chunks are these ops); writes the row's output and returns the state [BLOCK_K, BLOCK_V].
+    `pointers` are row 0's q, k, v, g, beta and out of this program's head, `strides` their
+    row strides."""
+    q_at, k_at, v_at, g_at, beta_at, out_at = pointers
+    stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot = strides
+    q = tl.load(q_at + row * stride_qt, mask=dim_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_at + row * stride_kt, mask=dim_ok, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + eps)
+        k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + eps)
+    q = q / query_scale
+    v = tl.load(v_at + row * stride_vt, mask=column_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_at + row * stride_bt).to(tl.float32)
+    recurrent = recurrent * tl.exp(tl.load(g_at + row * stride_gt))
+    delta = (v - tl.sum(recurrent * k[:, None], axis=0)) * beta
+    recurrent = recurrent + k[:, None] * delta[None, :]
+    out = tl.sum(recurrent * q[:, None], axis=0)
+    tl.store(out_at + row * stride_ot, out.to(out_at.dtype.element_ty), mask=column_ok)
+    return recurrent
+
+
+@triton.jit
+def _program_tile(tensors, row_strides, other_strides, sizes, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """What a program (sequence, value head, tile of Dv) of a delta-rule kernel works on,
+    from the kernel's arguments: tensors (query, key, value, g, beta, state, slots,
+    has_state, out), row_strides (q's, k's, v's, g's, beta's), other_strides (q's, k's and
+    v's per head, state's per slot, head and key row) and sizes (heads, heads per key head,
+    Dk, Dv). Returns (row 0's pointers and their row strides, as `_row_step` takes them; Dk's
+    and Dv's masks; the state tile's address and mask; the state tile, its slot's or zeros
+    without has_state)."""
+    query_ptr, key_ptr, value_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_state_ptr, out_ptr = tensors
+    stride_qt, stride_kt, stride_vt, stride_gt, stride_bt = row_strides
+    stride_qh, stride_kh, stride_vh, stride_ss, stride_sh, stride_sk = other_strides
+    num_heads, heads_per_key, key_dim, value_dim = sizes
+    sequence, head = tl.program_id(0), tl.program_id(1)
+    key_head = head // heads_per_key
+    dims = tl.arange(0, BLOCK_K)
+    dim_ok = dims < key_dim
+    columns = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    column_ok = columns < value_dim
+    # Row 0's q, k, v, g, beta and out of this head; row t's is at + t * its row stride.
+    pointers = (
+        query_ptr + key_head * stride_qh + dims,
+        key_ptr + key_head * stride_kh + dims,
+        value_ptr + head * stride_vh + columns,
+        g_ptr + head,
+        beta_ptr + head,
+        out_ptr + head * value_dim + columns,
+    )
+    strides = (stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, num_heads * value_dim)
+    slot = tl.load(slots_ptr + sequence).to(tl.int64)
+    state_at = state_ptr + slot * stride_ss + head * stride_sh + dims[:, None] * stride_sk + columns[None, :]
+    tile_mask = dim_ok[:, None] & column_ok[None, :]
+    # Padding rows and columns of the state stay 0: their k, q and v are loaded as 0.
+    recurrent = tl.load(state_at, mask=tile_mask & tl.load(has_state_ptr + sequence), other=0.0)
+    return pointers, strides, dim_ok, column_ok, state_at, tile_mask, recurrent
+
+
+@triton.jit
 def _gated_delta_rule_kernel(
     query_ptr,
     key_ptr,
@@ -110,38 +171,20 @@ def _gated_delta_rule_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    tile = _program_tile(
+        (query_ptr, key_ptr, value_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, has_state_ptr, out_ptr),
+        (stride_qt, stride_kt, stride_vt, stride_gt, stride_bt),
+        (stride_qh, stride_kh, stride_vh, stride_ss, stride_sh, stride_sk),
+        (num_heads, heads_per_key, key_dim, value_dim),
+        BLOCK_K,
+        BLOCK_V,
+    )
+    pointers, strides, dim_ok, column_ok, state_at, tile_mask, recurrent = tile
     sequence = tl.program_id(0)
-    head = tl.program_id(1)
-    key_head = head // heads_per_key
     start = tl.load(query_start_ptr + sequence).to(tl.int64)
     end = tl.load(query_start_ptr + sequence + 1).to(tl.int64)
-    slot = tl.load(slots_ptr + sequence).to(tl.int64)
-    has_state = tl.load(has_state_ptr + sequence)
-    dims = tl.arange(0, BLOCK_K)
-    dim_ok = dims < key_dim
-    columns = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    column_ok = columns < value_dim
-    tile_mask = dim_ok[:, None] & column_ok[None, :]
-    state_at = state_ptr + slot * stride_ss + head * stride_sh + dims[:, None] * stride_sk + columns[None, :]
-    # Padding rows and columns stay 0: their k, q and v are loaded as 0.
-    recurrent = tl.load(state_at, mask=tile_mask & has_state, other=0.0)
     for row in range(start, end):
-        q = tl.load(query_ptr + row * stride_qt + key_head * stride_qh + dims, mask=dim_ok, other=0.0)
-        k = tl.load(key_ptr + row * stride_kt + key_head * stride_kh + dims, mask=dim_ok, other=0.0)
-        q, k = q.to(tl.float32), k.to(tl.float32)
-        if L2NORM:  # inline: the interpreter pays more for a nested @triton.jit call than for a row
-            q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + eps)
-            k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + eps)
-        q = q / query_scale
-        v = tl.load(value_ptr + row * stride_vt + head * stride_vh + columns, mask=column_ok, other=0.0)
-        decay = tl.exp(tl.load(g_ptr + row * stride_gt + head))
-        beta = tl.load(beta_ptr + row * stride_bt + head).to(tl.float32)
-        recurrent = recurrent * decay
-        delta = (v.to(tl.float32) - tl.sum(recurrent * k[:, None], axis=0)) * beta
-        recurrent = recurrent + k[:, None] * delta[None, :]
-        out = tl.sum(recurrent * q[:, None], axis=0)
-        out_at = out_ptr + (row * num_heads + head) * value_dim + columns
-        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=column_ok)
+        recurrent = _row_step(recurrent, row, pointers, strides, dim_ok, column_ok, query_scale, eps, L2NORM)
     tl.store(state_at, recurrent, mask=tile_mask)
 
 

@@ -12,10 +12,14 @@ directly; any other name (a model's own tokenizer class) goes through `AutoToken
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Engines built at once in threads of one process (`pagefleet sim-fleet` hosts many) would
+# race transformers' lazy imports, which are not thread-safe: one tokenizer loads at a time.
+_LOADING = threading.Lock()
 
 
 def load_tokenizer(directory: Path) -> Any:
@@ -24,13 +28,14 @@ def load_tokenizer(directory: Path) -> Any:
     Raises:
         OSError, ValueError: as `from_pretrained` does, where the directory has none.
     """
-    if (directory / "tokenizer.json").is_file() and _named_class(directory) in GENERIC_CLASSES:
-        from transformers import PreTrainedTokenizerFast
+    with _LOADING:
+        if (directory / "tokenizer.json").is_file() and _named_class(directory) in GENERIC_CLASSES:
+            from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
-    from transformers import AutoTokenizer
+            return PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
 def _named_class(directory: Path) -> str | None:

@@ -4,7 +4,6 @@ its profile says, over `SimulatedRunner` instead of a model."""
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING
 
 from pagefleet.engine.config import EngineConfig
@@ -20,9 +19,6 @@ if TYPE_CHECKING:
     from pagefleet.engine.front.engine_setup import EngineParts
 
 logger = logging.getLogger(__name__)
-# Replicas hosted in one process (`pagefleet sim-fleet`) load at once, each in its thread,
-# and transformers' lazy imports are not safe to race: one tokenizer loads at a time.
-_TOKENIZER_LOADING = threading.Lock()
 
 
 def build_simulated_parts(config: EngineConfig) -> EngineParts:
@@ -33,10 +29,7 @@ def build_simulated_parts(config: EngineConfig) -> EngineParts:
     assert config.simulate is not None, "a simulated replica's config"
     sim = find_profile(config.simulate)
     model_dir = resolve_model_dir(config.tokenizer or config.model)
-    tokenizer = None
-    if not config.skip_tokenizer_init:
-        with _TOKENIZER_LOADING:
-            tokenizer = load_tokenizer(model_dir)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_dir)
     vocab_size = len(tokenizer) if tokenizer is not None else 1 << 17
     eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
     model_config = ModelConfig.from_hf(sim.model | {"vocab_size": vocab_size, "eos_token_id": eos})

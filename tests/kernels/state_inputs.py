@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 Rows = tuple[torch.Tensor, ...]  # per-row tensors, each [T, ...]
 
@@ -30,6 +31,20 @@ def take(rows: Rows, start: int, end: int) -> Rows:
 
 def cat(parts: Sequence[Rows]) -> Rows:
     return tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True))
+
+
+def gated_delta_rows(
+    num_rows: int, heads: tuple[int, int], dims: tuple[int, int], dtype: torch.dtype, seed: int
+) -> Rows:
+    """(query, key, value, g, beta) of the gated delta rule: `heads` (key heads, value heads),
+    `dims` (key dim, value dim); g float32 log decays <= 0, beta in (0, 1)."""
+    (key_heads, value_heads), (key_dim, value_dim) = heads, dims
+    generator = torch.Generator().manual_seed(seed)
+    query, key = (torch.randn(num_rows, key_heads, key_dim, generator=generator).to(dtype) for _ in range(2))
+    value = torch.randn(num_rows, value_heads, value_dim, generator=generator).to(dtype)
+    g = -F.softplus(torch.randn(num_rows, value_heads, generator=generator))
+    beta = torch.sigmoid(torch.randn(num_rows, value_heads, generator=generator)).to(dtype)
+    return query, key, value, g, beta
 
 
 def scan_inputs(rows: Rows, params: Rows) -> Rows:

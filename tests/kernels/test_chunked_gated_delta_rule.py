@@ -18,13 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 from pagefleet.kernels.checks import KernelArgumentError
 from pagefleet.kernels.chunked_gated_delta_rule import chunked_gated_delta_rule, chunked_gated_delta_rule_torch
 from pagefleet.kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_torch
-from tests.kernels.state_inputs import cat, chunked_batch, starts, take
+from tests.kernels.state_inputs import cat, chunked_batch, gated_delta_rows, starts, take
 
 KEY_HEADS, HEADS, KEY_DIM, VALUE_DIM = 2, 4, 12, 20
 NUM_SLOTS = 7
@@ -43,12 +42,7 @@ Rows = tuple[torch.Tensor, ...]  # (query, key, value, g, beta), each [T, ...]
 
 
 def _rows(num_rows: int, dtype: torch.dtype, seed: int = 1) -> Rows:
-    generator = torch.Generator().manual_seed(seed)
-    query, key = (torch.randn(num_rows, KEY_HEADS, KEY_DIM, generator=generator).to(dtype) for _ in range(2))
-    value = torch.randn(num_rows, HEADS, VALUE_DIM, generator=generator).to(dtype)
-    g = -F.softplus(torch.randn(num_rows, HEADS, generator=generator))  # log decay <= 0, float32
-    beta = torch.sigmoid(torch.randn(num_rows, HEADS, generator=generator)).to(dtype)
-    return query, key, value, g, beta
+    return gated_delta_rows(num_rows, (KEY_HEADS, HEADS), (KEY_DIM, VALUE_DIM), dtype, seed)
 
 
 def _state(seed: int = 2) -> torch.Tensor:

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pagefleet.kernels import cpu_ops
 from pagefleet.kernels.causal_conv1d import causal_conv1d_torch
@@ -28,6 +27,7 @@ from pagefleet.kernels.checks import KernelArgumentError
 from pagefleet.kernels.cpu_state import causal_conv1d_cpu, gated_delta_rule_cpu, selective_scan_cpu
 from pagefleet.kernels.gated_delta_rule import gated_delta_rule_torch
 from pagefleet.kernels.selective_scan import selective_scan_torch
+from tests.kernels.state_inputs import gated_delta_rows
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.load(),
@@ -69,12 +69,7 @@ def _conv_state(dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rule_rows(num_rows: int, dtype: torch.dtype, seed: int) -> Tensors:
-    generator = torch.Generator().manual_seed(seed)
-    query, key = (torch.randn(num_rows, KEY_HEADS, KEY_DIM, generator=generator).to(dtype) for _ in range(2))
-    value = torch.randn(num_rows, HEADS, VALUE_DIM, generator=generator).to(dtype)
-    g = -F.softplus(torch.randn(num_rows, HEADS, generator=generator))  # log decay <= 0, float32
-    beta = torch.sigmoid(torch.randn(num_rows, HEADS, generator=generator)).to(dtype)
-    return query, key, value, g, beta
+    return gated_delta_rows(num_rows, (KEY_HEADS, HEADS), (KEY_DIM, VALUE_DIM), dtype, seed)
 
 
 def _rule_state(dtype: torch.dtype) -> torch.Tensor:

@@ -30,6 +30,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 from pagefleet.kernels.causal_conv1d import causal_conv1d, causal_conv1d_torch
 from pagefleet.kernels.checks import KernelArgumentError
 from pagefleet.kernels.gated_delta_rule import gated_delta_rule, gated_delta_rule_torch
+from tests.kernels.state_inputs import gated_delta_rows
 
 CHANNELS, TAPS = 24, 4
 KEY_HEADS, HEADS, HEAD_DIM = 2, 4, 16
@@ -66,12 +67,7 @@ def _conv_rows(num_rows: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor
 
 
 def _gdn_rows(num_rows: int, dtype: torch.dtype, seed: int = 1) -> Rows:
-    generator = torch.Generator().manual_seed(seed)
-    query, key = (torch.randn(num_rows, KEY_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
-    value = torch.randn(num_rows, HEADS, HEAD_DIM, generator=generator).to(dtype)
-    g = -F.softplus(torch.randn(num_rows, HEADS, generator=generator))  # log decay <= 0, float32
-    beta = torch.sigmoid(torch.randn(num_rows, HEADS, generator=generator)).to(dtype)
-    return query, key, value, g, beta
+    return gated_delta_rows(num_rows, (KEY_HEADS, HEADS), (HEAD_DIM, HEAD_DIM), dtype, seed)
 
 
 def _gdn_state(seed: int = 2) -> torch.Tensor:
