@@ -49,11 +49,16 @@ class BlockPool:
     """Owns every block id in [0, num_blocks).
 
     Invariant: a block is in exactly one of {a free queue, referenced (ref_count > 0)}.
+
+    A block's record is made when it is first handed out, not up front: a tiny model's 1 GiB
+    cache holds over 100,000 blocks, whose records took a second to build. Untouched ids
+    leave the free queue in increasing order (freed blocks rejoin at its back), so the
+    records are always those of ids 0 to len(blocks) - 1.
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks: list[Block] = []  # every block handed out so far; the rest are untouched and free
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block id
@@ -90,8 +95,14 @@ class BlockPool:
             self._num_shared += block.ref_count == 1
         block.ref_count += 1
 
+    def _record(self, block_id: int) -> Block:
+        """The block's record, made for an id handed out for the first time."""
+        if block_id == len(self.blocks):
+            self.blocks.append(Block(block_id))
+        return self.blocks[block_id]
+
     def ref_count(self, block_id: int) -> int:
-        return self.blocks[block_id].ref_count
+        return self.blocks[block_id].ref_count if block_id < len(self.blocks) else 0
 
     def try_allocate(self, num_blocks: int) -> list[int] | None:
         """`num_blocks` fresh blocks with ref_count 1, or None if there are not enough."""
@@ -100,7 +111,7 @@ class BlockPool:
         allocated = []
         for _ in range(num_blocks):
             if self._free_uncached:
-                block = self.blocks[self._free_uncached.popleft()]
+                block = self._record(self._free_uncached.popleft())
             else:
                 block_id, _ = self._evictable.popitem(last=False)
                 block = self.blocks[block_id]
@@ -145,7 +156,9 @@ class BlockPool:
     def try_hold(self, block_id: int, block_hash: int, group: int = 0) -> bool:
         """A reference on a block that still holds `block_hash`'s contents for `group`: in
         use, or cached and free (its request finished in the step that filled it). False
-        for a block freed uncached (a copy of a block cached elsewhere)."""
+        for a block freed uncached (a copy of a block cached elsewhere) or never handed out."""
+        if block_id >= len(self.blocks):
+            return False
         block = self.blocks[block_id]
         if block.ref_count > 0:
             self._add_ref(block)
