@@ -226,41 +226,69 @@ def run_cell(
     reported is in the profile's time (wall time over the time scale)."""
     replicas, scale = target.replicas, target.time_scale
     reset_caches(replicas, tier)
-    before, reasons_before = [preemptions(r) for r in replicas], routing_reasons(url)
+    before, counters_before = [preemptions(r) for r in replicas], gateway_counters(url)
     shape = WORKLOADS.get(workload) or FULL_SIZE_WORKLOADS[workload]
     turns = stretched(shape(rate, requests or REQUESTS[workload], seed), scale)
     cpu_before = (cpu_seconds(target.hosts), cpu_seconds([router]) if router is not None else 0.0)
     outcomes, seconds = asyncio.run(replay(url, target.model, turns))
     host_cpu = cpu_seconds(target.hosts) - cpu_before[0]
     router_cpu = (cpu_seconds([router]) if router is not None else 0.0) - cpu_before[1]
-    after, reasons_after = [preemptions(r) for r in replicas], routing_reasons(url)
+    after, counters_after = [preemptions(r) for r in replicas], gateway_counters(url)
     for outcome in outcomes:
         outcome.ttft /= scale
         outcome.gaps = [gap / scale for gap in outcome.gaps]
     cell = summarize(outcomes, seconds / scale, slo_s, [a - b for a, b in zip(after, before, strict=True)])
-    cell["reasons"] = {k: v - reasons_before.get(k, 0.0) for k, v in reasons_after.items()}
+    cell.update(_decisions(counters_before, counters_after))
     cell["host_cores"] = host_cpu / seconds  # the simulated replicas' CPU, in cores of this machine
     cell["router_cpu_ms"] = 1000 * router_cpu / max(1, len(outcomes))
     return cell
 
 
-def routing_reasons(url: str) -> dict[str, float]:
-    """pagefleet's gateway: its affinity decisions so far, by reason (empty for other routers)."""
+def gateway_counters(url: str) -> dict[str, float]:
+    """pagefleet's gateway: its affinity decisions so far by reason (`reason:<name>`), and its
+    routing decisions' count, seconds and count within 1 ms (`decisions`, `decision_s`,
+    `decisions_1ms`). Empty for other routers."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    prefix = "pagefleet_gateway:routing_reasons_total{"
+    counters: dict[str, float] = {}
+    names = {
+        "pagefleet_gateway:routing_decision_seconds_count{": "decisions",
+        "pagefleet_gateway:routing_decision_seconds_sum{": "decision_s",
+        'pagefleet_gateway:routing_decision_seconds_bucket{le="0.001",': "decisions_1ms",
+    }
+    for line in text.splitlines():
+        if line.startswith("pagefleet_gateway:routing_reasons_total{"):
+            key = "reason:" + line.split('reason="')[1].split('"')[0]
+        else:
+            key = next((name for prefix, name in names.items() if line.startswith(prefix)), "")
+        if key:
+            counters[key] = counters.get(key, 0.0) + float(line.split()[-1])
+    return counters
+
+
+def _decisions(before: dict[str, float], after: dict[str, float]) -> dict[str, object]:
+    """A cell's affinity reasons, and its decisions' mean time (ms) and share within 1 ms."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    count = delta.get("decisions", 0.0)
     return {
-        line.split('reason="')[1].split('"')[0]: float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith(prefix)
+        "reasons": {k.removeprefix("reason:"): v for k, v in delta.items() if k.startswith("reason:")},
+        "decision_ms": 1000 * delta["decision_s"] / count if count else float("nan"),
+        "decisions_1ms": delta["decisions_1ms"] / count if count else float("nan"),
     }
 
 
 def _reasons(cell: dict[str, object]) -> str:
     reasons = cell.get("reasons") or {}
     return ", ".join(f"{k} {v:.0f}" for k, v in reasons.items() if v) or "-"  # type: ignore[union-attr]
+
+
+def _decision(cell: dict[str, object]) -> str:
+    mean, within = cell.get("decision_ms"), cell.get("decisions_1ms")
+    if not isinstance(mean, float) or mean != mean:  # another router, or an older result
+        return "-"
+    return f"{mean:.2f} ms, {within:.0%}"
 
 
 def _preemptions(cell: dict[str, object]) -> str:
@@ -279,16 +307,17 @@ def report(workload: str, cells: dict[str, dict[float, dict[str, object]]]) -> l
         f"## {workload}",
         "",
         "| router | rate/s | goodput/s | TTFT p50 | p90 | p99 | ITL p50 | p99 | cached | preemptions | failed "
-        "| reasons | host cores | router CPU/request |",
+        "| reasons | host cores | router CPU/request | decision mean, within 1 ms |",
     ]
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for router, by_rate in cells.items():
         for rate, c in by_rate.items():
             lines.append(
                 f"| {router} | {rate:g} | {c['goodput']:.3f} | {c['ttft_p50']:.2f} | {c['ttft_p90']:.2f} | "
                 f"{c['ttft_p99']:.2f} | {c['itl_p50'] * 1000:.0f} ms | {c['itl_p99'] * 1000:.0f} ms | "
                 f"{c['cached']:.0%} | {_preemptions(c)} | {c['failed']} | {_reasons(c)} | "
-                f"{c.get('host_cores', float('nan')):.2f} | {c.get('router_cpu_ms', float('nan')):.2f} ms |"
+                f"{c.get('host_cores', float('nan')):.2f} | {c.get('router_cpu_ms', float('nan')):.2f} ms | "
+                f"{_decision(c)} |"
             )
     knee = {router: max(float(c["goodput"]) for c in by_rate.values()) for router, by_rate in cells.items()}
     lines += ["", "Goodput at the knee (best over the rates):", ""]

@@ -56,7 +56,7 @@ class AffinityPolicy:
         replica_ids = [r.replica_id for r in candidates]
         with_state = frozenset(r.replica_id for r in candidates if r.total_state_slots is not None)
         cached = self.index.matched_blocks(base, block_hashes, replica_ids, with_state)
-        sent_lately = self.inflight.matched_blocks(block_hashes, replica_ids)
+        sent_lately = self.inflight.matched_blocks(block_hashes, replica_ids, with_state)
         views = [
             Candidate(r, max(cached[r.replica_id], sent_lately[r.replica_id]), *self.inflight.promised(r))
             for r in candidates

@@ -7,6 +7,11 @@ report that follows includes them, so they are dropped then), and remembers for 
 seconds which prefixes it sent where: a prompt's blocks reach the fleet's index only after
 the replica computed them, and a second request with the same new prefix that arrives
 meanwhile should still follow the first.
+
+A replica of a model with state layers can resume a prompt only where it keeps a state
+snapshot (engine/core/state_snapshots.py): surely after the prompt's last block boundary
+before its last token, which is the last of the block hashes the router computes. So for
+such a replica a prefix it was sent counts only up to the deepest sent prompt end.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class InFlight:
         self.clock = clock
         self._sent: dict[str, list[Sent]] = {}  # replica id -> sends not yet reported
         self._prefixes: dict[int, dict[str, float]] = {}  # block hash -> replica id -> expiry
+        self._prompt_ends: dict[int, dict[str, float]] = {}  # the last block hash of a prompt sent
         self._expiries: deque[tuple[float, str, list[int]]] = deque()
 
     def record(self, replica: ReplicaRecord, blocks: int, prompt_tokens: int, block_hashes: list[int]) -> Sent:
@@ -49,6 +55,7 @@ class InFlight:
             expiry = now + PENDING_PREFIX_S
             for block_hash in block_hashes:
                 self._prefixes.setdefault(block_hash, {})[replica.replica_id] = expiry
+            self._prompt_ends.setdefault(block_hashes[-1], {})[replica.replica_id] = expiry
             self._expiries.append((expiry, replica.replica_id, block_hashes))
         return sent
 
@@ -67,8 +74,12 @@ class InFlight:
         pending[:] = [sent for sent in pending if sent.sent_at > reported]
         return sum(s.blocks for s in pending), sum(s.prompt_tokens for s in pending)
 
-    def matched_blocks(self, block_hashes: list[int], replica_ids: list[str]) -> dict[str, int]:
-        """Per replica, how many leading `block_hashes` this router sent it lately."""
+    def matched_blocks(
+        self, block_hashes: list[int], replica_ids: list[str], with_state: frozenset[str] = frozenset()
+    ) -> dict[str, int]:
+        """Per replica, how many leading `block_hashes` this router sent it lately; for the
+        replicas of a model with state layers (`with_state`), only as far as a prompt sent
+        there ended (where it will keep a state snapshot)."""
         self._expire()
         matched = dict.fromkeys(replica_ids, 0)
         alive = set(replica_ids)
@@ -78,6 +89,11 @@ class InFlight:
                 break
             for replica_id in alive:
                 matched[replica_id] = depth
+        for replica_id in with_state & matched.keys():
+            depth = matched[replica_id]
+            while depth and replica_id not in self._prompt_ends.get(block_hashes[depth - 1], {}):
+                depth -= 1
+            matched[replica_id] = depth
         return matched
 
     def _expire(self) -> None:
@@ -85,8 +101,14 @@ class InFlight:
         while self._expiries and self._expiries[0][0] <= now:
             expiry, replica_id, block_hashes = self._expiries.popleft()
             for block_hash in block_hashes:
-                holders = self._prefixes.get(block_hash)
-                if holders is not None and holders.get(replica_id) == expiry:
-                    del holders[replica_id]
-                    if not holders:
-                        del self._prefixes[block_hash]
+                _drop(self._prefixes, block_hash, replica_id, expiry)
+            _drop(self._prompt_ends, block_hashes[-1], replica_id, expiry)
+
+
+def _drop(entries: dict[int, dict[str, float]], block_hash: int, replica_id: str, expiry: float) -> None:
+    """Forget that `replica_id` was sent `block_hash` unless a later send renewed it."""
+    holders = entries.get(block_hash)
+    if holders is not None and holders.get(replica_id) == expiry:
+        del holders[replica_id]
+        if not holders:
+            del entries[block_hash]

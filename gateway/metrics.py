@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pagefleet.gateway.errors import Refusal
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# A routing decision's own time: a tenth of a millisecond up (issue 56's target is 1 ms at 128 replicas).
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
 class GatewayMetrics:
@@ -29,6 +31,10 @@ class GatewayMetrics:
             f"{namespace}:routing_decisions", "Replicas chosen, by policy.", ["model", "replica", "policy"],
             registry=self.registry,
         )  # fmt: skip
+        self.routing_decision_seconds = Histogram(
+            f"{namespace}:routing_decision_seconds", "Time to choose a replica: the candidates, the prompt's "
+            "block hashes, the policy.", ["model", "policy"], registry=self.registry, buckets=DECISION_BUCKETS,
+        )  # fmt: skip
         self.routing_reasons = Counter(
             f"{namespace}:routing_reasons", "Decisions of the affinity policy, by reason (affinity, saturated, "
             "session, load).", ["model", "reason"], registry=self.registry,
@@ -43,7 +49,8 @@ class GatewayMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.prefix_index_blocks = Gauge(
-            f"{namespace}:prefix_index_blocks", "Distinct prefix-cache blocks the fleet's index knows, by model.",
+            f"{namespace}:prefix_index_blocks", "Distinct prefix-cache blocks the fleet's index knows, by model "
+            "(and, for a model with state layers, its state snapshots: each is named like a block).",
             ["model"], registry=self.registry,
         )  # fmt: skip
         self.prefix_routing_ready = Gauge(

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as redis
@@ -212,6 +213,7 @@ class Router:
         if there is none left. `phase`: "prefill" (prefill replicas only, for the prompt),
         "decode" (decode replicas) or "whole" (the whole request: any replica but a prefill
         one, unless prefill replicas are all there is)."""
+        started = time.perf_counter()
         candidates = [r for r in self.registry.candidates(shape.model, skip=tried) if serves(r.role, phase)]
         if not candidates and phase == "whole":
             candidates = self.registry.candidates(shape.model, skip=tried)
@@ -227,4 +229,6 @@ class Router:
             if not route.fallbacks:
                 route.fallbacks = fallbacks(candidates, route.replica)
             self.metrics.routing_decisions.labels(shape.model, route.replica.replica_id, policy.name).inc()
+            decided = time.perf_counter() - started
+            self.metrics.routing_decision_seconds.labels(shape.model, policy.name).observe(decided)
         return route

@@ -31,20 +31,33 @@ _TYPED_POINTERS = {  # pointers whose type is not the activations'
     "sorted_pairs_ptr": "*i64",
     "block_experts_ptr": "*i64",
     "weights_ptr": "*fp32",
+    # The state layers' (engine/worker/state_cache.py's StateMetadata and their float32 parts).
+    "query_start_ptr": "*i64",
+    "start_positions_ptr": "*i64",
+    "chunk_limits_ptr": "*i64",
+    "has_state_ptr": "*i1",
+    "state_ptr": "*fp32",
+    "g_ptr": "*fp32",
+    "A_ptr": "*fp32",
 }
-_FLOAT_SCALARS = ("scale", "softcap", "alpha", "limit")
+_FLOAT_SCALARS = ("scale", "softcap", "alpha", "limit", "query_scale", "eps", "dt_low", "dt_high", "threshold")
 _DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
     """(name, @triton.jit function, constexpr values) for every kernel."""
+    from pagefleet.kernels.causal_conv1d import _causal_conv1d_kernel
+    from pagefleet.kernels.chunked_gated_delta_rule import _chunked_gated_delta_rule_kernel
+    from pagefleet.kernels.chunked_selective_scan import _chunked_selective_scan_kernel
     from pagefleet.kernels.copy_blocks import _copy_blocks_kernel
     from pagefleet.kernels.fused_experts import _down_kernel, _gate_up_kernel
+    from pagefleet.kernels.gated_delta_rule import _gated_delta_rule_kernel
     from pagefleet.kernels.lora import _lora_expand_kernel, _lora_shrink_kernel
     from pagefleet.kernels.paged_attention_decode import DEFAULT_TILE_N, _paged_attention_decode_kernel
     from pagefleet.kernels.paged_attention_prefill import DEFAULT_BLOCK_M, _paged_attention_prefill_kernel
     from pagefleet.kernels.quantized_matmul import _quantized_matmul_kernel
     from pagefleet.kernels.reshape_and_cache import _reshape_and_cache_kernel
+    from pagefleet.kernels.selective_scan import _selective_scan_kernel
 
     return [
         ("reshape_and_cache", _reshape_and_cache_kernel, {"BLOCK_D": 128}),
@@ -85,6 +98,37 @@ def _kernels() -> list[tuple[str, Any, dict[str, int]]]:
             for activation in range(3)
         ),
         ("fused_experts_down", _down_kernel, {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}),
+        # The state layers at the engine's settings: Qwen3.5's 128-wide keys and values, Granite
+        # 4's heads of 64 and states of 128, a chunk of one 16-token block (the Triton path's).
+        (
+            "causal_conv1d",
+            _causal_conv1d_kernel,
+            {"K": 4, "HAS_BIAS": True, "SILU": True, "BLOCK_C": 64, "BLOCK_K": 4},
+        ),
+        ("gated_delta_rule", _gated_delta_rule_kernel, {"L2NORM": True, "BLOCK_K": 128, "BLOCK_V": 64}),
+        (
+            "chunked_gated_delta_rule",
+            _chunked_gated_delta_rule_kernel,
+            {"L2NORM": True, "HAS_LIMITS": True, "CHUNK": 16, "BLOCK_C": 16, "BLOCK_K": 128, "BLOCK_V": 64},
+        ),
+        (
+            "selective_scan",
+            _selective_scan_kernel,
+            {"ROUND": True, "SKIP_IN_X_DTYPE": True, "BLOCK_P": 16, "BLOCK_N": 128},
+        ),
+        (
+            "chunked_selective_scan",
+            _chunked_selective_scan_kernel,
+            {
+                "ROUND": True,
+                "SKIP_IN_X": True,
+                "HAS_LIMITS": True,
+                "CHUNK": 16,
+                "BLOCK_C": 16,
+                "BLOCK_P": 16,
+                "BLOCK_N": 128,
+            },
+        ),
     ]
 
 

@@ -1,4 +1,5 @@
-"""The models' small element-wise steps, fused on CPUs, with their plain-torch references.
+"""The models' small element-wise steps (and the sampler's greedy argmax), fused on CPUs,
+with their plain-torch references.
 
 Where the compiled CPU operators are loaded (kernels/cpu_ops.py; the engine loads them when
 it picks the compiled attention backend), each step is one pass over memory
@@ -94,3 +95,12 @@ def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [T, V] -> int64 [T]: torch.argmax(logits, -1) (the first largest, or the first
+    NaN). torch's took 20 ms of a 64-row decode step over Gemma 3's 262,144-token
+    vocabulary here (14% of the step in bfloat16); the compiled one reads the rows once."""
+    if _fused(logits) and logits.dim() == 2 and logits.stride(1) == 1 and 0 < logits.shape[1] < 2**31:
+        return torch.ops.pagefleet.argmax_rows(logits)
+    return logits.argmax(dim=-1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagefleet.engine.layers.fused import argmax_rows
 from pagefleet.engine.sample.sampling_params import SamplingParams
 from pagefleet.engine.sample.structured_outputs import apply_allowed_tokens
 from pagefleet.engine.worker.step_input import SamplingState
@@ -152,7 +153,7 @@ class Sampler:
         return logits
 
     def _choose(self, logits: torch.Tensor, states: list[SamplingState], params: list[SamplingParams]) -> torch.Tensor:
-        chosen = logits.argmax(dim=-1)
+        chosen = argmax_rows(logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy and not p.use_beam_search]
         if not sampled_rows:
             return chosen
@@ -170,7 +171,7 @@ class Sampler:
             generator = states[i].generator
             if generator is not None:
                 noise[r].exponential_(generator=generator)
-        chosen[index] = (probs / noise).argmax(dim=-1)
+        chosen[index] = argmax_rows(probs / noise)
         return chosen
 
 

@@ -7,6 +7,7 @@
 //   silu_and_mul(x [T, 2I])                  silu(x[:, :I]) * x[:, I:]
 //   gelu_tanh_and_mul(x [T, 2I])             gelu_tanh(x[:, :I]) * x[:, I:]  (Gemma's MLP)
 //   rotary(x [T, N, D], cos [T, D], sin)     x * cos + rotate_half(x) * sin  (HF Llama's form)
+//   argmax_rows(x [T, V])                    int64 [T]: torch.argmax(x, -1) (a greedy step's tokens)
 //
 // Each computes in float32 whatever the dtype (as torch's references do for bf16: the
 // result is rounded once), rows spread over torch's thread pool. The plain-torch
@@ -239,6 +240,67 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// The first index of the row's largest value, or of its first NaN (torch.argmax's answer).
+// Each lane keeps the first of its indices with its largest value (strictly greater
+// replaces), so among lanes the smallest index with the largest value wins.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t size) {
+  int64_t i = 0, best_index = 0;
+  float best = -INFINITY;
+  bool has_nan = false;
+#if defined(__AVX512F__)
+  if (size >= 16) {
+    __m512 lane_best = load16(row);
+    __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i index = lane_index;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(lane_best, lane_best, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= size; i += 16) {
+      const __m512 value = load16(row + i);
+      index = _mm512_add_epi32(index, step);
+      const __mmask16 greater = _mm512_cmp_ps_mask(value, lane_best, _CMP_GT_OQ);
+      lane_best = _mm512_mask_mov_ps(lane_best, greater, value);
+      lane_index = _mm512_mask_mov_epi32(lane_index, greater, index);
+      nan |= _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+    }
+    alignas(64) float values[16];
+    alignas(64) int32_t indices[16];
+    _mm512_store_ps(values, lane_best);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(indices), lane_index);
+    best = values[0], best_index = indices[0];
+    for (int lane = 1; lane < 16; ++lane) {
+      if (values[lane] > best || (values[lane] == best && indices[lane] < best_index)) {
+        best = values[lane], best_index = indices[lane];
+      }
+    }
+    has_nan = nan != 0;
+  }
+#endif
+  if (has_nan) i = 0;  // find the first NaN
+  for (; i < size; ++i) {
+    const float value = widen(row[i]);
+    if (std::isnan(value)) return i;
+    if (value > best) best = value, best_index = i;
+  }
+  return best_index;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0 && x.size(1) < (1LL << 31),
+              "x: [T, V], V in [1, 2^31), last dim contiguous");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  int64_t* target = out.data_ptr<int64_t>();
+  dispatch_float(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* base = x.data_ptr<T>();
+    const int64_t size = x.size(1), stride = x.stride(0);
+    at::parallel_for(0, x.size(0), grain(size), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) target[r] = argmax_row<T>(base + r * stride, size);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
@@ -248,6 +310,7 @@ TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {
@@ -257,4 +320,5 @@ TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {
   m.impl("silu_and_mul", &act_and_mul<false>);
   m.impl("gelu_tanh_and_mul", &act_and_mul<true>);
   m.impl("rotary", &rotary);
+  m.impl("argmax_rows", &argmax_rows);
 }

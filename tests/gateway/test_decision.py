@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from pagefleet.gateway.decision import DEFAULT_PREFILL_TOKENS_PER_S, Candidate, decide
-from pagefleet.gateway.inflight import InFlight
+from pagefleet.gateway.inflight import PENDING_PREFIX_S, InFlight
 from pagefleet.protocol.replica import ReplicaRecord
 
 PROMPT = 500  # tokens; 30 cached blocks of 16 leave 20 to compute
@@ -136,6 +136,23 @@ def test_the_ledger_remembers_prefixes_it_sent_for_the_requests_that_follow() ->
     inflight.record(_replica("b"), 1, 10, [11, 12, 99])
     assert inflight.matched_blocks([11, 12, 13, 14], ["a", "b", "c"]) == {"a": 3, "b": 2, "c": 0}
     assert inflight.matched_blocks([21, 12, 13], ["a", "b"]) == {"a": 0, "b": 0}, "matched from the first block on"
+
+
+def test_for_a_state_model_the_ledger_counts_a_sent_prefix_only_to_where_a_prompt_ended() -> None:
+    """A replica of a model with state layers resumes a prompt only from a state snapshot,
+    which it keeps where each prompt it computed ended (the last of its block hashes): a
+    prefix sent inside a longer prompt counts for an attention model's replica, not for a
+    state model's, until it expires."""
+    now = [1000.0]
+    inflight = InFlight(clock=lambda: now[0])
+    for replica, hashes in (("a", [11, 12, 13]), ("b", [11, 12, 13]), ("b", [11])):
+        inflight.record(_replica(replica), 1, 10, hashes)
+    both = frozenset({"a", "b"})
+    assert inflight.matched_blocks([11, 12, 14], ["a", "b"], both) == {"a": 0, "b": 1}
+    assert inflight.matched_blocks([11, 12, 14], ["a", "b"]) == {"a": 2, "b": 2}
+    assert inflight.matched_blocks([11, 12, 13, 15], ["a", "b"], both) == {"a": 3, "b": 3}
+    now[0] += PENDING_PREFIX_S + 1
+    assert inflight.matched_blocks([11, 12, 13], ["a", "b"], both) == {"a": 0, "b": 0}
 
 
 def test_room_is_ranked_in_the_tokens_a_request_can_still_take() -> None:

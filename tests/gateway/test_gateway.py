@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,6 +142,8 @@ def test_routing_by_load_prefers_the_replica_with_more_free_blocks(fleet: Fleet,
         decisions = httpx.get(f"{fleet.gateway.url}/metrics").text
         assert 'routing_decisions_total{model="tiny",policy="affinity",replica="tiny-big"} 4.0' in decisions
         assert 'pagefleet_gateway:routing_reasons_total{model="tiny",reason="load"}' in decisions
+        timed = re.search(r'routing_decision_seconds_count\{model="tiny",policy="affinity"\} (\S+)', decisions)
+        assert timed is not None and float(timed.group(1)) >= 4, "every decision is timed"
     finally:
         stop_server(big)
     wait_for(lambda: _models(fleet.gateway.url).get("tiny") == 2)

@@ -263,6 +263,27 @@ def test_fused_element_wise_ops_equal_their_references(dtype: torch.dtype) -> No
     torch.testing.assert_close(fused.rotary(query, cos, sin), fused.rotary_torch(query, cos, sin), **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_argmax_is_torchs_ties_nans_and_infinities_included(dtype: torch.dtype) -> None:
+    """The sampler's argmax gives torch.argmax's index on every row: the first of equal
+    maxima (within a 16-wide lane and across lanes), the first NaN, -inf rows, rows shorter
+    than a vector and with a tail, rows strided in a wider tensor."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 1000, generator=generator).to(dtype)
+    logits[1, [7, 300, 999]] = 50.0  # ties in different lanes and the tail
+    logits[2, [31, 15]] = 50.0  # ties in the same lane... and an earlier one in another
+    logits[3, [200, 5]] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 998] = float("inf")
+    logits[6, 0] = float("nan")
+    logits[7, 999] = 60.0  # the maximum in the tail
+    wide = torch.randn(12, 1200, generator=generator).to(dtype)
+    wide[:, :1000] = logits
+    for x in (logits, logits[:, :9], logits[:, :17], wide[:, :1000]):
+        assert torch.equal(fused.argmax_rows(x), x.argmax(dim=-1)), f"rows of {x.shape[1]}"
+    assert fused.argmax_rows(logits)[[1, 2, 3, 4, 6, 7]].tolist() == [7, 15, 5, 0, 0, 999]
+
+
 def test_without_a_compiler_the_engine_says_so_once_and_runs_on_torch(tiny_llama: Path, tmp_path: Path) -> None:
     code = (
         "import logging; logging.basicConfig(level=logging.WARNING);"

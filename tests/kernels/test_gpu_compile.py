@@ -20,6 +20,13 @@ KERNELS = [
     "quantized_matmul_4bit",
     "quantized_matmul_8bit",
     "quantized_matmul_8bit_16",
+    *(f"fused_experts_gate_up_{activation}" for activation in range(3)),
+    "fused_experts_down",
+    "causal_conv1d",
+    "gated_delta_rule",
+    "chunked_gated_delta_rule",
+    "selective_scan",
+    "chunked_selective_scan",
 ]
 
 
