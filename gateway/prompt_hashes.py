@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 _PIECES_CACHED = 4096  # distinct texts between added tokens remembered per model
 _WORDS_CACHED = 100_000  # distinct words remembered per model (forgotten all at once beyond)
+_LINKS_CACHED = 100_000  # block hashes remembered per model, by their input (about 20 MB)
 _FETCH_RETRY_S = 5.0
 # GPT-2's split as `tokenizers`' ByteLevel pre-tokenizer applies it (Oniguruma's `\s` is
 # Unicode's White_Space, which Python's `\s` is not quite).
@@ -98,6 +99,7 @@ class PromptHasher:
         self._prefix_ids = self.tokenizer.encode("", add_special_tokens=True).ids  # e.g. a BOS token
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._words: dict[str, tuple[int, ...]] | None = {} if _tokenizes_word_by_word(info.tokenizer_json) else None
+        self._links: dict[bytes, int] = {}  # block_hash.block_hashes' `known`
 
     def token_ids(self, text: str, add_special_tokens: bool) -> list[int]:
         """`text` tokenized as the engine's tokenizer does it."""
@@ -195,7 +197,9 @@ class PromptHasher:
         salt = payload.get("cache_salt")
         long_rope = self.long_rope_after is not None and len(token_ids) > self.long_rope_after
         root = chain_root(adapter, salt if isinstance(salt, str) and salt else None, long_rope)
-        return len(token_ids), block_hashes(token_ids[:-1], self.block_size, root)
+        if len(self._links) > _LINKS_CACHED:
+            self._links.clear()
+        return len(token_ids), block_hashes(token_ids[:-1], self.block_size, root, known=self._links)
 
 
 class PromptHashers:

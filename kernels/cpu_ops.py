@@ -10,7 +10,8 @@ building and loading them.
   contexts split over threads.
 - `rms_norm`, `gemma_rms_norm`, `silu_and_mul`, `gelu_tanh_and_mul`, `rotary`
   (csrc/cpu_fused.cpp; wrappers and references in pagefleet/engine/layers/fused.py): one
-  pass where plain torch makes several.
+  pass where plain torch makes several; `argmax_rows` there too, the sampler's greedy
+  choice (torch.argmax's answer, NaNs and ties included) in one vectorised read.
 - `lora_add` (csrc/cpu_lora.cpp; wrapper and reference in pagefleet/engine/lora/layer.py):
   every adapter's update to one projection of a multi-LoRA step in one call.
 - `quantized_linear`, `quantized_linear_packed` (csrc/cpu_quant.cpp; wrapper and reference
