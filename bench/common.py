@@ -50,5 +50,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive free ports, below Linux's ephemeral range (32768 up),
+    so that no `free_port()` taken later can fall inside it."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base = random.randrange(20000, 32768 - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise SystemExit(f"no {count} consecutive free ports below 32768")
+
+
 def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)

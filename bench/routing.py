@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from common import free_port, progress
+from common import free_port, free_port_range, progress
 from peers import vllm_router_binary
 from routing_workloads import FULL_SIZE_WORKLOADS, WORKLOADS, Outcome, replay, stretched
 
@@ -100,7 +100,7 @@ def start_sim_fleet(log_dir: Path, profile: str, replicas: int, time_scale: floa
     spec = FleetSpec(kv_tier=False, redis_port=free_port(), gateway_port=free_port(), log_dir=log_dir, models=[])
     fleet = Fleet(spec)
     fleet.start_redis()
-    base = free_port()
+    base = free_port_range(replicas)
     command = [
         sys.executable,
         "-m",
