@@ -27,6 +27,26 @@ class GatewayMetrics:
             f"{namespace}:failovers", "Replicas that failed before the first byte.", ["model", "replica"],
             registry=self.registry,
         )  # fmt: skip
+        self._add_routing_metrics(namespace)
+        self.disaggregated = Counter(
+            f"{namespace}:disaggregated_requests", "Requests of models with prefill and decode replicas, by how "
+            "they were served: paired (prefill then decode) or fallback (one replica ran it all).",
+            ["model", "outcome"], registry=self.registry,
+        )  # fmt: skip
+        self.rate_limited = Counter(
+            f"{namespace}:rate_limited", "Requests refused by a rate limit.", ["model"], registry=self.registry
+        )
+        self.held_requests = Gauge(
+            f"{namespace}:held_requests", "Requests waiting for a replica of a model scaled to zero to start.",
+            ["model"], registry=self.registry,
+        )  # fmt: skip
+        self.upstream_latency = Histogram(
+            f"{namespace}:upstream_first_byte_seconds", "Time until the replica's response starts.",
+            ["model", "replica"], registry=self.registry, buckets=_BUCKETS,
+        )  # fmt: skip
+
+    def _add_routing_metrics(self, namespace: str) -> None:
+        """The routing families: decisions, their time and reasons, and the prefix index's."""
         self.routing_decisions = Counter(
             f"{namespace}:routing_decisions", "Replicas chosen, by policy.", ["model", "replica", "policy"],
             registry=self.registry,
@@ -56,22 +76,6 @@ class GatewayMetrics:
         self.prefix_routing_ready = Gauge(
             f"{namespace}:prefix_routing_ready", "1 once the model's tokenizer has been read from a replica and "
             "its requests are routed on their exact prefix hashes.", ["model"], registry=self.registry,
-        )  # fmt: skip
-        self.disaggregated = Counter(
-            f"{namespace}:disaggregated_requests", "Requests of models with prefill and decode replicas, by how "
-            "they were served: paired (prefill then decode) or fallback (one replica ran it all).",
-            ["model", "outcome"], registry=self.registry,
-        )  # fmt: skip
-        self.rate_limited = Counter(
-            f"{namespace}:rate_limited", "Requests refused by a rate limit.", ["model"], registry=self.registry
-        )
-        self.held_requests = Gauge(
-            f"{namespace}:held_requests", "Requests waiting for a replica of a model scaled to zero to start.",
-            ["model"], registry=self.registry,
-        )  # fmt: skip
-        self.upstream_latency = Histogram(
-            f"{namespace}:upstream_first_byte_seconds", "Time until the replica's response starts.",
-            ["model", "replica"], registry=self.registry, buckets=_BUCKETS,
         )  # fmt: skip
 
     def refused(self, refusal: Refusal) -> Refusal:
