@@ -67,9 +67,13 @@ class Linear(nn.Module):
 
     def pack(self) -> None:
         """Prepack the weight for oneDNN (after weights are loaded and cast)."""
+        if self.packable:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+
+    @property
+    def packable(self) -> bool:
         weight = self.weight
-        if self.quantized is None and weight.device.type == "cpu" and _packable(weight.dtype):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        return self.quantized is None and weight.device.type == "cpu" and _packable(weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
@@ -77,13 +81,18 @@ class Linear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         elif self._packed is not None:
-            rows = x.shape[0]
-            short = rows < _MIN_PACKED_ROWS and x.dim() == 2  # a decode step of one or two sequences
-            rows_in = F.pad(x, (0, 0, 0, _MIN_PACKED_ROWS - rows)) if short else x
-            y = torch.ops.mkldnn._linear_pointwise(rows_in, self._packed, self.bias, "none", [], "")[:rows]
+            y = packed_linear(x, self._packed, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's matmul on a weight `pack` prepared, one or two rows padded to three."""
+    rows = x.shape[0]
+    short = rows < _MIN_PACKED_ROWS and x.dim() == 2  # a decode step of one or two sequences
+    rows_in = F.pad(x, (0, 0, 0, _MIN_PACKED_ROWS - rows)) if short else x
+    return torch.ops.mkldnn._linear_pointwise(rows_in, packed, bias, "none", [], "")[:rows]
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -20,8 +20,8 @@ from torch import nn
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
 from pagefleet.engine.layers.fused import gemma_rms_norm
-from pagefleet.engine.layers.linear import Linear, frozen_parameter
-from pagefleet.engine.layers.logits import Float32Logits
+from pagefleet.engine.layers.linear import frozen_parameter
+from pagefleet.engine.layers.logits import LogitsHead
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
 from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
@@ -71,8 +71,7 @@ class GemmaHead(nn.Module):
     def init_head(self) -> None:
         config = self.config
         vocab_start, vocab_end = self.shard.vocab(config.vocab_size)
-        self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)
-        self.float_logits = Float32Logits()
+        self.lm_head = LogitsHead(config.hidden_size, vocab_end - vocab_start)
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
@@ -92,7 +91,7 @@ class GemmaHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [n, hidden] -> float32 logits [n, vocab], soft-capped where the model says."""
-        logits = self.shard.gather_vocab(self.float_logits(self.lm_head(hidden)), self.config.vocab_size)
+        logits = self.shard.gather_vocab(self.lm_head(hidden), self.config.vocab_size)
         cap = self.config.final_softcap
         return torch.tanh(logits / cap) * cap if logits is not None and cap is not None else logits
 

@@ -15,7 +15,7 @@ from torch import nn
 from pagefleet.engine.distributed.shard import Shard, columns, rows, vocab_rows
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata, KVCache, LayerMetadata
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
-from pagefleet.engine.layers.logits import Float32Logits
+from pagefleet.engine.layers.logits import LogitsHead
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
@@ -72,8 +72,7 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         self.shard = shard = shard or Shard()
         vocab_start, vocab_end = shard.vocab(config.vocab_size)
-        self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)
-        self.float_logits = Float32Logits()
+        self.lm_head = LogitsHead(config.hidden_size, vocab_end - vocab_start)
         self.wte = self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         self.wpe = frozen_parameter(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, shard) for _ in range(config.num_layers))
@@ -104,7 +103,7 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [n, hidden] -> float32 logits [n, vocab] (on rank 0; None on the others)."""
-        return self.shard.gather_vocab(self.float_logits(self.lm_head(hidden)), self.config.vocab_size)
+        return self.shard.gather_vocab(self.lm_head(hidden), self.config.vocab_size)
 
     def lora_targets(self) -> dict[str, LoRATarget]:
         """PEFT's GPT-2 modules: the fused c_attn, c_proj, and the MLP's c_fc and c_proj."""

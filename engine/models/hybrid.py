@@ -16,8 +16,8 @@ from torch import nn
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.errors import UnsupportedModelError
 from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
-from pagefleet.engine.layers.linear import Linear, frozen_parameter
-from pagefleet.engine.layers.logits import Float32Logits
+from pagefleet.engine.layers.linear import frozen_parameter
+from pagefleet.engine.layers.logits import LogitsHead
 from pagefleet.engine.layers.rotary import RotaryEmbedding
 from pagefleet.engine.lora.adapter import LoRATarget
 from pagefleet.engine.models.config import ModelConfig
@@ -39,8 +39,7 @@ class HybridForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(self.layer_class(config, shard, i) for i in range(config.num_layers))
         self.norm = self.norm_class(config.hidden_size, config.norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.float_logits = Float32Logits()
+        self.lm_head = LogitsHead(config.hidden_size, config.vocab_size)
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
@@ -65,7 +64,7 @@ class HybridForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.float_logits(self.lm_head(hidden)) / self.config.logits_scaling
+        return self.lm_head(hidden) / self.config.logits_scaling
 
     def lora_targets(self) -> dict[str, LoRATarget]:
         return {}

@@ -19,7 +19,7 @@ from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadat
 from pagefleet.engine.layers.cpu_attention import CpuAttentionBackend, CpuMetadata
 from pagefleet.engine.layers.fused import gelu_tanh_and_mul, rotary, silu_and_mul
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
-from pagefleet.engine.layers.logits import Float32Logits
+from pagefleet.engine.layers.logits import LogitsHead
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight
 from pagefleet.engine.layers.rotary import RotaryEmbedding
@@ -154,8 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(config, shard, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         vocab_start, vocab_end = shard.vocab(config.vocab_size)
-        self.lm_head = Linear(config.hidden_size, vocab_end - vocab_start)
-        self.float_logits = Float32Logits()
+        self.lm_head = LogitsHead(config.hidden_size, vocab_end - vocab_start)
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )
@@ -219,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [n, hidden] -> float32 logits [n, vocab] (on rank 0; None on the others)."""
-        return self.shard.gather_vocab(self.float_logits(self.lm_head(hidden)), self.config.vocab_size)
+        return self.shard.gather_vocab(self.lm_head(hidden), self.config.vocab_size)
 
     def lora_targets(self) -> dict[str, LoRATarget]:
         return decoder_lora_targets(self.config, self.layers)

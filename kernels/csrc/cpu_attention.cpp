@@ -187,24 +187,56 @@ void score_heads(const float* q, const T* const* rows, int64_t count, int64_t co
   }
 }
 
+// 64 dimensions of a row as four float vectors. float: vector i holds dims 16i + lane.
+// bfloat16: two 64-byte loads, each split by a shift and a mask (no shuffle) into its even
+// and its odd dimensions: vector 2i holds dims 32i + 2 lane, vector 2i + 1 dims 32i + 2 lane + 1.
+inline void load64(const float* row, __m512* r) {
+  for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_ps(row + 16 * i);
+}
+inline void load64(const c10::BFloat16* row, __m512* r) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int i = 0; i < 2; ++i) {
+    const __m512i raw = _mm512_loadu_si512(row + 32 * i);
+    r[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    r[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+  }
+}
+// Stores four vectors that load64<T> laid out, each value at its own dimension.
+inline void store64(float* out, const __m512* r, const float*) {
+  for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + 16 * i, r[i]);
+}
+inline void store64(float* out, const __m512* r, const c10::BFloat16*) {
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int i = 0; i < 2; ++i) {
+    _mm512_storeu_ps(out + 32 * i, _mm512_permutex2var_ps(r[2 * i], low, r[2 * i + 1]));
+    _mm512_storeu_ps(out + 32 * i + 16, _mm512_permutex2var_ps(r[2 * i], high, r[2 * i + 1]));
+  }
+}
+
+// acc[h * C * 16 + d] = the weighted sum of the rows' dimension d, in key order, for H heads:
+// 64 dimensions a pass, so that every head's sums (4 registers each) stay in registers while
+// a row's 64 values are loaded once for all of them. Each output is the same chain of FMAs
+// over the keys whatever the pass layout; only which values share a load changes.
 template <int C, int H, typename T>
 void accumulate_heads(const float* weights, const T* const* rows, int64_t count, int64_t count_stride, float* acc) {
-  __m512 sum[H][C];
-  for (int h = 0; h < H; ++h) {
-    for (int c = 0; c < C; ++c) sum[h][c] = _mm512_setzero_ps();
-  }
-  for (int64_t t = 0; t < count; ++t) {
-    prefetch_row<C>(rows[std::min(t + kAhead, count - 1)]);
-    const T* row = rows[t];
-    __m512 r[C];
-    for (int c = 0; c < C; ++c) r[c] = load16(row + c * 16);
+  for (int c0 = 0; c0 < C * 16; c0 += 64) {
+    __m512 sum[H][4];
     for (int h = 0; h < H; ++h) {
-      const __m512 weight = _mm512_set1_ps(weights[h * count_stride + t]);
-      for (int c = 0; c < C; ++c) sum[h][c] = _mm512_fmadd_ps(weight, r[c], sum[h][c]);
+      for (int i = 0; i < 4; ++i) sum[h][i] = _mm512_setzero_ps();
     }
-  }
-  for (int h = 0; h < H; ++h) {
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * C * 16 + c * 16, sum[h][c]);
+    for (int64_t t = 0; t < count; ++t) {
+      const T* ahead = rows[std::min(t + kAhead, count - 1)] + c0;
+      for (int byte = 0; byte < 64 * static_cast<int>(sizeof(T)); byte += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(ahead) + byte, 0, 3);
+      __m512 r[4];
+      load64(rows[t] + c0, r);
+      for (int h = 0; h < H; ++h) {
+        const __m512 weight = _mm512_set1_ps(weights[h * count_stride + t]);
+        for (int i = 0; i < 4; ++i) sum[h][i] = _mm512_fmadd_ps(weight, r[i], sum[h][i]);
+      }
+    }
+    for (int h = 0; h < H; ++h) store64(acc + h * C * 16 + c0, sum[h], static_cast<const T*>(nullptr));
   }
 }
 
@@ -233,11 +265,10 @@ void score_rows(const float* q, const T* const* rows, int64_t count, int64_t gro
   });
 }
 
-// Accumulating: 4 heads a pass, 2 at head size 128, 1 at 256 (a head's sums fill half the
-// registers).
+// Accumulating: 4 heads a pass over 64 dimensions at a time.
 template <int C, typename T>
 void accumulate_rows(const float* weights, const T* const* rows, int64_t count, int64_t group, float* acc) {
-  by_head_chunks<C <= 4 ? 4 : C == 8 ? 2 : 1>(group, [&](int64_t h, auto heads) {
+  by_head_chunks<4>(group, [&](int64_t h, auto heads) {
     accumulate_heads<C, decltype(heads)::value>(weights + h * count, rows, count, count, acc + h * C * 16);
   });
 }
@@ -444,16 +475,17 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
     slot_offset[r + 1] = slot_offset[r] + std::max<int64_t>(1, (visible + kPartition - 1) / kPartition);
   }
   const int64_t slots_per_head = slot_offset[num_rows];
-  // Work items: (table, block of rows, partition). With a sliding window or chunks rows start
-  // their partitions at different positions, so each row is a block of its own.
+  // Work items: (table, block of rows, partition). A block's rows start their partitions at
+  // the same key: with a sliding window or chunks, rows that see from different keys are
+  // blocks of their own (the rows of a prompt within its window share one).
   struct Item {
     int64_t table, first_row, num_rows, partition;
   };
   std::vector<Item> items;
   for (int64_t i = 0; i + 1 < static_cast<int64_t>(row_groups.size()); ++i) {
-    const int64_t block = sliding_window > 0 || chunk > 0 ? 1 : kRowBlock;
-    for (int64_t r0 = row_groups[i]; r0 < row_groups[i + 1]; r0 += block) {
-      const int64_t n = std::min(block, row_groups[i + 1] - r0);
+    for (int64_t r0 = row_groups[i], n = 1; r0 < row_groups[i + 1]; r0 += n) {
+      n = 1;  // up to kRowBlock rows whose first visible key is the same
+      while (n < kRowBlock && r0 + n < row_groups[i + 1] && first[r0 + n] == first[r0]) ++n;
       int64_t partitions = 0;
       for (int64_t r = r0; r < r0 + n; ++r) partitions = std::max(partitions, slot_offset[r + 1] - slot_offset[r]);
       for (int64_t p = 0; p < partitions; ++p) items.push_back(Item{i, r0, n, p});
