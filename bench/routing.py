@@ -36,6 +36,7 @@ import json
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,6 +200,7 @@ def summarize(outcomes: list[Outcome], seconds: float, slo_s: float, preempted: 
     return {
         "requests": len(outcomes),
         "failed": len(outcomes) - len(ok),
+        "failures": dict(Counter(o.error for o in outcomes if not o.ok).most_common(5)),
         "goodput": sum(1 for t in ttft if t <= slo_s) / seconds,
         "ttft_p50": percentile(ttft, 0.5),
         "ttft_p90": percentile(ttft, 0.9),
@@ -392,9 +394,10 @@ def run_workloads(
                 try:
                     for rate in rates:
                         progress(f"{name}, {label}, {rate:g}/s")
-                        cells.setdefault(label, {})[rate] = run_cell(
-                            url, target, workload, rate, run, args.slo_s, args.requests, tier, process
-                        )
+                        cell = run_cell(url, target, workload, rate, run, args.slo_s, args.requests, tier, process)
+                        cells.setdefault(label, {})[rate] = cell
+                        if cell["failures"]:
+                            progress(f"failed requests, most common first: {cell['failures']}")
                         save(args.json, results)  # after every cell: a long run keeps what it measured
                 finally:
                     stop_router(target.fleet, router)

@@ -58,6 +58,7 @@ class Outcome:
     cached_tokens: int = 0
     replica: str = ""  # which replica answered (pagefleet's gateway says so: x-pagefleet-replica)
     sent: float = 0.0  # perf_counter() when it was sent
+    error: str = ""  # why it failed: "HTTP <status>: <message>", the exception's name, or "no tokens"
 
 
 def shared_prompts(
@@ -175,7 +176,9 @@ async def _ask(
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
             outcome.replica = response.headers.get("x-pagefleet-replica", "")
             if response.status_code != 200:
-                await response.aread()
+                outcome.error = (
+                    f"HTTP {response.status_code}: {(await response.aread())[:200].decode(errors='replace')}"
+                )
                 return outcome, ""
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
@@ -196,8 +199,9 @@ async def _ask(
                         last = now
                         text.append(delta)
         outcome.ok = bool(last)
-    except httpx.HTTPError:
-        outcome.ok = False
+        outcome.error = "" if last else "no tokens"
+    except httpx.HTTPError as error:
+        outcome.ok, outcome.error = False, type(error).__name__
     return outcome, "".join(text)
 
 

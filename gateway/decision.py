@@ -114,7 +114,7 @@ def decide(
     """
     assert candidates, "decide() needs a candidate; the Router returns None without one"
     by_load = sorted(candidates, key=Candidate.load_rank, reverse=True)
-    holder = max(candidates, key=lambda c: (c.cached_blocks, c.load_rank()))
+    holder = max(by_load, key=lambda c: c.cached_blocks)  # the most cached, then the best by load
     if holder.cached_blocks > 0:
         chosen = holder
         if holder.is_saturated(saturation_s):

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagefleet.gateway.prefix_index import leading_depths
 from pagefleet.protocol.replica import ReplicaRecord
 
 PENDING_PREFIX_S = 10.0  # longer than a prompt waits in a queue that is not saturated
@@ -81,14 +82,7 @@ class InFlight:
         replicas of a model with state layers (`with_state`), only as far as a prompt sent
         there ended (where it will keep a state snapshot)."""
         self._expire()
-        matched = dict.fromkeys(replica_ids, 0)
-        alive = set(replica_ids)
-        for depth, block_hash in enumerate(block_hashes, start=1):
-            alive &= self._prefixes.get(block_hash, {}).keys()
-            if not alive:
-                break
-            for replica_id in alive:
-                matched[replica_id] = depth
+        matched = leading_depths(block_hashes, replica_ids, self._prefixes)
         for replica_id in with_state & matched.keys():
             depth = matched[replica_id]
             while depth and replica_id not in self._prompt_ends.get(block_hashes[depth - 1], {}):

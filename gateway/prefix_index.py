@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import redis.asyncio as redis
@@ -74,14 +75,7 @@ class ModelIndex:
         """How many of the leading `block_hashes` each replica holds (its cached prefix);
         for replicas of a model with state layers (`with_state`), only as far as one holds
         the state snapshot after the prefix's last block too."""
-        matched = dict.fromkeys(replica_ids, 0)
-        alive = set(replica_ids)
-        for depth, block_hash in enumerate(block_hashes, start=1):
-            alive &= self.holders.get(block_hash, set())
-            if not alive:
-                break
-            for replica_id in alive:
-                matched[replica_id] = depth
+        matched = leading_depths(block_hashes, replica_ids, self.holders)
         for replica_id in with_state & matched.keys():
             held = self.held.get(replica_id, set())
             depth = matched[replica_id]
@@ -89,6 +83,29 @@ class ModelIndex:
                 depth -= 1
             matched[replica_id] = depth
         return matched
+
+
+def leading_depths(
+    block_hashes: list[int], replica_ids: list[str], holders: Mapping[int, Collection[str]]
+) -> dict[str, int]:
+    """Per replica, how many of the leading `block_hashes` `holders` says it holds. A replica's
+    depth is written once, when it drops out: a shared prefix of hundreds of blocks held by a
+    few replicas costs one membership test per holder and block."""
+    matched = dict.fromkeys(replica_ids, 0)
+    alive = set(replica_ids)
+    depth = 0
+    for block_hash in block_hashes:
+        holding = holders.get(block_hash, ())
+        if not alive.issubset(holding):
+            for replica_id in alive.difference(holding):
+                matched[replica_id] = depth
+            alive.intersection_update(holding)
+            if not alive:
+                return matched
+        depth += 1
+    for replica_id in alive:
+        matched[replica_id] = depth
+    return matched
 
 
 class PrefixIndex:

@@ -7,6 +7,7 @@ import time
 
 from pagefleet.gateway.decision import DEFAULT_PREFILL_TOKENS_PER_S, Candidate, decide
 from pagefleet.gateway.inflight import PENDING_PREFIX_S, InFlight
+from pagefleet.gateway.prefix_index import ModelIndex
 from pagefleet.protocol.replica import ReplicaRecord
 
 PROMPT = 500  # tokens; 30 cached blocks of 16 leave 20 to compute
@@ -136,6 +137,18 @@ def test_the_ledger_remembers_prefixes_it_sent_for_the_requests_that_follow() ->
     inflight.record(_replica("b"), 1, 10, [11, 12, 99])
     assert inflight.matched_blocks([11, 12, 13, 14], ["a", "b", "c"]) == {"a": 3, "b": 2, "c": 0}
     assert inflight.matched_blocks([21, 12, 13], ["a", "b"]) == {"a": 0, "b": 0}, "matched from the first block on"
+
+
+def test_the_fleets_index_counts_each_replicas_prefix_up_to_its_first_missing_block() -> None:
+    index = ModelIndex()
+    index.store("a", [1, 2, 3])
+    index.store("b", [1, 3])  # evicted block 2: its block 3 is no use to this prompt
+    index.store("c", [2, 3])
+    everyone = ["a", "b", "c", "d"]
+    assert index.matched_blocks([1, 2, 3, 4], everyone) == {"a": 3, "b": 1, "c": 0, "d": 0}
+    assert index.matched_blocks([1, 2], everyone) == {"a": 2, "b": 1, "c": 0, "d": 0}
+    assert index.matched_blocks([], everyone) == dict.fromkeys(everyone, 0)
+    assert index.matched_blocks([1, 2, 3], ["b"]) == {"b": 1}, "only the candidates asked about"
 
 
 def test_for_a_state_model_the_ledger_counts_a_sent_prefix_only_to_where_a_prompt_ended() -> None:

@@ -430,6 +430,47 @@ def test_history_charts_rates_gauges_and_percentiles_over_the_window() -> None:
     assert charts["free_blocks"] == []
 
 
+def test_a_large_fleets_replicas_are_scraped_for_the_dashboard_only_while_it_is_watched() -> None:
+    """Past ALWAYS_SCRAPED replicas, their /metrics are read only after the dashboard asked
+    for its charts; their records are sampled either way."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from pagefleet.gateway.history import ALWAYS_SCRAPED, FleetHistory
+    from pagefleet.runtime.metrics_http import serve_metrics
+    from tests.processes import free_port
+
+    replica_metrics, port = CollectorRegistry(), free_port()
+    Counter("pagefleet:generation_tokens", "tokens", registry=replica_metrics).inc(7)
+    server = serve_metrics(replica_metrics, port, "127.0.0.1")
+    registry = ReplicaRegistry(None, 0.2, 3.0, 30.0)  # type: ignore[arg-type]  # never refreshed here
+    records = [
+        ReplicaRecord(replica_id=f"r{i}", model="m", url=f"http://127.0.0.1:{port}", free_blocks=5, total_blocks=10,
+                      block_size=16, running=0, waiting=0, max_model_len=64)
+        for i in range(ALWAYS_SCRAPED + 1)
+    ]  # fmt: skip
+    registry.by_model = {"m": records}
+    history = FleetHistory(registry, GatewayMetrics().registry)
+
+    async def tokens_in_a_sample() -> float:
+        snapshot = await history.sample()
+        assert snapshot.values[("m", "free_blocks", "r0")] == 5
+        return snapshot.values.get(("m", "output_tokens", "r0"), 0.0)
+
+    async def scenario() -> None:
+        assert await tokens_in_a_sample() == 0.0
+        history.charts("m")
+        assert await tokens_in_a_sample() == 7.0
+        registry.by_model = {"m": records[:ALWAYS_SCRAPED]}
+        history._watched_until = 0.0
+        assert await tokens_in_a_sample() == 7.0  # a small fleet: always
+        await history.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+
+
 def test_metrics_on_their_own_port_keep_their_names_whatever_format_the_scraper_asks() -> None:
     """Prometheus asks for OpenMetrics, in which prometheus_client would escape the `:` of
     `pagefleet_picker:requests_total`; the picker's and the operator's port answer in the
