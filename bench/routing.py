@@ -232,7 +232,7 @@ def run_cell(
     shape = WORKLOADS.get(workload) or FULL_SIZE_WORKLOADS[workload]
     turns = stretched(shape(rate, requests or REQUESTS[workload], seed), scale)
     cpu_before = (cpu_seconds(target.hosts), cpu_seconds([router]) if router is not None else 0.0)
-    outcomes, seconds = asyncio.run(replay(url, target.model, turns))
+    outcomes, seconds = asyncio.run(replay(url, target.model, turns, timeout_s=600.0 * max(1.0, scale)))
     host_cpu = cpu_seconds(target.hosts) - cpu_before[0]
     router_cpu = (cpu_seconds([router]) if router is not None else 0.0) - cpu_before[1]
     after, counters_after = [preemptions(r) for r in replicas], gateway_counters(url)

@@ -205,9 +205,11 @@ async def _ask(
     return outcome, "".join(text)
 
 
-async def replay(url: str, model: str, turns: list[Turn]) -> tuple[list[Outcome], float]:
+async def replay(url: str, model: str, turns: list[Turn], timeout_s: float = 600.0) -> tuple[list[Outcome], float]:
     """Send every turn at its time (a session's later turns after the previous answer plus
-    their thinking time); the outcomes and the seconds from start to the last answer."""
+    their thinking time); the outcomes and the seconds from start to the last answer. A
+    request waiting `timeout_s` for a byte fails (a time-stretched fleet passes its scale's
+    multiple)."""
     outcomes: list[Outcome] = []
 
     async def session(client: httpx.AsyncClient, first: Turn, start: float) -> None:
@@ -224,7 +226,7 @@ async def replay(url: str, model: str, turns: list[Turn]) -> tuple[list[Outcome]
             history.append({"role": "assistant", "content": answer})
 
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=100)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(session(client, turn, start) for turn in turns))
         return outcomes, time.perf_counter() - start

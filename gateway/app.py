@@ -49,7 +49,7 @@ def create_app(settings: GatewaySettings, tracer_provider: TracerProvider | None
     director = core.director(pool, outliers, settings.failover_attempts, proxy_tracing)
     history = FleetHistory(
         core.registry,
-        metrics.registry,
+        metrics,
         settings.dashboard_interval_s,
         settings.dashboard_span_s,
         settings.dashboard_window_s,

@@ -37,8 +37,9 @@ import regex
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
+from pagefleet.gateway.hash_runs import HashRuns
 from pagefleet.gateway.registry import ReplicaRegistry
-from pagefleet.protocol.block_hash import VERSION, block_hashes, chain_root
+from pagefleet.protocol.block_hash import VERSION, chain_root
 from pagefleet.protocol.openai import ChatCompletionRequest
 from pagefleet.protocol.tokenizer_info import TokenizerInfo
 from pagefleet.runtime.chat_prompt import (
@@ -100,6 +101,7 @@ class PromptHasher:
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._words: dict[str, tuple[int, ...]] | None = {} if _tokenizes_word_by_word(info.tokenizer_json) else None
         self._links: dict[bytes, int] = {}  # block_hash.block_hashes' `known`
+        self._runs = HashRuns()
 
     def token_ids(self, text: str, add_special_tokens: bool) -> list[int]:
         """`text` tokenized as the engine's tokenizer does it."""
@@ -199,7 +201,7 @@ class PromptHasher:
         root = chain_root(adapter, salt if isinstance(salt, str) and salt else None, long_rope)
         if len(self._links) > _LINKS_CACHED:
             self._links.clear()
-        return len(token_ids), block_hashes(token_ids[:-1], self.block_size, root, known=self._links)
+        return len(token_ids), self._runs.hashes(token_ids[:-1], self.block_size, root, self._links)
 
 
 class PromptHashers:

@@ -20,7 +20,9 @@ from pagefleet.engine.loader.source import resolve_model_dir
 from pagefleet.engine.lora.request import LoRARequest
 from pagefleet.engine.server.chat import chat_prompt
 from pagefleet.engine.server.tokenizer_info import _describe
+from pagefleet.gateway.hash_runs import HashRuns
 from pagefleet.gateway.prompt_hashes import PromptHasher
+from pagefleet.protocol.block_hash import block_hashes, chain_root
 from pagefleet.protocol.openai import ChatCompletionRequest
 from pagefleet.protocol.tokenizer_info import TokenizerInfo
 
@@ -218,3 +220,23 @@ def test_text_tokenized_word_by_word_is_the_whole_texts_tokenization(
             text
         )
     assert hasher.token_ids(SYSTEM, add_special_tokens=False) == tokenizer.encode(SYSTEM, add_special_tokens=False)
+
+
+def test_hash_runs_reuse_earlier_chains_and_give_block_hashes_answer() -> None:
+    """Prompts sharing a start, one a prefix of another, a longer one after a shorter, and
+    another root: every answer is the plain chain's, whatever was hashed before."""
+    rng = random.Random(3)
+    system = [rng.randrange(50_000) for _ in range(200)]
+    prompts = [
+        system + [1, 2, 3] * 10,
+        system + [4, 5] * 20,  # diverges after the system prompt
+        system[:100],  # a prefix of the kept chain
+        system[:37] + [9] * 80,  # diverges inside a block
+        system + [4, 5] * 40,  # longer than anything before
+        [7] * 15,  # not one full block
+        system,
+    ]
+    runs, known = HashRuns(kept=2), {}
+    for root in (chain_root(), chain_root("adapter")):
+        for prompt in prompts:
+            assert runs.hashes(prompt, 16, root, known) == block_hashes(prompt, 16, root), prompt[:3]

@@ -404,7 +404,7 @@ def test_history_charts_rates_gauges_and_percentiles_over_the_window() -> None:
     from pagefleet.gateway.history import FleetHistory, Snapshot
 
     registry = ReplicaRegistry(None, 0.2, 3.0, 30.0)  # type: ignore[arg-type]  # never refreshed here
-    history = FleetHistory(registry, GatewayMetrics().registry, interval=1.0, span=60.0, window=2.0)
+    history = FleetHistory(registry, GatewayMetrics(), interval=1.0, span=60.0, window=2.0)
     for second, tokens, ttft_fast in [(0, 0, 0), (1, 10, 1), (2, 30, 2), (3, 30, 2), (4, 0, 0)]:  # restarted at 4
         snapshot = Snapshot(1000.0 + second)
         snapshot.add(("m", "kv_usage", "r1"), 10.0 * second)
@@ -449,7 +449,7 @@ def test_a_large_fleets_replicas_are_scraped_for_the_dashboard_only_while_it_is_
         for i in range(ALWAYS_SCRAPED + 1)
     ]  # fmt: skip
     registry.by_model = {"m": records}
-    history = FleetHistory(registry, GatewayMetrics().registry)
+    history = FleetHistory(registry, GatewayMetrics())
 
     async def tokens_in_a_sample() -> float:
         snapshot = await history.sample()
