@@ -10,12 +10,10 @@ hashes only the rest. The hashes stay those of `block_hashes`, the one definitio
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pagefleet.protocol.block_hash import block_hashes
+from pagefleet.protocol.block_hash import block_hashes, pack_tokens
 
 _RUNS_KEPT = 4096  # first blocks remembered per model, least recently used forgotten first
 
@@ -29,7 +27,7 @@ class HashRuns:
         """`block_hashes(token_ids, block_size, root, known=known)`, reusing the leading
         hashes of the last chain that began with the same block."""
         stride = block_size * 4
-        packed = _packed(token_ids[: len(token_ids) // block_size * block_size])
+        packed = pack_tokens(token_ids[: len(token_ids) // block_size * block_size])
         if not packed:
             return []
         key = (root, packed[:stride])
@@ -43,13 +41,6 @@ class HashRuns:
         if len(self._runs) > self.kept:
             self._runs.popitem(last=False)
         return hashes
-
-
-def _packed(token_ids: Sequence[int]) -> bytes:
-    tokens = array("I", token_ids)
-    if sys.byteorder != "little":
-        tokens.byteswap()
-    return tokens.tobytes()
 
 
 def _equal_blocks(a: bytes, b: bytes, stride: int) -> int:

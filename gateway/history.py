@@ -7,13 +7,15 @@ generated, preemptions, time-to-first-token and inter-token histograms) and the 
 own counters (requests by status, errors, failovers, routing decisions). It keeps `span`
 seconds of samples.
 
+Charts turn the samples into series the way PromQL would: counters into `rate()` over
+`window` seconds, histograms into `histogram_quantile()` of the window's increase, gauges
+as they were.
+
 Reading every replica's `/metrics` is the one costly part: at 128 simulated replicas it
 took 2.5 s of the gateway's CPU every 20 s, more than routing. So on a fleet larger than
 ALWAYS_SCRAPED replicas they are read only while the dashboard is watched (its data was
 fetched within WATCHED_S), and their charts start when it is opened; the records and the
-gateway's own counters are sampled always. Charts turn them into series the way PromQL would: counters into
-`rate()` over `window` seconds, histograms into `histogram_quantile()` of the window's
-increase, gauges as they were.
+gateway's own counters are sampled always.
 """
 
 from __future__ import annotations
@@ -105,8 +107,12 @@ class FleetHistory:
         self.registry = registry
         # Only the counters the charts read: collecting the whole registry (with its
         # per-replica latency histogram) was the sampler's largest cost at 128 replicas.
-        m = gateway_metrics
-        self._charted_counters = (m.requests, m.errors, m.failovers, m.routing_decisions)
+        self._charted_counters = (
+            gateway_metrics.requests,
+            gateway_metrics.errors,
+            gateway_metrics.failovers,
+            gateway_metrics.routing_decisions,
+        )
         self.interval, self.span, self.window = interval, span, window
         self.snapshots: deque[Snapshot] = deque(maxlen=max(2, int(span / interval) + 1))
         self._client = httpx.AsyncClient(timeout=max(0.5, interval / 2))
@@ -146,9 +152,10 @@ class FleetHistory:
             snapshot.add((model, "requests_in_engine", f"{replica} waiting"), record.waiting)
             for sample in samples:
                 _add_replica_sample(snapshot, model, replica, sample)
-        for family in (family for counter in self._charted_counters for family in counter.collect()):
-            for sample in family.samples:
-                _add_gateway_sample(snapshot, sample)
+        for counter in self._charted_counters:
+            for family in counter.collect():
+                for sample in family.samples:
+                    _add_gateway_sample(snapshot, sample)
         return snapshot
 
     async def _scrape(self, url: str) -> list[MetricSample]:

@@ -66,11 +66,7 @@ def block_hashes(
     if len(hashes) >= num_full:
         return hashes[:num_full]
     start = len(hashes) * block_size
-    tokens = array("I", token_ids[start : num_full * block_size])
-    assert tokens.itemsize == _TOKEN_BYTES, "token ids must pack as uint32"
-    if sys.byteorder != "little":
-        tokens.byteswap()
-    packed = tokens.tobytes()
+    packed = pack_tokens(token_ids[start : num_full * block_size])
     parent = hashes[-1] if hashes else root
     stride = block_size * _TOKEN_BYTES
     for offset in range(0, len(packed), stride):
@@ -83,6 +79,15 @@ def block_hashes(
         parent = digest
         hashes.append(parent)
     return hashes
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the chain hashes them: uint32, little-endian."""
+    tokens = array("I", token_ids)
+    assert tokens.itemsize == _TOKEN_BYTES, "token ids must pack as uint32"
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    return tokens.tobytes()
 
 
 def state_snapshot_hash(block_hash: int) -> int:
