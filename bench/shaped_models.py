@@ -142,11 +142,49 @@ def _qwen3_next_scaled() -> Any:
     )
 
 
+def _deepseek_v3_scaled() -> Any:
+    """DeepSeek-V3 (deepseek-ai/DeepSeek-V3: hidden 7,168, 61 layers, 128 heads, latent
+    attention with a 512-wide KV latent, 64 RoPE and 128 no-RoPE dims a query-key head, 128
+    a value head, a 1,536-wide query latent; 256 routed experts of width 2,048, 8 a token, in 8
+    groups of which 4 are kept, one shared; the first 3 layers dense) scaled to two cores:
+    the attention's per-head shape and latent widths as published, 16 heads, hidden 1,024,
+    8 layers (the first dense), 64 routed experts of width 256 in 8 groups."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=129280,
+        hidden_size=1024,
+        intermediate_size=3072,
+        moe_intermediate_size=256,
+        num_hidden_layers=8,
+        first_k_dense_replace=1,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=32768,
+        rope_interleave=True,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
 SHAPES: dict[str, Callable[[], Any]] = {
     "gemma3-270m": _gemma3_270m,
     "qwen3-30b-a3b-scaled": _qwen3_30b_a3b_scaled,
     "qwen3.5-scaled": _qwen3_5_scaled,
     "qwen3-next-scaled": _qwen3_next_scaled,
+    "deepseek-v3-scaled": _deepseek_v3_scaled,
 }
 
 

@@ -53,6 +53,11 @@ class EngineConfig:
         device: "auto", "cpu" or "cuda".
         attention_backend: "auto" (Triton on CUDA; on a CPU the compiled operator, or plain
             torch if it cannot be built), "cpu", "torch" or "triton".
+        mla_prefill: how latent-attention models (DeepSeek-V3) attend in a prompt's rows.
+            "expanded" (default, as vLLM): over keys and values expanded per head, about 2x
+            the prompt throughput; generated tokens stay absorbed and only prompt blocks
+            serve the prefix cache, so that an answer never depends on the path.
+            "absorbed": in the latent space, as decodes do, every block cached (docs/engine.md).
         tokenizer: a directory (or built-in name) to take the tokenizer from; default the
             model's own.
         skip_tokenizer_init: load no tokenizer: prompts must be token ids, outputs carry
@@ -117,6 +122,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"
     attention_backend: str = "auto"
+    mla_prefill: str = "expanded"
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     gpu_memory_utilization: float | None = None
@@ -170,6 +176,8 @@ class EngineConfig:
     def _check_choices(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             _fail("dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.mla_prefill not in ("absorbed", "expanded"):
+            _fail("mla_prefill", f"must be 'absorbed' or 'expanded', got {self.mla_prefill!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             _fail("preemption_mode", f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -169,8 +169,13 @@ class KVCacheManager:
         num_host_state_slots: int = 0,
         num_state_snapshots: int = 0,
         state_chunk_size: int = 0,
+        cache_generated_blocks: bool = True,
     ) -> None:
         self.block_size = block_size
+        # Off for latent attention with expanded prompt rows (engine/layers/latent_prefill.py):
+        # generated tokens' KV is computed another way than a prompt's, so only blocks of
+        # prompt tokens serve later prompts.
+        self.cache_generated_blocks = cache_generated_blocks
         self.groups = groups
         # The runner's chunked state kernel (kernels/chunked_gated_delta_rule.py): a prompt's
         # chunks end at its multiples, so every path cuts a prompt at the same places.
@@ -529,6 +534,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(record.num_computed_tokens // self.block_size, min(len(t) for t in record.tables))
+        if not self.cache_generated_blocks:
+            num_full = min(num_full, seq.num_prompt_tokens // self.block_size)
         self._extend_hashes(seq, record, num_full)
         for index in range(record.num_registered_blocks, num_full):
             tokens = self._block_tokens(seq, index)

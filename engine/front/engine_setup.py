@@ -116,6 +116,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_host_state_slots,
         num_snapshots,
         device.runner.state_chunk_size,
+        cache_generated_blocks=not device.runner.expand_latent_prefill,
     )
     lora = device.lora
     speculative = config.speculative
@@ -197,6 +198,7 @@ def build_device(config: EngineConfig, model_dir: Path, shard: Shard, workers: W
         lora,
         workers,
         state_rows,
+        expand_latent_prefill=config.mla_prefill == "expanded" and model_config.mla is not None,
     )
     return DeviceParts(model, model_config, num_blocks, num_host_blocks, runner, lora, state_rows)
 

@@ -18,7 +18,7 @@ that metadata back to the backend's `forward`. A backend is one module plus one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -50,6 +50,7 @@ class PrefillSpan:
     context_len: int  # cached prefix + this chunk
     block_table: list[int]  # the blocks covering [0, context_len) (block 0 where a window freed one)
     context_slots: np.ndarray  # [context_len] cache slot of every context position
+    num_prompt_tokens: int = 0  # its request's: rows at positions before it are prompt tokens
 
 
 @dataclass(slots=True)
@@ -61,6 +62,9 @@ class StepLayout:
     decode_context_lens: list[int]
     decode_block_tables: list[list[int]]
     prefills: list[PrefillSpan]
+    # Decode rows that are a prompt's last token (after a prefix-cache hit), as one-row
+    # spans: latent attention computes prompt tokens its own way (engine/layers/latent_prefill.py).
+    prompt_decodes: list[PrefillSpan] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:

@@ -36,6 +36,14 @@ from pagefleet.engine.distributed.shard import Shard, chain, columns, rows, voca
 from pagefleet.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pagefleet.engine.layers.experts import RoutedExperts
 from pagefleet.engine.layers.fused import rotary
+from pagefleet.engine.layers.latent_prefill import (
+    LatentStep,
+    PerHeadProjections,
+    expanded_context,
+    expanded_rows_attention,
+    per_head_matmul,
+    write_latents,
+)
 from pagefleet.engine.layers.linear import Linear, frozen_parameter
 from pagefleet.engine.layers.norm import RMSNorm
 from pagefleet.engine.layers.rotary import interleaved_rope_rows_as_halves
@@ -69,6 +77,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = frozen_parameter(self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
         self.o_proj = Linear(self.num_heads * mla.v_head_dim, config.hidden_size)
         self.scale = config.attention_scale
+        self._per_head: PerHeadProjections | None = None  # kv_b_proj's views, made on first use
 
     def forward(
         self,
@@ -79,7 +88,7 @@ class LatentAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         mla, num_tokens = self.mla, hidden.shape[0]
-        nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
+        rank = mla.kv_lora_rank
         if mla.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         else:
@@ -87,23 +96,72 @@ class LatentAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, -1)
         latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([rank, mla.qk_rope_head_dim], dim=-1)
         k_rot = rotary(k_rot.contiguous().view(num_tokens, 1, -1), *rope)
-        q_rot = rotary(q[..., nope:].contiguous(), *rope)
-        expand = self.kv_b_proj.view(self.num_heads, nope + mla.v_head_dim, rank)
-        # [heads, tokens, nope] @ [heads, nope, rank]: each head's query in the latent space.
-        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), expand[:, :nope]).transpose(0, 1)
-        query = torch.cat((q_latent, q_rot), dim=-1)
+        q_nope, q_rot = q[..., : mla.qk_nope_head_dim], rotary(q[..., mla.qk_nope_head_dim :].contiguous(), *rope)
         key = torch.cat((self.kv_a_layernorm(latent).view(num_tokens, 1, rank), k_rot), dim=-1)
+        if isinstance(metadata, LatentStep):
+            values = self._expanded(q_nope, q_rot, key, kv_cache, metadata, backend)
+        else:
+            values = self._absorbed(q_nope, q_rot, key, kv_cache, metadata, backend)
+        return self.shard.all_reduce(self.o_proj(values.reshape(num_tokens, -1)))
+
+    def _projections(self) -> PerHeadProjections:
+        if self._per_head is None:
+            mla = self.mla
+            expand = self.kv_b_proj.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+            self._per_head = PerHeadProjections.of(expand.detach(), mla.qk_nope_head_dim)
+        return self._per_head
+
+    def _absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        key: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """[rows, heads, v]: attention in the latent space, one query per head against the cache's one head."""
+        per_head = self._projections()
+        # Each head's query in the latent space, then its output out of it.
+        query = torch.cat((per_head_matmul(q_nope, per_head.key_up), q_rot), dim=-1)
         out = backend.forward(query, key, key, kv_cache[0], kv_cache[1], metadata, self.scale)
-        # [heads, tokens, rank] @ [heads, rank, v]: each head's output out of the latent space.
-        values = torch.bmm(out[..., :rank].transpose(0, 1), expand[:, nope:].transpose(1, 2))
-        return self.shard.all_reduce(self.o_proj(values.transpose(0, 1).reshape(num_tokens, -1)))
+        return per_head_matmul(out[..., : self.mla.kv_lora_rank], per_head.value_up)
+
+    def _expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        key: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        step: LatentStep,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """[rows, heads, v]: generated tokens' rows absorbed, prompt rows over their context
+        expanded per head (engine/layers/latent_prefill.py)."""
+        mla, absorbed = self.mla, step.num_absorbed
+        values = q_nope.new_empty(q_nope.shape[0], self.num_heads, mla.v_head_dim)
+        if step.absorbed is not None:
+            values[:absorbed] = self._absorbed(
+                q_nope[:absorbed], q_rot[:absorbed], key[:absorbed], kv_cache, step.absorbed, backend
+            )
+        if absorbed < len(step.slot_mapping):
+            write_latents(kv_cache[0], key[absorbed:], step.slot_mapping[absorbed:])
+        query = torch.cat((q_nope, q_rot), dim=-1)
+        shape = (mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim)
+        block_size = kv_cache[0].shape[1]
+        for chunk in step.chunks:
+            rows = slice(chunk.row, chunk.row + chunk.num_expanded)
+            scratch = expanded_context(kv_cache[0], chunk.context_slots, self._projections().expand, shape, block_size)
+            out = expanded_rows_attention(query[rows], scratch, chunk, backend, self.scale)
+            values[rows] = out[..., : mla.v_head_dim]
+        return values
 
 
 def grouped_sigmoid_top_k(
     logits: torch.Tensor, correction: torch.Tensor, options: MoEOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32, experts) [T, k] by DeepSeek-V3's rule, as transformers computes it."""
-    scores = logits.sigmoid()
+    scores = _row_sigmoid(logits)
     choice = scores + correction
     num_tokens, per_group = choice.shape[0], choice.shape[1] // options.num_groups
     group_scores = choice.view(num_tokens, options.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
@@ -117,6 +175,15 @@ def grouped_sigmoid_top_k(
     return weights * options.routed_scaling, experts
 
 
+def _row_sigmoid(logits: torch.Tensor) -> torch.Tensor:
+    """sigmoid of [T, E] whose bits for a row do not depend on T: torch's vectorised loop
+    leaves the elements past its last full vectors to a scalar one that rounds otherwise,
+    so rows are padded to a multiple of 64 (none is with DeepSeek-V3's 256 experts)."""
+    width = logits.shape[1]
+    pad = -width % 64
+    return torch.nn.functional.pad(logits, (0, pad)).sigmoid()[:, :width] if pad else logits.sigmoid()
+
+
 class DeepseekMoE(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
@@ -128,12 +195,23 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = (
             LlamaMLP(config, shard, options.shared_expert_width) if options.shared_expert_width else None
         )
+        self._router: Linear | None = None  # `gate` as a float32 layer, made on first use
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden.float(), self.gate.float())
+        logits = self._float32_router()(hidden.float())
         weights, experts = grouped_sigmoid_top_k(logits, self.e_score_correction_bias.float(), self.options)
         out = self.experts(hidden, weights, experts)
         return out if self.shared_experts is None else out + self.shared_experts(hidden)
+
+    def _float32_router(self) -> Linear:
+        """The router as a prepacked float32 layer: one row's logits then do not depend on
+        the step's other rows (MKL's `F.linear` takes another kernel for one row)."""
+        if self._router is None:
+            router = Linear(*reversed(self.gate.shape))
+            router.weight.data = self.gate.detach().float()
+            router.pack()
+            self._router = router
+        return self._router
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):

@@ -36,6 +36,7 @@ ENGINE_FIELDS = (
     "seed",
     "device",
     "attention_backend",
+    "mla_prefill",
     "enable_lora",
     "max_loras",
     "max_lora_rank",
@@ -151,6 +152,11 @@ class ServerSettings(BaseSettings):
     seed: int = _default("seed")
     device: str = _default("device")
     attention_backend: str = _default("attention_backend")
+    mla_prefill: Literal["absorbed", "expanded"] = Field(
+        _default("mla_prefill"),
+        description="latent attention's prompt rows: over keys and values expanded per head (about 2x the"
+        " prompt throughput) or in the latent space as decodes, every block prefix-cached (docs/engine.md)",
+    )
     max_logprobs: int = Field(_default("max_logprobs"), description="the most logprobs a request may ask for; -1: all")
     kv_cache_dir: str | None = Field(
         None, description="the KV file tier's directory, shared by a model's replicas (docs/kv-tiers.md)"

@@ -21,6 +21,7 @@ from pagefleet.engine.core.kv_groups import KVGroups
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.kv_connector.worker import load_blocks
 from pagefleet.engine.layers.attention import AttentionBackend, PrefillSpan, StepLayout, allocate_kv_cache
+from pagefleet.engine.layers.latent_prefill import prepare_latent_step
 from pagefleet.engine.layers.rotary import rope_rows
 from pagefleet.engine.lora.manager import LoRAManager
 from pagefleet.engine.models.config import ModelConfig
@@ -141,9 +142,10 @@ class ModelRunner:
         lora: LoRAManager | None = None,
         workers: Workers | None = None,
         state_rows: tuple[int, int, int] = (0, 0, 0),
+        expand_latent_prefill: bool = False,
     ) -> None:
-        """`state_rows`: a model with state layers' running slots, prefix snapshots (rows
-        after the slots) and host slots for swapping."""
+        """`state_rows`: a model with state layers' running slots, prefix snapshots and host
+        slots for swapping. `expand_latent_prefill`: EngineConfig.mla_prefill="expanded"."""
         self.model, self.model_config, self.groups, self.backend = model, model_config, groups, backend
         self.lora = lora  # with enable_lora
         self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
@@ -179,6 +181,7 @@ class ModelRunner:
         self.state_cache = StateCache(model_config, num_slots + num_snapshots, dtype, device) if num_slots else None
         self.host_state_cache = StateCache(model_config, num_host_slots, dtype, "cpu") if num_host_slots else None
         self.state_chunk_size = state_chunk_size(model_config, backend, block_size)
+        self.expand_latent_prefill = expand_latent_prefill
         self.kv_caches, self.layer_groups = self._model_layer_caches()
         self.host_tensors = [cache_pair(num_host_blocks, s, "cpu") for s in tensor_shapes] if num_host_blocks else []
         self.sampler = Sampler(model_config.eos_token_ids, seed)
@@ -290,7 +293,10 @@ class ModelRunner:
         """One step on this rank: the copies, the forward pass, and the float32 logits of
         `step.logit_rows` on the CPU (None on a tensor-parallel worker)."""
         self.run_copies(step.copies)
-        group_metadata = [self.backend.prepare(layout) for layout in step.layouts]
+        if self.expand_latent_prefill:
+            group_metadata = [prepare_latent_step(layout, self.backend, self.block_size) for layout in step.layouts]
+        else:
+            group_metadata = [self.backend.prepare(layout) for layout in step.layouts]
         metadata = [step.state if group is None else group_metadata[group] for group in self.layer_groups]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata, self.backend)
         if not step.logit_rows:
@@ -400,6 +406,7 @@ class ModelRunner:
         slots: list[int] = []
         decode_context, decode_tables = [], []
         prefills: list[PrefillSpan] = []
+        prompt_decodes: list[PrefillSpan] = []
         row = 0
         for chunk in chunks:
             start, end = chunk.start, chunk.end
@@ -414,14 +421,22 @@ class ModelRunner:
                     slots.append(table[position // bs] * bs + position % bs)
                     decode_context.append(position + 1)
                     decode_tables.append(table)
+                if self.expand_latent_prefill and start < chunk.num_prompt_tokens:
+                    prompt_decodes.append(self._span(chunk, table, row))
             else:
-                pos = np.arange(end)
-                context_slots = np.maximum(np.asarray(table, dtype=np.int64), 0)[pos // bs] * bs + pos % bs
-                slots.extend(context_slots[start:end].tolist())
-                prefills.append(PrefillSpan(row, chunk.num_new_tokens, end, table, context_slots))
+                span = self._span(chunk, table, row)
+                slots.extend(span.context_slots[start:end].tolist())
+                prefills.append(span)
             row += chunk.num_new_tokens
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        return StepLayout(slot_mapping, decode_context, decode_tables, prefills)
+        return StepLayout(slot_mapping, decode_context, decode_tables, prefills, prompt_decodes)
+
+    def _span(self, chunk: ChunkInput, table: list[int], row: int) -> PrefillSpan:
+        """`chunk` as a prefill span from `row`, with the cache slot of every context position."""
+        bs, end = self.block_size, chunk.end
+        pos = np.arange(end)
+        context_slots = np.maximum(np.asarray(table, dtype=np.int64), 0)[pos // bs] * bs + pos % bs
+        return PrefillSpan(row, chunk.num_new_tokens, end, table, context_slots, chunk.num_prompt_tokens)
 
     @staticmethod
     def _prompt_rows(chunk: ChunkInput, last_row: int) -> tuple[int, int]:

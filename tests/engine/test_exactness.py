@@ -247,3 +247,41 @@ def test_float16_runs_on_a_cpu_on_torchs_kernels(tiny_llama: Path) -> None:
     assert_no_block_leaked(llm)
     with pytest.raises(InvalidParameterError, match="float32 or bfloat16"):
         LLM(str(tiny_llama), dtype="float16", attention_backend="cpu")
+
+
+def _logprobs(outputs) -> list[list[float]]:  # type: ignore[no-untyped-def]
+    return [
+        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)] for o in outputs
+    ]
+
+
+@pytest.mark.parametrize("mla_prefill", ["expanded", "absorbed"])
+def test_deepseek_prompt_rows_expanded_or_absorbed_give_one_answer_bit_for_bit(
+    tiny_models: dict[str, Path], mla_prefill: str
+) -> None:
+    """Latent attention's two ways for a prompt's rows each equal transformers, and within
+    each a prompt's logprobs are the same bits alone, in a batch, in 16-token chunks and
+    recomputed after a preemption (generated tokens then prefill again, still absorbed).
+    Expanded, the prefix cache serves only prompt blocks: a next turn that contains the
+    answer reads the first prompt's full blocks, never the answer's."""
+    model_dir = tiny_models["deepseek_v3"]
+    prompts = random_prompts([5, 17, 33, 40], TINY_VOCAB, seed=5)
+    answers = {}
+    for schedule in ("plain", "chunked_prefill", "preempt_recompute"):
+        settings = same_kv_memory(model_dir, SCHEDULES[schedule])
+        llm = LLM(str(model_dir), dtype="float32", mla_prefill=mla_prefill, **settings)
+        answers[schedule] = _logprobs(outputs := llm.generate(prompts, _greedy()))
+        if schedule == "plain":
+            _assert_matches_hf(model_dir, prompts, outputs)
+            alone = [_logprobs(llm.generate([p], _greedy()))[0] for p in prompts]
+            next_turn = prompts[3] + list(outputs[3].outputs[0].token_ids) + prompts[0]
+            cached = llm.generate([next_turn], _greedy(max_tokens=1))[0].usage.cached_prompt_tokens
+        if schedule == "preempt_recompute":
+            assert llm.stats().num_preemptions_recompute > 0
+        assert_no_block_leaked(llm)
+    assert alone == answers["plain"]
+    assert answers["chunked_prefill"] == answers["plain"] == answers["preempt_recompute"]
+    block_size = 16
+    assert cached == (
+        40 // block_size * block_size if mla_prefill == "expanded" else (40 + NEW_TOKENS) // block_size * block_size
+    )
