@@ -137,9 +137,9 @@ def quantized_packed_layout() -> bool:
 @functools.cache
 def has_compiled_layers() -> bool:
     """Whether the loaded operators include the Llama family's decoder layers as one call
-    (csrc/cpu_decoder.cpp: `torch.classes.pagefleet.LlamaLayers`) over the AVX2 kernel's
-    repacked weights."""
-    if not quantized_packed_layout():
+    (csrc/cpu_decoder.cpp: `torch.classes.pagefleet.LlamaLayers`) over the quantized
+    kernel's weights (AVX2 or AVX-512 VNNI)."""
+    if not has_quantized_linear():
         return False
     try:
         return torch.classes.pagefleet.LlamaLayers is not None

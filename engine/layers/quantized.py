@@ -18,18 +18,21 @@ into three arrays (nibbles or bytes, scales, mins) with every weight unsigned, w
 
 (Q8_0: u = q + 128, min = -128 d, which VNNI's unsigned-by-signed dot product wants; the
 K formats' scale d * sc and min -dmin * m are rounded to float16, at most 2^-11 of each,
-far below a 4-bit step.) 5- and 6-bit codes take a byte each: exact, and read by the 8-bit
-kernels, at 9-10 bits a weight instead of 5.5-6.6. The compiled operator
-(kernels/csrc/cpu_quant.cpp) reads the arrays as they are on AVX-512 VNNI; on AVX2 a layer
-repacks them once at load (`PackedWeight`: 8 output columns interleaved). Either way one
-kernel serves every number of rows. `quantized_linear_torch`, the oracle and the fallback,
+far below a 4-bit step.) 5- and 6-bit codes take a byte each as loaded: exact, and what the
+Triton kernel and the reference read. A CPU layer repacks them once at load for its kernel
+(`for_this_device`): on AVX-512 VNNI (kernels/csrc/cpu_quant_vnni.h) 5- and 6-bit codes
+become low nibbles plus planes of their high bits (`with_planes`: Q6_K 1.25 -> 0.875 bytes
+a weight with its derived mins dropped, which took a Q4_K_M model's batch-1 decode from 0.90x
+to 1.0x llama.cpp's), the others stay as loaded; on AVX2 every format is repacked with 8
+output columns interleaved (`PackedWeight`). Either way one kernel serves every number of
+rows. `quantized_linear_torch`, the oracle and the fallback,
 dequantizes and multiplies in float32; every dequantized value is exact (a float16 times at
 most 8 bits, plus a min).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -61,9 +64,11 @@ GGML_BLOCKS = {
     GGML_Q5_K: (256, 176),
     GGML_Q6_K: (256, 210),
 }
-# The operator's three layouts (`format` in cpu_quant.cpp).
-FOUR_BIT, EIGHT_BIT, EIGHT_BIT_16 = 0, 1, 2
+# The operator's layouts (`format` in cpu_quant.cpp): three as loaded, two of the VNNI
+# kernel's own (`QuantizedWeight.with_planes`).
+FOUR_BIT, EIGHT_BIT, EIGHT_BIT_16, SIX_BIT_PLANES_16, FIVE_BIT_PLANES = 0, 1, 2, 3, 4
 _FORMATS = {GGML_Q4_0: FOUR_BIT, GGML_Q4_1: FOUR_BIT, GGML_Q4_K: FOUR_BIT, GGML_Q6_K: EIGHT_BIT_16}
+_PLANES = {GGML_Q5_0: 1, GGML_Q5_1: 1, GGML_Q5_K: 1, GGML_Q6_K: 2}  # high bits above the nibble
 
 
 @dataclass(frozen=True)
@@ -72,21 +77,29 @@ class QuantizedWeight:
 
     quants: uint8 [out, in / 2] (FOUR_BIT: block b's 16 bytes hold its elements 0-15 in the
     low nibbles, 16-31 in the high) or [out, in] (a byte a weight); scales, mins: float16
-    [out, in / group]; w = scale * u + min."""
+    [out, in / group]; w = scale * u + min. With `planes` (5- and 6-bit codes in the VNNI
+    kernel's layout), quants is [out, in / 2 + in * planes / 8]: the codes' low nibbles in the
+    4-bit layout, then per pair of blocks 8 bytes a plane of their high bits (byte j: the
+    high bits of pair positions j + 8i at bit i, or j + 16i at bits 2i, 2i + 1; pair
+    positions 0-15 are block 2p's elements 0-15, 16-31 block 2p + 1's, 32-47 2p's 16-31,
+    48-63 2p + 1's 16-31), and Q6_K's mins are empty [out, 0]: -32 times its scales."""
 
     ggml_type: int
     quants: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
+    planes: bool = False
 
     @property
     def format(self) -> int:
+        if self.planes:
+            return SIX_BIT_PLANES_16 if self.ggml_type == GGML_Q6_K else FIVE_BIT_PLANES
         return _FORMATS.get(self.ggml_type, EIGHT_BIT)
 
     @property
     def group(self) -> int:
         """Weights sharing a scale and a min."""
-        return 16 if self.format == EIGHT_BIT_16 else BLOCK
+        return 16 if self.ggml_type == GGML_Q6_K else BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -116,34 +129,57 @@ class QuantizedWeight:
         )
 
     def to(self, device: torch.device) -> QuantizedWeight:
-        return QuantizedWeight(self.ggml_type, self.quants.to(device), self.scales.to(device), self.mins.to(device))
+        return replace(self, quants=self.quants.to(device), scales=self.scales.to(device), mins=self.mins.to(device))
 
-    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
-        """The weight's rows `index` (a permutation or a subset), still quantized."""
-        return QuantizedWeight(self.ggml_type, self.quants[index], self.scales[index], self.mins[index])
+    def select_rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
+        """The weight's rows `index` (a permutation, a subset or a slice: a view), still quantized."""
+        return replace(self, quants=self.quants[index], scales=self.scales[index], mins=self.mins[index])
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Row blocks stacked (q, k, v -> qkv); all of one type."""
-        if len({p.ggml_type for p in parts}) != 1:
+        """Row blocks stacked (q, k, v -> qkv); all of one type and layout."""
+        if len({(p.ggml_type, p.planes) for p in parts}) != 1:
             raise ValueError("fused weights of different GGML types")
+        return replace(
+            parts[0],
+            quants=torch.cat([p.quants for p in parts]),
+            scales=torch.cat([p.scales for p in parts]),
+            mins=torch.cat([p.mins for p in parts]),
+        )
+
+    @property
+    def takes_planes(self) -> bool:
+        """Whether `with_planes` can hold these codes: 5- or 6-bit, in whole block pairs."""
+        return not self.planes and self.ggml_type in _PLANES and self.shape[1] % (2 * BLOCK) == 0
+
+    def with_planes(self) -> QuantizedWeight:
+        """The same weights in the VNNI kernel's layout of 5- and 6-bit codes (see the class)."""
+        codes = _codes(self)
+        out = codes.shape[0]
+        low = (codes & 0x0F).reshape(out, -1, 2, 16)
+        nibbles = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(out, -1)
+        # Pair positions: [out, pairs, half, block, 16] -> 64 a pair.
+        high = (codes >> 4).reshape(out, -1, 2, 2, 16).transpose(2, 3).reshape(out, -1, 64)
+        planes = _PLANES[self.ggml_type]
+        per_byte = 8 // planes  # high bits a plane byte holds
+        high = (
+            high.reshape(out, -1, per_byte, 64 // per_byte)
+            << (planes * torch.arange(per_byte, dtype=torch.uint8))[:, None]
+        )
+        plane_bytes = high.sum(dim=2, dtype=torch.uint8).reshape(out, -1)
+        mins = self.mins[:, :0] if self.ggml_type == GGML_Q6_K else self.mins
         return QuantizedWeight(
-            parts[0].ggml_type,
-            torch.cat([p.quants for p in parts]),
-            torch.cat([p.scales for p in parts]),
-            torch.cat([p.mins for p in parts]),
+            self.ggml_type, torch.cat([nibbles, plane_bytes], 1).contiguous(), self.scales, mins, True
         )
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [out_features, in_features], or only `rows` of it (an embedding lookup)."""
         weight = self if rows is None else self.select_rows(rows)
         out = weight.quants.shape[0]
-        if self.format == FOUR_BIT:
-            unsigned = _nibbles(weight.quants.reshape(out, -1, BLOCK // 2), dim=2).reshape(out, -1, self.group)
-        else:
-            unsigned = weight.quants.reshape(out, -1, self.group)
-        values = unsigned.float() * weight.scales.float().unsqueeze(-1) + weight.mins.float().unsqueeze(-1)
-        return values.reshape(out, -1)
+        unsigned = _codes(weight).reshape(out, -1, self.group)
+        scales = weight.scales.float().unsqueeze(-1)
+        mins = weight.mins.float().unsqueeze(-1) if weight.mins.shape[1] else scales * -32  # Q6_K's derived mins
+        return (unsigned.float() * scales + mins).reshape(out, -1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, self)
@@ -263,6 +299,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     if x.device.type == "cuda":
         from pagefleet.kernels.quantized_matmul import quantized_matmul
 
+        assert not weight.planes, "the planes layout is the CPU kernel's: a CUDA weight stays as loaded"
         return quantized_matmul(x.contiguous(), weight.quants, weight.scales, weight.mins, weight.format == FOUR_BIT)
     if x.device.type != "cpu" or not cpu_ops.has_quantized_linear():
         return quantized_linear_torch(x, weight)
@@ -409,21 +446,32 @@ class PackedWeight:
 
 def _codes(weight: QuantizedWeight) -> torch.Tensor:
     """The unsigned code of every weight, uint8 [out_features, in_features] in element order."""
-    out = weight.quants.shape[0]
-    if weight.format == FOUR_BIT:
-        return _nibbles(weight.quants.reshape(out, -1, BLOCK // 2), dim=2).reshape(out, -1)
-    return weight.quants
+    out, in_features = weight.shape
+    if weight.format == FOUR_BIT or weight.planes:
+        codes = _nibbles(weight.quants[:, : in_features // 2].reshape(out, -1, BLOCK // 2), dim=2).reshape(out, -1)
+    else:
+        return weight.quants
+    if weight.planes:
+        planes = _PLANES[weight.ggml_type]
+        per_byte = 8 // planes
+        plane_bytes = weight.quants[:, in_features // 2 :].reshape(out, -1, 1, 64 // per_byte)
+        shifts = (planes * torch.arange(per_byte, dtype=torch.uint8))[:, None]
+        high = ((plane_bytes >> shifts) & ((1 << planes) - 1)).reshape(out, -1, 2, 2, 16).transpose(2, 3)
+        codes = codes | (high.reshape(out, -1) << 4)
+    return codes
 
 
 def for_this_device(weight: QuantizedWeight | StackedWeight) -> QuantizedWeight | PackedWeight | StackedWeight:
     """The weight in the layout its device's kernel reads: packed where that is the AVX2
-    kernel, else as it is."""
+    kernel, 5- and 6-bit codes in planes where it is the VNNI one, else as it is."""
     if isinstance(weight, StackedWeight):
         return StackedWeight(tuple(_for_this_device(p) if isinstance(p, QuantizedWeight) else p for p in weight.parts))
     return _for_this_device(weight)
 
 
 def _for_this_device(weight: QuantizedWeight) -> QuantizedWeight | PackedWeight:
-    if weight.quants.device.type == "cpu" and cpu_ops.quantized_packed_layout():
+    if weight.quants.device.type != "cpu" or not cpu_ops.has_quantized_linear():
+        return weight
+    if cpu_ops.quantized_packed_layout():
         return PackedWeight.pack(weight)
-    return weight
+    return weight.with_planes() if weight.takes_planes else weight

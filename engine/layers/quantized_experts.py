@@ -52,8 +52,7 @@ _SILU = ExpertActivation()  # Qwen's and Mixtral's experts
 def expert_rows(weight: QuantizedWeight, expert: int, rows_per_expert: int) -> QuantizedWeight:
     """Expert `expert`'s slice of a stacked expert tensor read as [E * rows, in]: a view of
     its blocks, not a copy."""
-    rows = slice(expert * rows_per_expert, (expert + 1) * rows_per_expert)
-    return QuantizedWeight(weight.ggml_type, weight.quants[rows], weight.scales[rows], weight.mins[rows])
+    return weight.select_rows(slice(expert * rows_per_expert, (expert + 1) * rows_per_expert))
 
 
 def gate_up_weight(gate: QuantizedWeight, up: QuantizedWeight) -> QuantizedWeight | StackedWeight:
@@ -113,11 +112,11 @@ class QuantizedRoutedExperts(nn.Module):
             gate_up.quants,
             gate_up.scales,
             gate_up.mins,
-            _kernel_kind(gate_up),
+            kernel_kind(gate_up),
             down.quants,
             down.scales,
             down.mins,
-            _kernel_kind(down),
+            kernel_kind(down),
             self.num_experts,
             self.width,
             ACTIVATIONS.index(activation.kind),
@@ -167,6 +166,6 @@ def _expert_views(stacked: QuantizedWeight | PackedWeight, num_experts: int) -> 
     ]
 
 
-def _kernel_kind(weight: QuantizedWeight | PackedWeight) -> int:
+def kernel_kind(weight: QuantizedWeight | PackedWeight) -> int:
     """The operator's `kind`: the packed kind (AVX2) or GGML's-order format (VNNI)."""
     return weight.kind if isinstance(weight, PackedWeight) else weight.format

@@ -1,5 +1,6 @@
 """A Llama-family model's decoder layers as one compiled call per step
-(kernels/csrc/cpu_decoder.cpp), where every projection is a GGUF weight for the AVX2 kernel.
+(kernels/csrc/cpu_decoder.cpp), where every projection is a GGUF weight in the layout this
+CPU's quantized kernel reads (AVX2's packed columns or VNNI's GGML order).
 
 At batch 1 a small quantized model spends about a third of a step in the interpreter
 between its operators. The compiled layers call the same operators on the same tensors in
@@ -19,8 +20,8 @@ import torch
 
 from pagefleet.engine.layers.cpu_attention import CpuMetadata
 from pagefleet.engine.layers.linear import Linear
-from pagefleet.engine.layers.quantized import PackedWeight, StackedWeight
-from pagefleet.engine.layers.quantized_experts import QuantizedRoutedExperts
+from pagefleet.engine.layers.quantized import PackedWeight, QuantizedWeight, StackedWeight
+from pagefleet.engine.layers.quantized_experts import QuantizedRoutedExperts, kernel_kind
 from pagefleet.kernels import cpu_ops
 from pagefleet.kernels.fused_experts import ACTIVATIONS
 
@@ -32,12 +33,22 @@ PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "ml
 ATTENTION_PROJECTIONS = PROJECTIONS[:2]  # a sparse layer's: its MLP is its experts
 
 
-def _packed_parts(linear: Linear) -> list[PackedWeight] | None:
+def _kernel_parts(linear: Linear) -> list[PackedWeight | QuantizedWeight] | None:
+    """The projection's GGUF parts as this CPU's kernel reads them, or None (a float part, an
+    adapter, a weight in another device's layout)."""
     weight = linear.quantized
     parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
-    if linear.lora is not None or not all(isinstance(part, PackedWeight) for part in parts):
+    kernel_layout = PackedWeight if cpu_ops.quantized_packed_layout() else QuantizedWeight
+    if linear.lora is not None or not all(isinstance(part, kernel_layout) for part in parts):
         return None
     return list(parts)  # type: ignore[arg-type]
+
+
+def _add_part(compiled: Any, index: int, part: PackedWeight | QuantizedWeight) -> None:
+    if isinstance(part, PackedWeight):
+        compiled.add_part(index, part.quants, part.scales, part.mins, part.kind, part.out_features, part.has_min, True)
+    else:
+        compiled.add_part(index, part.quants, part.scales, part.mins, part.format, part.shape[0], True, False)
 
 
 def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
@@ -71,13 +82,11 @@ def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
             return None
         for index, name in enumerate(ATTENTION_PROJECTIONS if sparse else PROJECTIONS):
             linear = layer.get_submodule(name)
-            parts = _packed_parts(linear)
+            parts = _kernel_parts(linear)
             if parts is None:
                 return None
             for part in parts:
-                compiled.add_part(
-                    index, part.quants, part.scales, part.mins, part.kind, part.out_features, part.has_min
-                )
+                _add_part(compiled, index, part)
             if linear.bias is not None:
                 compiled.set_bias(index, linear.bias)
     return compiled
@@ -90,12 +99,13 @@ def _add_experts(compiled: Any, block: Any) -> bool:
     options, router, experts = block.options, block.gate, block.experts
     if options.router != "softmax_top_k" or block.shared_expert is not None:
         return False
-    if not isinstance(experts, QuantizedRoutedExperts) or not isinstance(experts.stacked[0], PackedWeight):
+    if not isinstance(experts, QuantizedRoutedExperts):
         return False
     gate_up, down = experts.stacked
+    if gate_up is None or down is None or gate_up.quants.device.type != "cpu":
+        return False
     if router.quantized is not None or router._packed is None or router.lora is not None:
         return False
-    assert isinstance(down, PackedWeight), "stacked in the same layout as gate_up"
     activation = experts.activation
     compiled.set_experts(
         router._packed,
@@ -106,11 +116,11 @@ def _add_experts(compiled: Any, block: Any) -> bool:
         gate_up.quants,
         gate_up.scales,
         gate_up.mins,
-        gate_up.kind,
+        kernel_kind(gate_up),
         down.quants,
         down.scales,
         down.mins,
-        down.kind,
+        kernel_kind(down),
         experts.num_experts,
         experts.width,
         ACTIVATIONS.index(activation.kind),

@@ -4,7 +4,7 @@
 // A batch-1 decode step of a small quantized model spends about a third of its time in
 // Python: 30 layers of module calls, wrapper checks and ~11 torch.ops dispatches each. This
 // class runs the same layers from C++ through the same operators (the dispatcher's handles of
-// pagefleet::quantized_linear_packed, add_rms_norm, rotary, reshape_and_cache,
+// pagefleet::quantized_linear_packed or quantized_linear, add_rms_norm, rotary, reshape_and_cache,
 // paged_attention_rows, silu_and_mul), on the same tensors in the same order, so its output
 // is bit for bit the Python loop's (tests/kernels/test_compiled_layers.py); it only removes
 // the interpreter between them. A mixture of experts' sparse layers (Qwen3-MoE, Mixtral from
@@ -30,6 +30,9 @@ struct Operators {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, bool)>
       linear = handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, bool)>(
           "quantized_linear_packed");
+  // The AVX-512 VNNI kernel over GGML's block order (and its planes of 5- and 6-bit codes).
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t)> ggml_linear =
+      handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t)>("quantized_linear");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
       handle<Tensor(const Tensor&, const Tensor&, double)>("rms_norm");
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
@@ -66,11 +69,17 @@ const Operators& operators() {
   return instance;
 }
 
-// One GGUF weight as the AVX2 kernel reads it (a PackedWeight's tensors).
+// One GGUF weight as this CPU's kernel reads it: a PackedWeight's tensors (AVX2, `packed`),
+// or a QuantizedWeight's (VNNI: `kind` is its format; out_features and has_min unused).
 struct Part {
   Tensor quants, scales, mins;
   int64_t kind, out_features;
-  bool has_min;
+  bool has_min, packed;
+
+  Tensor operator()(const Tensor& x) const {
+    if (!packed) return operators().ggml_linear.call(x, quants, scales, mins, kind);
+    return operators().linear.call(x, quants, scales, mins, kind, out_features, has_min);
+  }
 };
 
 // A projection: its parts' outputs side by side (a StackedWeight when they differ in
@@ -81,15 +90,12 @@ struct Projection {
 
   Tensor operator()(const Tensor& x) const {
     const Tensor input = x.contiguous();
-    auto one = [&](const Part& p) {
-      return operators().linear.call(input, p.quants, p.scales, p.mins, p.kind, p.out_features, p.has_min);
-    };
     Tensor y;
     if (parts.size() == 1) {
-      y = one(parts[0]);
+      y = parts[0](input);
     } else {
       std::vector<Tensor> outputs;
-      for (const Part& part : parts) outputs.push_back(one(part));
+      for (const Part& part : parts) outputs.push_back(part(input));
       y = at::cat(outputs, -1);
     }
     return bias ? y + *bias : y;
@@ -165,10 +171,10 @@ class LlamaLayers : public torch::CustomClassHolder {
 
   // The last layer's `projection` gains a part (in row order).
   void add_part(int64_t projection, Tensor quants, Tensor scales, Tensor mins, int64_t kind, int64_t out_features,
-                bool has_min) {
+                bool has_min, bool packed) {
     TORCH_CHECK(!layers_.empty() && projection >= kQkv && projection <= kDown, "add_layer first; projection 0-3");
     layers_.back().projections[projection].parts.push_back(
-        Part{std::move(quants), std::move(scales), std::move(mins), kind, out_features, has_min});
+        Part{std::move(quants), std::move(scales), std::move(mins), kind, out_features, has_min, packed});
   }
 
   void set_bias(int64_t projection, Tensor bias) {

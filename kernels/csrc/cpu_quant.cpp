@@ -42,6 +42,23 @@ constexpr int64_t kBytesPerThread = 1 << 15;
 constexpr int64_t kFourBit = 0;     // Q4_0, Q4_1, Q4_K: two weights a byte, a scale per 32
 constexpr int64_t kEightBit = 1;    // Q5_0, Q5_1, Q5_K, Q8_0: a byte a weight, a scale per 32
 constexpr int64_t kEightBit16 = 2;  // Q6_K: a byte a weight, a scale per 16
+// The VNNI kernel's own layouts of 5- and 6-bit codes (cpu_quant_vnni.h): nibbles and planes
+// of high bits, 0.63 and 0.75 bytes a weight. Q6_K's mins are not stored (-32 times the scales).
+constexpr int64_t kSixBit16 = 3;  // Q6_K, a scale per 16
+constexpr int64_t kFiveBit = 4;   // Q5_0, Q5_1, Q5_K with an even number of blocks a row
+constexpr int64_t kLastFormat = kFiveBit;
+
+inline int64_t groups_per_block(int64_t format) { return format == kEightBit16 || format == kSixBit16 ? 2 : 1; }
+
+// Bytes of quants a row of `in_features` weights takes in `format`.
+inline int64_t format_row_bytes(int64_t format, int64_t in_features) {
+  switch (format) {
+    case kFourBit: return in_features / 2;
+    case kSixBit16: return in_features / 2 + in_features / 4;
+    case kFiveBit: return in_features / 2 + in_features / 8;
+    default: return in_features;
+  }
+}
 
 // Activation rows quantized per block of 32: q = round(x / scale), scale = max |x| / 127.
 // In the pair layout (the VNNI kernel's) blocks 2p and 2p + 1 are stored interleaved by
@@ -128,6 +145,20 @@ std::vector<__m512> activation_pair_scales(const QuantizedActivations& x, int64_
           vnni::pair_lanes(x.scales[m * num_blocks + 2 * p], x.scales[m * num_blocks + 2 * p + 1]);
   return pair_scales;
 }
+
+// Columns [begin, end) of every row by the VNNI kernel for `format`'s layout; mins null for
+// kSixBit16 (derived).
+void vnni_columns(int64_t format, const QuantizedActivations& x, const __m512* pair_scales, const uint8_t* quants,
+                  const at::Half* scales, const at::Half* mins, int64_t in_features, int64_t begin, int64_t end,
+                  float* out, int64_t out_stride) {
+  const int64_t groups = groups_per_block(format);
+  switch (format) {
+    case kFourBit: return vnni::columns<4>(x, pair_scales, quants, scales, mins, in_features, groups, begin, end, out, out_stride);
+    case kFiveBit: return vnni::columns<5>(x, pair_scales, quants, scales, mins, in_features, groups, begin, end, out, out_stride);
+    case kSixBit16: return vnni::columns<6>(x, pair_scales, quants, scales, nullptr, in_features, groups, begin, end, out, out_stride);
+    default: return vnni::columns<8>(x, pair_scales, quants, scales, mins, in_features, groups, begin, end, out, out_stride);
+  }
+}
 #endif
 
 // PAGEFLEET_CPU_NO_VNNI=1 takes the AVX2 kernel (and its packed layout) on a VNNI CPU.
@@ -149,24 +180,23 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
 #else
   TORCH_CHECK(has_vnni(), "quantized_linear (GGML's order) needs AVX-512 VNNI: elsewhere the weight is packed");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [rows, in_features], contiguous");
-  TORCH_CHECK(format == kFourBit || format == kEightBit || format == kEightBit16,
-              "format: 0 (4-bit), 1 (8-bit) or 2 (8-bit, a scale per 16)");
-  const bool four_bit = format == kFourBit;
-  const int64_t groups_per_block = format == kEightBit16 ? 2 : 1;
+  TORCH_CHECK(format >= kFourBit && format <= kLastFormat,
+              "format: 0 (4-bit), 1 (8-bit), 2 (8-bit, a scale per 16), 3 (6-bit planes, a scale per 16) or 4 "
+              "(5-bit planes)");
   const int64_t rows = x.size(0), in_features = x.size(1), out_features = quants.size(0);
-  TORCH_CHECK(in_features % (kBlock * groups_per_block) == 0, "in_features must be a multiple of ",
-              kBlock * groups_per_block, ", got ", in_features);
-  TORCH_CHECK(quants.scalar_type() == at::kByte && quants.is_contiguous() &&
-                  quants.size(1) == (four_bit ? in_features / 2 : in_features),
-              "quants: uint8 [out_features, in_features / (2 if 4-bit else 1)]");
+  const int64_t whole = format == kFourBit || format == kEightBit ? kBlock : 2 * kBlock;
+  TORCH_CHECK(in_features % whole == 0, "in_features must be a multiple of ", whole, ", got ", in_features);
+  const int64_t row_bytes = format_row_bytes(format, in_features);
+  TORCH_CHECK(quants.scalar_type() == at::kByte && quants.is_contiguous() && quants.size(1) == row_bytes,
+              "quants: uint8 [out_features, ", row_bytes, "] for format ", format, " and ", in_features, " inputs");
   const int64_t num_blocks = in_features / kBlock;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == out_features &&
-                  scales.size(1) == num_blocks * groups_per_block,
-              "scales: float16 [out_features, in_features / (16 if format 2 else 32)]");
-  TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scales.sizes(),
-              "mins: float16, shaped like scales");
+                  scales.size(1) == num_blocks * groups_per_block(format),
+              "scales: float16 [out_features, in_features / (16 if format 2 or 3 else 32)]");
+  TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() &&
+                  (format == kSixBit16 ? mins.numel() == 0 : mins.sizes() == scales.sizes()),
+              "mins: float16, shaped like scales (empty for format 3, whose mins the kernel derives)");
 
-  const int64_t row_bytes = four_bit ? in_features / 2 : in_features;
   const int64_t min_columns = std::max<int64_t>(16, kBytesPerThread / (row_bytes * std::max<int64_t>(1, rows)));
   const ActivationRows quantized(x, true);
   const QuantizedActivations activations = quantized.view();
@@ -180,14 +210,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& quants, const
     const std::vector<__m512> pair_scales = activation_pair_scales(activations, num_blocks);
     // Columns split over threads, in pairs: each reads only its own weight rows.
     at::parallel_for(0, (out_features + 1) / 2, min_columns / 2, [&](int64_t first, int64_t last) {
-      const int64_t begin = 2 * first, end = std::min(out_features, 2 * last);
-      if (four_bit) {
-        vnni::columns<true>(activations, pair_scales.data(), weight_data, scale_data, min_data, in_features, 1,
-                            begin, end, out_data, out_features);
-      } else {
-        vnni::columns<false>(activations, pair_scales.data(), weight_data, scale_data, min_data, in_features,
-                             groups_per_block, begin, end, out_data, out_features);
-      }
+      vnni_columns(format, activations, pair_scales.data(), weight_data, scale_data, min_data, in_features, 2 * first,
+                   std::min(out_features, 2 * last), out_data, out_features);
     });
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());

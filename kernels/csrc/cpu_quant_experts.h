@@ -8,8 +8,8 @@
 //
 // The weights are in the layout this CPU's quantized matmul reads (quantized_packed_layout):
 // packed groups of 8 columns, `kind` as quantized_linear_packed's (0 4-bit, 1 5-bit, 2 6-bit
-// with a scale per 16, 3 signed 8-bit), or GGML's order on AVX-512 VNNI, `kind` as
-// quantized_linear's `format`. Every expert's rows are consecutive, so expert e's gate/up
+// with a scale per 16, 3 signed 8-bit), or GGML's block order on AVX-512 VNNI, `kind` as
+// quantized_linear's `format` (0-4). Every expert's rows are consecutive, so expert e's gate/up
 // is rows e*2I .. e*2I + 2I of one [E*2I, H] matrix (groups e*2I/8 .. in the packed one).
 //
 // The work is fused_experts' (cpu_experts.cpp): pairs grouped by expert, items of up to 64
@@ -37,13 +37,15 @@ struct ExpertMatrix {
   int64_t kind, in_features, rows;
   bool packed;
 
-  // Q6_K's scale per 16 (kind 2 in both layouts).
-  int64_t groups_per_block() const { return kind == 2 ? 2 : 1; }
+  // Q6_K's scale per 16 (kind 2 in both layouts, 3 in VNNI's planes).
+  int64_t groups_per_block() const { return packed ? (kind == 2 ? 2 : 1) : pagefleet::groups_per_block(kind); }
+  // Packed Q6_K and Q8_0 hold no mins, nor VNNI's 6-bit planes (the kernels derive them).
+  bool stores_mins() const { return packed ? kind < 2 : kind != kSixBit16; }
   // Bytes of quants and float16s of scales one expert's rows take.
   int64_t expert_bytes() const {
     const int64_t num_blocks = in_features / kBlock;
     if (packed) return rows / kLanes * num_blocks * (kind == 3 ? 256 : 128 + 32 * kind);
-    return rows * (kind == kFourBit ? in_features / 2 : in_features);
+    return rows * format_row_bytes(kind, in_features);
   }
   int64_t expert_halves() const { return rows * in_features / kBlock * groups_per_block(); }
 };
@@ -71,9 +73,7 @@ struct Workspace {
 inline void multiply(const QuantizedActivations& x, const ExpertMatrix& matrix, int64_t expert, float* out) {
   const uint8_t* quants = matrix.quants + expert * matrix.expert_bytes();
   const at::Half* scales = matrix.scales + expert * matrix.expert_halves();
-  // Packed Q6_K and Q8_0 hold no mins (the kernel derives them).
-  const bool stores_mins = !matrix.packed || matrix.kind < 2;
-  const at::Half* mins = stores_mins ? matrix.mins + expert * matrix.expert_halves() : nullptr;
+  const at::Half* mins = matrix.stores_mins() ? matrix.mins + expert * matrix.expert_halves() : nullptr;
   const int64_t in_features = matrix.in_features, num_groups = matrix.rows / kLanes;
   if (matrix.packed) {
     const bool has_min = matrix.kind != 3;
@@ -90,12 +90,8 @@ inline void multiply(const QuantizedActivations& x, const ExpertMatrix& matrix, 
   }
 #if defined(__AVX512F__)
   const std::vector<__m512> pair_scales = activation_pair_scales(x, in_features / kBlock);
-  if (matrix.kind == kFourBit) {
-    vnni::columns<true>(x, pair_scales.data(), quants, scales, mins, in_features, 1, 0, matrix.rows, out, matrix.rows);
-  } else {
-    vnni::columns<false>(x, pair_scales.data(), quants, scales, mins, in_features, matrix.groups_per_block(), 0,
-                         matrix.rows, out, matrix.rows);
-  }
+  vnni_columns(matrix.kind, x, pair_scales.data(), quants, scales, mins, in_features, 0, matrix.rows, out,
+               matrix.rows);
 #endif
 }
 
@@ -136,7 +132,7 @@ inline ExpertMatrix expert_matrix(const at::Tensor& quants, const at::Tensor& sc
   const bool packed = quantized_packed_layout();
   const ExpertMatrix matrix{quants.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
                             kind, in_features, rows, packed};
-  TORCH_CHECK(kind >= 0 && kind <= (packed ? 3 : 2), name, ": kind ", kind, " is not one of this CPU's layout");
+  TORCH_CHECK(kind >= 0 && kind <= (packed ? 3 : kLastFormat), name, ": kind ", kind, " is not one of this CPU's layout");
   TORCH_CHECK(in_features % (kBlock * matrix.groups_per_block()) == 0 && (!packed || rows % kLanes == 0), name,
               ": ", rows, " rows of ", in_features, " inputs an expert do not fit the layout");
   TORCH_CHECK(quants.scalar_type() == at::kByte && quants.is_contiguous() &&
@@ -145,10 +141,9 @@ inline ExpertMatrix expert_matrix(const at::Tensor& quants, const at::Tensor& sc
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.numel() == num_experts * matrix.expert_halves(),
               name, ": scales, float16, contiguous, ", matrix.expert_halves(), " an expert");
-  const bool stores_mins = !packed || kind < 2;
   TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.is_contiguous() &&
-                  (stores_mins ? mins.sizes() == scales.sizes() : mins.numel() == 0),
-              name, ": mins, float16, shaped like scales (empty for packed Q6_K and Q8_0)");
+                  (matrix.stores_mins() ? mins.sizes() == scales.sizes() : mins.numel() == 0),
+              name, ": mins, float16, shaped like scales (empty for packed Q6_K and Q8_0 and VNNI's 6-bit planes)");
   return matrix;
 }
 

@@ -177,14 +177,18 @@ def _blocks(weight: Any) -> list[QuantizedWeight | PackedWeight]:
     return parts
 
 
-def _layout_bytes(tensor: Any) -> int:
+def _layout_bytes(tensor: Any, planes: bool) -> int:
     """A file tensor's bytes in the unpacked served layout (engine/layers/quantized.py):
     codes a nibble (the 4-bit formats) or a byte, a float16 scale and min per group of 32
-    weights (16 for Q6_K)."""
+    weights (16 for Q6_K); with `planes` (VNNI's layout) 5- and 6-bit codes take their bits
+    and Q6_K no mins."""
     name, weights = tensor.tensor_type.name, int(np.prod(tensor.shape))
+    in_planes = planes and name in ("Q5_0", "Q5_1", "Q5_K", "Q6_K") and int(tensor.shape[0]) % 64 == 0
     code_bits = 4 if name in ("Q4_0", "Q4_1", "Q4_K") else 8
+    if in_planes:
+        code_bits = 6 if name == "Q6_K" else 5
     group = 16 if name == "Q6_K" else 32
-    return weights * code_bits // 8 + weights // group * 4
+    return weights * code_bits // 8 + weights // group * (2 if in_planes and name == "Q6_K" else 4)
 
 
 def _assert_dequantizes_to(weight: Any, expected: torch.Tensor, what: str) -> None:
@@ -221,8 +225,10 @@ def _assert_experts_are_the_files_blocks(path: Path, quantized: LLM, dequantized
             _assert_dequantizes_to(served.gate_up[e], gate_up[e], f"layer {layer} expert {e}'s gate and up")
             _assert_dequantizes_to(served.down[e], down[e], f"layer {layer} expert {e}'s down")
         names = [f"blk.{layer}.{kind}.weight" for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
-        if all(isinstance(p, QuantizedWeight) for w in served.gate_up for p in _blocks(w)):  # not repacked (AVX2)
-            assert served.nbytes == sum(_layout_bytes(file[name]) for name in names)
+        blocks = [p for w in (*served.gate_up, *served.down) for p in _blocks(w)]
+        if all(isinstance(p, QuantizedWeight) for p in blocks):  # not repacked (AVX2)
+            planes = any(p.planes for p in blocks)
+            assert served.nbytes == sum(_layout_bytes(file[name], planes) for name in names)
 
 
 def _assert_greedy_tokens_are_the_dequantized_models(

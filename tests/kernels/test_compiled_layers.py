@@ -19,7 +19,9 @@ from pagefleet.kernels import cpu_ops
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import assert_no_block_leaked, random_prompts
 
-pytestmark = pytest.mark.skipif(not cpu_ops.has_compiled_layers(), reason="needs the AVX2 build of the operators")
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.has_compiled_layers(), reason="needs the AVX2 or AVX-512 build of the operators"
+)
 
 
 def _blocks(weight: torch.Tensor, name: str) -> QuantizedWeight:

@@ -1,8 +1,9 @@
 """GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights read as stored: the blocks
 dequantize to what the `gguf` package's own reader gives (also from the AVX2 kernel's packed
-layout), the compiled matmul equals the dequantize-then-matmul reference within the error
-its int8 activations allow, on random blocks and on SmolLM2's tensors, and a row's output
-is bit for bit the same whatever other rows share its call (batch invariance)."""
+layout and the VNNI kernel's planes of 5- and 6-bit codes), the compiled matmul equals the
+dequantize-then-matmul reference within the error its int8 activations allow, on random
+blocks and on SmolLM2's tensors, and a row's output is bit for bit the same whatever other
+rows share its call (batch invariance)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from pagefleet.engine.layers.quantized import (
     GGML_Q8_0,
     PackedWeight,
     QuantizedWeight,
+    StackedWeight,
+    for_this_device,
     quantized_linear,
     quantized_linear_torch,
 )
@@ -141,9 +144,50 @@ def test_the_packed_layout_dequantizes_to_the_same_weights(type_name: str) -> No
     assert torch.equal(packed.dequantize(rows), weight.dequantize(rows))
 
 
+PLANES_TYPES = {"Q5_0": GGML_Q5_0, "Q5_1": GGML_Q5_1, "Q5_K": GGML_Q5_K, "Q6_K": GGML_Q6_K}
+
+
+@pytest.mark.parametrize("type_name", PLANES_TYPES)
+def test_the_planes_layout_holds_the_same_weights_in_fewer_bytes(type_name: str) -> None:
+    """VNNI's layout of 5- and 6-bit codes (nibbles, then planes of their high bits; Q6_K's
+    mins derived) holds exactly the weights, an embedding lookup reads the same rows, and on
+    a VNNI CPU its matmul gives the bits of the byte-a-code layout, whatever the rows."""
+    ggml_type = PLANES_TYPES[type_name]
+    in_features = 512 if type_name in K_TYPES else 256
+    weight = QuantizedWeight.from_blocks(
+        torch.from_numpy(random_blocks(37, in_features, ggml_type, torch.Generator().manual_seed(9))), ggml_type
+    )
+    planes = weight.with_planes()
+    assert planes.shape == weight.shape and planes.planes and not weight.planes
+    assert planes.quants.shape[1] == in_features // 2 + in_features * (2 if ggml_type == GGML_Q6_K else 1) // 8
+    assert planes.nbytes / weight.nbytes == (0.7 if ggml_type == GGML_Q6_K else 2 / 3)
+    assert torch.equal(planes.dequantize(), weight.dequantize())
+    rows = torch.tensor([36, 0, 9, 9])
+    assert torch.equal(planes.dequantize(rows), weight.dequantize(rows))
+    assert torch.equal(QuantizedWeight.cat([planes, planes]).dequantize(), weight.dequantize().repeat(2, 1))
+    if cpu_ops.quantized_packed_layout():
+        return  # an AVX2 CPU never serves this layout
+    x = torch.randn(70, in_features, generator=torch.Generator().manual_seed(10))
+    for count in (1, 5, 70):
+        assert torch.equal(planes.matmul(x[:count]), quantized_linear(x[:count], weight)), f"{count} rows"
+
+
+def test_an_odd_number_of_blocks_keeps_a_byte_a_code() -> None:
+    """The planes hold whole block pairs: a Q5_0 row of 9 blocks stays a byte a code."""
+    weight = QuantizedWeight.from_blocks(
+        torch.from_numpy(random_blocks(8, 288, GGML_Q5_0, torch.Generator().manual_seed(11))), GGML_Q5_0
+    )
+    assert not weight.takes_planes
+    served = for_this_device(weight)
+    assert not isinstance(served, QuantizedWeight) or not served.planes
+
+
 def int8_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """The compiled int8 kernel this CPU runs (on the packed layout where that is AVX2's)."""
-    return quantized_linear(x, weight)
+    """The compiled int8 kernel this CPU runs, on the layout it serves the weight in (AVX2's
+    packed columns, VNNI's planes of 5- and 6-bit codes)."""
+    served = for_this_device(weight)
+    assert not isinstance(served, StackedWeight)
+    return served.matmul(x)
 
 
 OTHER_ROWS = [1, 7, 23, 24, 64, 300]
@@ -160,7 +204,8 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(type_name: str, dtype: 
     weight = QuantizedWeight.from_blocks(
         torch.from_numpy(random_blocks(45, in_features, ggml_type, generator)), ggml_type
     )
-    served = PackedWeight.pack(weight) if cpu_ops.quantized_packed_layout() else weight
+    served = for_this_device(weight)
+    assert not isinstance(served, StackedWeight)
     rows = torch.randn(3, in_features, generator=generator).to(dtype)
     alone = torch.cat([served.matmul(rows[i : i + 1]) for i in range(3)])
     assert torch.equal(served.matmul(rows), alone)

@@ -25,7 +25,7 @@ from pagefleet.engine.layers.quantized import (
     GGML_Q8_0,
     QuantizedWeight,
 )
-from pagefleet.engine.layers.quantized_experts import QuantizedRoutedExperts, expert_rows, gate_up_weight
+from pagefleet.engine.layers.quantized_experts import QuantizedRoutedExperts, expert_rows, gate_up_weight, kernel_kind
 from pagefleet.kernels import cpu_ops
 from tests.kernels.test_quantized import random_blocks
 
@@ -133,8 +133,8 @@ def test_bad_arguments_are_refused_by_name(operators: None) -> None:
     gate_up, down = layer.stacked
     assert gate_up is not None and down is not None
     hidden, weights, experts = _routes(2, 2, unused=0)
-    arguments = [hidden, weights, experts, gate_up.quants, gate_up.scales, gate_up.mins, 0]
-    arguments += [down.quants, down.scales, down.mins, 2, NUM_EXPERTS, WIDTH, 0, 1.702, 7.0]
+    arguments = [hidden, weights, experts, gate_up.quants, gate_up.scales, gate_up.mins, kernel_kind(gate_up)]
+    arguments += [down.quants, down.scales, down.mins, kernel_kind(down), NUM_EXPERTS, WIDTH, 0, 1.702, 7.0]
     torch.ops.pagefleet.quantized_experts(*arguments)  # as given: accepted
     with pytest.raises(RuntimeError, match="gate_up"):
         torch.ops.pagefleet.quantized_experts(*arguments[:11], NUM_EXPERTS + 1, *arguments[12:])
