@@ -76,6 +76,7 @@ SOURCES = [
         "cpu_paged.h",
         "cpu_vec.h",
         "cpu_experts_gemm.h",
+        "cpu_experts_amx.h",
         "cpu_experts_rows.h",
         "cpu_quant_experts.h",
     )

@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_experts_amx.h"
 #include "cpu_experts_gemm.h"
 #include "cpu_experts_rows.h"
 #include "cpu_vec.h"
@@ -53,6 +54,7 @@ struct Problem {
   int64_t top_k, hidden_size, width;
   Activation activation;
   T* contributions;  // [T * k, H]: pair p = token * k + slot
+  bool amx = false;  // bfloat16 matmuls on AMX tiles (cpu_experts_amx.h), for every batch
 };
 
 // Per thread, kRowsPerItem rows each. X: the type of the rows the matmuls read (float32,
@@ -62,11 +64,23 @@ struct Workspace {
   std::vector<X> gathered, activated_x;
   std::vector<float> projected, activated, routed;
   std::vector<const X*> inputs, activated_rows;
-  Workspace(int64_t hidden, int64_t width)
+  std::vector<uint32_t> tokens;  // the AMX kernel's packed rows
+  Workspace(int64_t hidden, int64_t width, bool amx)
       : gathered(kRowsPerItem * hidden), activated_x(kRowsPerItem * width), projected(kRowsPerItem * 2 * width),
         activated(kRowsPerItem * width), routed(kRowsPerItem * hidden), inputs(kRowsPerItem),
-        activated_rows(kRowsPerItem) {}
+        activated_rows(kRowsPerItem), tokens(amx ? kRowsPerItem * std::max(hidden, width) / 2 : 0) {}
 };
+
+// x @ w.T for one item's rows: the AMX tiles where the problem takes them, else the chains
+// of cpu_experts_gemm.h.
+template <typename T, typename X>
+void multiply(const Problem<T>& problem, const X* const* x, int64_t rows, const T* w, int64_t size, int64_t outputs,
+              float* out, Workspace<X>& space) {
+  if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>) {
+    if (problem.amx) return experts_amx::linear_rows(x, rows, w, size, outputs, out, outputs, space.tokens.data());
+  }
+  linear_rows(x, rows, w, size, outputs, out, outputs);
+}
 
 // The row a matmul reads for a token: the hidden row in place where it is of type X, else
 // widened into `buffer`.
@@ -102,7 +116,7 @@ void run_item(const Problem<T>& problem, const Groups& groups, const Item& item,
   for (int64_t r = 0; r < rows; ++r)
     space.inputs[r] = input_row(problem, pairs[r] / problem.top_k, space.gathered.data() + r * hidden);
   const T* gate_up = problem.gate_up + item.expert * 2 * width * hidden;
-  linear_rows(space.inputs.data(), rows, gate_up, hidden, 2 * width, space.projected.data(), 2 * width);
+  multiply(problem, space.inputs.data(), rows, gate_up, hidden, 2 * width, space.projected.data(), space);
   const T* gate_up_bias = problem.gate_up_bias ? problem.gate_up_bias + item.expert * 2 * width : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
     activate_row(space.projected.data() + r * 2 * width, gate_up_bias, width, problem.activation,
@@ -110,7 +124,7 @@ void run_item(const Problem<T>& problem, const Groups& groups, const Item& item,
     expose_activated(space, r, width);
   }
   const T* down = problem.down + item.expert * hidden * width;
-  linear_rows(space.activated_rows.data(), rows, down, width, hidden, space.routed.data(), hidden);
+  multiply(problem, space.activated_rows.data(), rows, down, width, hidden, space.routed.data(), space);
   const T* down_bias = problem.down_bias ? problem.down_bias + item.expert * hidden : nullptr;
   for (int64_t r = 0; r < rows; ++r)
     finish_row(space.routed.data() + r * hidden, down_bias, problem.weights[pairs[r]], hidden,
@@ -121,7 +135,7 @@ template <typename T, typename X>
 void run_items(const Problem<T>& problem, const Groups& groups) {
   for_each_item(
       groups, 3 * problem.hidden_size * problem.width,
-      [&] { return Workspace<X>(problem.hidden_size, problem.width); },
+      [&] { return Workspace<X>(problem.hidden_size, problem.width, problem.amx); },
       [&](const Item& item, Workspace<X>& space) { run_item(problem, groups, item, space); });
 }
 
@@ -178,7 +192,7 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& weights, co
   at::Tensor contributions = contributions_buffer(num_tokens * top_k, size, hidden.options());
   dispatch_float(hidden, [&](auto tag) {
     using T = decltype(tag);
-    const Problem<T> problem{hidden.data_ptr<T>(),
+    Problem<T> problem{hidden.data_ptr<T>(),
                              hidden.stride(0),
                              weights.data_ptr<float>(),
                              gate_up.data_ptr<T>(),
@@ -190,6 +204,8 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& weights, co
                              width,
                              {activation, static_cast<float>(alpha), static_cast<float>(limit)},
                              contributions.data_ptr<T>()};
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      problem.amx = experts_amx::has_amx_bf16() && experts_amx::fits(size, 2 * width) && experts_amx::fits(width, size);
     run_experts(problem, groups);
     sum_in_expert_order(contributions.data_ptr<T>(), experts.data_ptr<int64_t>(), num_tokens, top_k, size,
                         out.data_ptr<T>());

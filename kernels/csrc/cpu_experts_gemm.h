@@ -51,14 +51,18 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // rows x 4 outputs: out[r][j] = x[r] . w[j], j < columns (w[j] for j >= columns repeats a
 // valid row; its sums are dropped).
 template <int kRows, typename T>
-void tile(const float* const* x, const T* const* w, int64_t size, float* out, int64_t out_stride, int columns) {
+void tile(const float* const* x, const T* const* w, int64_t size, float* out, int64_t out_stride, int columns,
+          const T* const* ahead) {
   __m512 acc[kRows][kTileColumns];
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kTileColumns; ++j) acc[r][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= size; k += 16) {
     __m512 weights[kTileColumns];
-    for (int j = 0; j < kTileColumns; ++j) weights[j] = load16(w[j] + k);
+    for (int j = 0; j < kTileColumns; ++j) {
+      weights[j] = load16(w[j] + k);
+      if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + k), _MM_HINT_T1);
+    }
     for (int r = 0; r < kRows; ++r) {
       const __m512 row = _mm512_loadu_ps(x[r] + k);
       for (int j = 0; j < kTileColumns; ++j) acc[r][j] = _mm512_fmadd_ps(row, weights[j], acc[r][j]);
@@ -87,14 +91,18 @@ void tile(const float* const* x, const T* const* w, int64_t size, float* out, in
 // or the other for every batch.
 template <int kRows>
 __attribute__((target("avx512bf16"))) void tile(const c10::BFloat16* const* x, const c10::BFloat16* const* w,
-                                                 int64_t size, float* out, int64_t out_stride, int columns) {
+                                                 int64_t size, float* out, int64_t out_stride, int columns,
+                                                 const c10::BFloat16* const* ahead) {
   __m512 acc[kRows][kTileColumns];
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kTileColumns; ++j) acc[r][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= size; k += 32) {
     __m512bh weights[kTileColumns];
-    for (int j = 0; j < kTileColumns; ++j) weights[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+    for (int j = 0; j < kTileColumns; ++j) {
+      weights[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+      if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + k), _MM_HINT_T1);
+    }
     for (int r = 0; r < kRows; ++r) {
       const __m512bh row = (__m512bh)_mm512_loadu_si512(x[r] + k);
       for (int j = 0; j < kTileColumns; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], row, weights[j]);
@@ -137,7 +145,8 @@ float dot(const float* x, const T* w, int64_t size) {
 }
 
 template <int kRows, typename T>
-void tile(const float* const* x, const T* const* w, int64_t size, float* out, int64_t out_stride, int columns) {
+void tile(const float* const* x, const T* const* w, int64_t size, float* out, int64_t out_stride, int columns,
+          const T* const*) {
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < columns; ++j) out[r * out_stride + j] = dot(x[r], w[j], size);
 }
@@ -154,19 +163,24 @@ void linear_rows(const X* const* x, int64_t rows, const T* w, int64_t size, int6
   for (int64_t n = 0; n < outputs; n += kTileColumns) {
     const int columns = static_cast<int>(std::min<int64_t>(kTileColumns, outputs - n));
     const T* w_rows[kTileColumns];
-    for (int j = 0; j < kTileColumns; ++j) w_rows[j] = w + (n + std::min(j, columns - 1)) * size;
+    const T* next_rows[kTileColumns];  // the next tile's weight rows, prefetched by this one's first rows
+    for (int j = 0; j < kTileColumns; ++j) {
+      w_rows[j] = w + (n + std::min(j, columns - 1)) * size;
+      next_rows[j] = w + std::min(n + 8 * kTileColumns + j, outputs - 1) * size;
+    }
+    const T* const* ahead = next_rows;
     int64_t r = 0;
-    for (; r + kTileRows <= rows; r += kTileRows)
-      tile<kTileRows>(x + r, w_rows, size, out + r * out_stride + n, out_stride, columns);
+    for (; r + kTileRows <= rows; r += kTileRows, ahead = nullptr)
+      tile<kTileRows>(x + r, w_rows, size, out + r * out_stride + n, out_stride, columns, ahead);
     switch (rows - r) {
       case 3:
-        tile<3>(x + r, w_rows, size, out + r * out_stride + n, out_stride, columns);
+        tile<3>(x + r, w_rows, size, out + r * out_stride + n, out_stride, columns, ahead);
         break;
       case 2:
-        tile<2>(x + r, w_rows, size, out + r * out_stride + n, out_stride, columns);
+        tile<2>(x + r, w_rows, size, out + r * out_stride + n, out_stride, columns, ahead);
         break;
       case 1:
-        tile<1>(x + r, w_rows, size, out + r * out_stride + n, out_stride, columns);
+        tile<1>(x + r, w_rows, size, out + r * out_stride + n, out_stride, columns, ahead);
         break;
       default:
         break;

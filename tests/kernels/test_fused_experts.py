@@ -117,6 +117,28 @@ def test_a_token_has_the_same_bits_alone_and_in_a_batch(operators: None, dtype: 
     assert torch.equal(shuffled, batch[reordered])
 
 
+@pytest.mark.parametrize("kind", ["silu", "swiglu_oai"])
+def test_whole_tile_bfloat16_experts_equal_the_reference_and_keep_a_tokens_bits(operators: None, kind: str) -> None:
+    """bfloat16 experts whose sizes fill whole tiles (hidden 64, width 32: on AMX CPUs the
+    `tdpbf16ps` kernel, elsewhere the AVX-512 one): within the reference's rounding, and a
+    token's bits the same alone, in a batch of 70 (items of 1 to 33 rows: 1 and 2 blocks of
+    16 tokens, a partial block) and in another order."""
+    generator = torch.Generator().manual_seed(3)
+    module = RoutedExperts(4, 64, 32, ExpertActivation(kind), bias=kind == "swiglu_oai")
+    for parameter in module.parameters():
+        parameter.data = (torch.randn(parameter.shape, generator=generator) * 0.3).bfloat16()
+    logits = torch.randn(70, 4, generator=generator)
+    weights, experts = torch.topk(torch.softmax(logits, dim=-1), 2, dim=-1)
+    hidden = torch.randn(70, 64, generator=generator).bfloat16()
+    batch = _compiled(module, hidden, weights, experts)
+    torch.testing.assert_close(batch, module.forward_torch(hidden, weights, experts), **TOLERANCE[torch.bfloat16])
+    for token in (0, 31, 69):
+        alone = _compiled(module, hidden[token : token + 1], weights[token : token + 1], experts[token : token + 1])
+        assert torch.equal(alone[0], batch[token]), f"token {token} changed with the batch"
+    reordered = torch.randperm(70, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_compiled(module, hidden[reordered], weights[reordered], experts[reordered]), batch[reordered])
+
+
 @DTYPES
 def test_contributions_add_in_ascending_expert_order(operators: None, dtype: torch.dtype) -> None:
     """Each (token, expert) contribution alone (top-1 with its weight: 0 + c is c), then the
