@@ -55,7 +55,9 @@ def compile_layers(model: LlamaForCausalLM, sliding_window: int) -> Any | None:
     """`torch.classes.pagefleet.LlamaLayers` holding `model`'s layers, or None where a layer
     has anything the compiled loop does not run."""
     config = model.config
-    if not cpu_ops.has_compiled_layers() or model.shard.size != 1:
+    # has_quantized_linear asked again (has_compiled_layers is cached): where the operator is
+    # off, the projections run their float32 reference, which the compiled loop does not call.
+    if not cpu_ops.has_compiled_layers() or not cpu_ops.has_quantized_linear() or model.shard.size != 1:
         return None
     if config.layer_rope or config.rotary_dim or config.layer_types or config.attn_softcap:
         return None  # the compiled loop rotates every dim and gives every layer one window, no cap
