@@ -22,8 +22,8 @@ far below a 4-bit step.) 5- and 6-bit codes take a byte each as loaded: exact, a
 Triton kernel and the reference read. A CPU layer repacks them once at load for its kernel
 (`for_this_device`): on AVX-512 VNNI (kernels/csrc/cpu_quant_vnni.h) 5- and 6-bit codes
 become low nibbles plus planes of their high bits (`with_planes`: Q6_K 1.25 -> 0.875 bytes
-a weight with its derived mins dropped, which took a Q4_K_M model's batch-1 decode from 0.90x
-to 1.0x llama.cpp's), the others stay as loaded; on AVX2 every format is repacked with 8
+a weight with its derived mins dropped; a Q4_K_M file's head and down experts are Q6_K, the
+bytes a decode step reads most), the others stay as loaded; on AVX2 every format is repacked with 8
 output columns interleaved (`PackedWeight`). Either way one kernel serves every number of
 rows. `quantized_linear_torch`, the oracle and the fallback,
 dequantizes and multiplies in float32; every dequantized value is exact (a float16 times at
@@ -168,9 +168,8 @@ class QuantizedWeight:
         )
         plane_bytes = high.sum(dim=2, dtype=torch.uint8).reshape(out, -1)
         mins = self.mins[:, :0] if self.ggml_type == GGML_Q6_K else self.mins
-        return QuantizedWeight(
-            self.ggml_type, torch.cat([nibbles, plane_bytes], 1).contiguous(), self.scales, mins, True
-        )
+        quants = torch.cat([nibbles, plane_bytes], 1).contiguous()
+        return QuantizedWeight(self.ggml_type, quants, self.scales, mins, planes=True)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [out_features, in_features], or only `rows` of it (an embedding lookup)."""

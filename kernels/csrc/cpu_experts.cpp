@@ -193,18 +193,18 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& weights, co
   dispatch_float(hidden, [&](auto tag) {
     using T = decltype(tag);
     Problem<T> problem{hidden.data_ptr<T>(),
-                             hidden.stride(0),
-                             weights.data_ptr<float>(),
-                             gate_up.data_ptr<T>(),
-                             down.data_ptr<T>(),
-                             gate_up_bias.has_value() ? gate_up_bias->data_ptr<T>() : nullptr,
-                             down_bias.has_value() ? down_bias->data_ptr<T>() : nullptr,
-                             top_k,
-                             size,
-                             width,
-                             {activation, static_cast<float>(alpha), static_cast<float>(limit)},
-                             contributions.data_ptr<T>()};
-    if constexpr (std::is_same_v<T, c10::BFloat16>)
+                       hidden.stride(0),
+                       weights.data_ptr<float>(),
+                       gate_up.data_ptr<T>(),
+                       down.data_ptr<T>(),
+                       gate_up_bias.has_value() ? gate_up_bias->data_ptr<T>() : nullptr,
+                       down_bias.has_value() ? down_bias->data_ptr<T>() : nullptr,
+                       top_k,
+                       size,
+                       width,
+                       {activation, static_cast<float>(alpha), static_cast<float>(limit)},
+                       contributions.data_ptr<T>()};
+    if constexpr (std::is_same_v<T, c10::BFloat16>)  // by the layer's shape, never by the batch
       problem.amx = experts_amx::has_amx_bf16() && experts_amx::fits(size, 2 * width) && experts_amx::fits(width, size);
     run_experts(problem, groups);
     sum_in_expert_order(contributions.data_ptr<T>(), experts.data_ptr<int64_t>(), num_tokens, top_k, size,

@@ -49,7 +49,10 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // rows x 4 outputs: out[r][j] = x[r] . w[j], j < columns (w[j] for j >= columns repeats a
-// valid row; its sums are dropped).
+// valid row; its sums are dropped). `ahead` (or null): weight rows of a later tile, fetched
+// into L2 beside w's own loads (a layer's 64-sequence decode step reads every expert's rows
+// once: 11.4 -> 8.8-9.4 ms a layer here, the hardware prefetcher alone following four
+// 4 KiB rows badly).
 template <int kRows, typename T>
 void tile(const float* const* x, const T* const* w, int64_t size, float* out, int64_t out_stride, int columns,
           const T* const* ahead) {
@@ -163,7 +166,7 @@ void linear_rows(const X* const* x, int64_t rows, const T* w, int64_t size, int6
   for (int64_t n = 0; n < outputs; n += kTileColumns) {
     const int columns = static_cast<int>(std::min<int64_t>(kTileColumns, outputs - n));
     const T* w_rows[kTileColumns];
-    const T* next_rows[kTileColumns];  // the next tile's weight rows, prefetched by this one's first rows
+    const T* next_rows[kTileColumns];  // the rows 8 tiles on, prefetched by this tile's first rows
     for (int j = 0; j < kTileColumns; ++j) {
       w_rows[j] = w + (n + std::min(j, columns - 1)) * size;
       next_rows[j] = w + std::min(n + 8 * kTileColumns + j, outputs - 1) * size;

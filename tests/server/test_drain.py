@@ -18,7 +18,7 @@ import redis
 from pagefleet.protocol.replica import record_key
 from tests.processes import EngineServer, RedisProcess, start_server, wait_for
 
-MAX_TOKENS = 300  # about 2 s of tokens on the slow model: the drain starts well before the end
+MAX_TOKENS = 450  # about 3 s of tokens on the slow model (512 positions): the drain starts well before the end
 
 
 def _serve(slow_llama: Path, log: Path, redis_url: str, shutdown_timeout: float) -> EngineServer:
