@@ -445,11 +445,10 @@ class PackedWeight:
 
 def _codes(weight: QuantizedWeight) -> torch.Tensor:
     """The unsigned code of every weight, uint8 [out_features, in_features] in element order."""
+    if weight.format != FOUR_BIT and not weight.planes:
+        return weight.quants  # a byte a code
     out, in_features = weight.shape
-    if weight.format == FOUR_BIT or weight.planes:
-        codes = _nibbles(weight.quants[:, : in_features // 2].reshape(out, -1, BLOCK // 2), dim=2).reshape(out, -1)
-    else:
-        return weight.quants
+    codes = _nibbles(weight.quants[:, : in_features // 2].reshape(out, -1, BLOCK // 2), dim=2).reshape(out, -1)
     if weight.planes:
         planes = _PLANES[weight.ggml_type]
         per_byte = 8 // planes
