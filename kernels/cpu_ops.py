@@ -23,6 +23,10 @@ building and loading them.
   `RoutedExperts.forward` in pagefleet/engine/layers/experts.py, reference
   `fused_experts_torch` in fused_experts.py): a mixture-of-experts layer's routed experts in
   one call, grouped by expert, a token's bits the same alone or in any batch;
+  `fused_experts_packed` (csrc/cpu_experts_packed.h) the same on AMX CPUs over bfloat16
+  weights packed for the tiles at load (kernels/amx_tiles.py), the same bits; `tiles_linear`
+  (csrc/cpu_tiles.cpp; wrapper `LogitsHead.forward` in pagefleet/engine/layers/logits.py)
+  an untied bfloat16 vocabulary head on those tiles, `amx_tiles_fit` where they take a shape;
   `quantized_experts` (csrc/cpu_quant_experts.h, in cpu_quant.cpp; wrapper
   `QuantizedRoutedExperts.forward` in pagefleet/engine/layers/quantized_experts.py, its loop
   of `quantized_linear` calls the reference): the same over a GGUF file's expert blocks.
@@ -68,6 +72,7 @@ SOURCES = [
         "cpu_int8.cpp",
         "cpu_decoder.cpp",
         "cpu_experts.cpp",
+        "cpu_tiles.cpp",
         "cpu_state.cpp",
         "cpu_state_rows.h",
         "cpu_quant_columns.h",
@@ -77,6 +82,7 @@ SOURCES = [
         "cpu_vec.h",
         "cpu_experts_gemm.h",
         "cpu_experts_amx.h",
+        "cpu_experts_packed.h",
         "cpu_experts_rows.h",
         "cpu_quant_experts.h",
     )

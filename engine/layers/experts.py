@@ -8,7 +8,9 @@ every expert's down rows, so that a checkpoint's per-expert tensors load as cons
 parts. Three paths compute the same sum (kernels/fused_experts.py draws the layout):
 
 - CPU with the compiled operators loaded: `torch.ops.pagefleet.fused_experts`
-  (csrc/cpu_experts.cpp), one call, a token's bits the same alone or in any batch;
+  (csrc/cpu_experts.cpp), one call, a token's bits the same alone or in any batch; on AMX
+  CPUs, bfloat16 experts of whole tiles are packed for them once loaded (`pack`) and run
+  `fused_experts_packed`, the same bits;
 - CUDA: the Triton grouped matmuls (kernels/fused_experts.py);
 - otherwise, and as the others' oracle: `forward_torch`, the loop over experts.
 
@@ -34,7 +36,7 @@ from torch import nn
 
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.layers.linear import frozen_parameter
-from pagefleet.kernels import cpu_ops
+from pagefleet.kernels import amx_tiles, cpu_ops
 from pagefleet.kernels.fused_experts import ACTIVATIONS, activation_torch, fused_experts, fused_experts_torch
 
 
@@ -94,6 +96,18 @@ class RoutedExperts(nn.Module):
         # gpt-oss: per expert a bias on its gate and up rows (same order) and on its output.
         self.gate_up_bias = frozen_parameter(held * 2 * width) if bias else None
         self.down_bias = frozen_parameter(held * hidden_size) if bias else None
+        self.packed = False  # gate_up and down packed for AMX tiles (`pack`)
+
+    def pack(self) -> None:
+        """Once loaded: on a CPU whose AMX tiles take this shape, hold bfloat16 weights packed
+        for them (kernels/amx_tiles.py): no transposes at every step, the same bits."""
+        hidden_size, dtype = self.down.shape[0] // len(self.local_experts), self.gate_up.dtype
+        if self.packed or self.gate_up.device.type != "cpu":
+            return
+        if amx_tiles.fits(hidden_size, 2 * self.width, dtype) and amx_tiles.fits(self.width, hidden_size, dtype):
+            self.gate_up.data = amx_tiles.pack_for_tiles(self.gate_up.data)
+            self.down.data = amx_tiles.pack_for_tiles(self.down.data)
+            self.packed = True
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """hidden [T, H]; weights, experts [T, k]: each token's experts (global ids, int64)
@@ -101,7 +115,8 @@ class RoutedExperts(nn.Module):
         kind, alpha, limit = self.activation.kind, self.activation.alpha, self.activation.limit
         local = self.local_ids(experts)
         if self._can_run_compiled(hidden):
-            out = torch.ops.pagefleet.fused_experts(
+            operator = torch.ops.pagefleet.fused_experts_packed if self.packed else torch.ops.pagefleet.fused_experts
+            out = operator(
                 hidden,
                 weights.float().contiguous(),
                 local.long().contiguous(),
@@ -135,7 +150,10 @@ class RoutedExperts(nn.Module):
     def _forward_torch_local(self, hidden: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         kind, alpha, limit = self.activation.kind, self.activation.alpha, self.activation.limit
         biases = (self.gate_up_bias, self.down_bias)
-        return fused_experts_torch(hidden, weights, local, self.gate_up, self.down, *biases, kind, alpha, limit)
+        gate_up, down = self.gate_up, self.down
+        if self.packed:
+            gate_up, down = amx_tiles.unpack_from_tiles(gate_up), amx_tiles.unpack_from_tiles(down)
+        return fused_experts_torch(hidden, weights, local, gate_up, down, *biases, kind, alpha, limit)
 
     def _can_run_compiled(self, hidden: torch.Tensor) -> bool:
         return (
@@ -146,6 +164,13 @@ class RoutedExperts(nn.Module):
             and self.gate_up.dtype == hidden.dtype
             and cpu_ops.is_loaded()
         )
+
+
+def pack_experts(model: nn.Module) -> None:
+    """Every RoutedExperts of a loaded model packed for this CPU's tiles, where it has them."""
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.pack()
 
 
 def softmax_top_k(

@@ -71,7 +71,7 @@ class GemmaHead(nn.Module):
     def init_head(self) -> None:
         config = self.config
         vocab_start, vocab_end = self.shard.vocab(config.vocab_size)
-        self.lm_head = LogitsHead(config.hidden_size, vocab_end - vocab_start)
+        self.lm_head = LogitsHead(config.hidden_size, vocab_end - vocab_start, tied=config.tie_word_embeddings)
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )

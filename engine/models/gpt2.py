@@ -72,7 +72,7 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         self.shard = shard = shard or Shard()
         vocab_start, vocab_end = shard.vocab(config.vocab_size)
-        self.lm_head = LogitsHead(config.hidden_size, vocab_end - vocab_start)
+        self.lm_head = LogitsHead(config.hidden_size, vocab_end - vocab_start, tied=config.tie_word_embeddings)
         self.wte = self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         self.wpe = frozen_parameter(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, shard) for _ in range(config.num_layers))

@@ -39,7 +39,7 @@ class HybridForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(self.layer_class(config, shard, i) for i in range(config.num_layers))
         self.norm = self.norm_class(config.hidden_size, config.norm_eps)
-        self.lm_head = LogitsHead(config.hidden_size, config.vocab_size)
+        self.lm_head = LogitsHead(config.hidden_size, config.vocab_size, tied=config.tie_word_embeddings)
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )

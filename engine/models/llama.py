@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(config, shard, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         vocab_start, vocab_end = shard.vocab(config.vocab_size)
-        self.lm_head = LogitsHead(config.hidden_size, vocab_end - vocab_start)
+        self.lm_head = LogitsHead(config.hidden_size, vocab_end - vocab_start, tied=config.tie_word_embeddings)
         self.embed_tokens = (
             self.lm_head.weight if config.tie_word_embeddings else frozen_parameter(*self.lm_head.weight.shape)
         )

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from pagefleet.engine.distributed.shard import Shard
 from pagefleet.engine.errors import ModelNotFoundError
 from pagefleet.engine.layers.attention import AttentionBackend, KVCache, LayerMetadata
+from pagefleet.engine.layers.experts import pack_experts
 from pagefleet.engine.layers.linear import pack_linears
 from pagefleet.engine.loader.compressed_tensors import Int8Checkpoint, is_int8_checkpoint
 from pagefleet.engine.loader.gguf_weights import quantize_from_gguf
@@ -78,6 +79,7 @@ def load_model(
     if int8 and checkpoint is not None:
         checkpoint.quantize(module, config)
     pack_linears(module)  # last: packed copies do not follow later changes to the weights
+    pack_experts(module)
     model = cast(CausalLM, module)
     logger.info(
         "loaded %s (%s, %.1fM parameters%s, %s) in %.1f s",

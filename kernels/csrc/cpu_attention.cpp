@@ -27,6 +27,7 @@
 #include <limits>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_paged.h"
@@ -38,6 +39,7 @@ using namespace pagefleet;
 
 constexpr int64_t kPartition = 256;  // tokens per work item
 constexpr int64_t kRowBlock = 16;    // query rows of one sequence sharing each key read
+constexpr int64_t kBlockHeads = 16;  // fewest query heads (rows x group) that score_block takes
 #if defined(__AVX512F__)
 constexpr bool kAvx512 = true;  // head sizes 64, 128 and 256 take the AVX-512 kernels below
 #else
@@ -272,6 +274,198 @@ void accumulate_rows(const float* weights, const T* const* rows, int64_t count, 
     accumulate_heads<C, decltype(heads)::value>(weights + h * count, rows, count, count, acc + h * C * 16);
   });
 }
+
+// The rows of a prompt's block read the same keys. Scored together, each tile of 16 keys is
+// transposed once (a vector per dimension, a lane per key) for all the block's rows and heads,
+// and a head's 16 scores are lanes of broadcast FMAs: no reduction shuffles, no widening per
+// row. Lane k computes key k's score with the operations score_heads does: the same FMA chain
+// for each of its 16 partial sums, then the tree sum_each16 (and _mm512_reduce_add_ps, for the
+// last keys) adds them in. A row's scores are the bits it gets alone.
+
+// f(std::integral_constant<int, i>{}) for each i of the sequence, in order.
+template <typename F, int... i>
+inline void unrolled(std::integer_sequence<int, i...>, const F& f) {
+  (f(std::integral_constant<int, i>{}), ...);
+}
+
+// r[k] = 16 words of row k -> r[w] = word w of the 16 rows.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // 128-bit lane l: words 4l, 4l + 1 (lo) or 4l + 2, 4l + 3 (hi)
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // t'[i + j], lane l: word 4l + j of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // lanes l of rows 0-3, 4-7, 8-11, 12-15: words j, 4 + j, 8 + j, 12 + j
+    const __m512i even_low = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
+    const __m512i odd_low = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+    const __m512i even_high = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512i odd_high = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+    t[j] = _mm512_shuffle_i32x4(even_low, even_high, 0x88);
+    t[8 + j] = _mm512_shuffle_i32x4(even_low, even_high, 0xDD);
+    t[4 + j] = _mm512_shuffle_i32x4(odd_low, odd_high, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(odd_low, odd_high, 0xDD);
+  }
+  for (int w = 0; w < 16; ++w) r[w] = t[w];
+}
+
+// keys[d * 16 + k] = dimension d of rows[k], as float, for the 16 * C dimensions.
+template <int C>
+void transpose_keys(const float* const* rows, float* keys) {
+  for (int d0 = 0; d0 < C * 16; d0 += 16) {
+    __m512i r[16];
+    for (int k = 0; k < 16; ++k) r[k] = _mm512_castps_si512(_mm512_loadu_ps(rows[k] + d0));
+    transpose16(r);
+    for (int d = 0; d < 16; ++d) _mm512_store_ps(keys + (d0 + d) * 16, _mm512_castsi512_ps(r[d]));
+  }
+}
+// bfloat16: a word holds dimensions 2w and 2w + 1, widened after the transpose by a shift and a mask.
+template <int C>
+void transpose_keys(const c10::BFloat16* const* rows, float* keys) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int w0 = 0; w0 < C * 8; w0 += 16) {
+    __m512i r[16];
+    for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_si512(rows[k] + 2 * w0);
+    transpose16(r);
+    for (int w = 0; w < 16; ++w) {
+      _mm512_store_ps(keys + 2 * (w0 + w) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(r[w], 16)));
+      _mm512_store_ps(keys + (2 * (w0 + w) + 1) * 16, _mm512_castsi512_ps(_mm512_and_si512(r[w], high)));
+    }
+  }
+}
+
+// The scores of `heads` heads (q: [heads, C * 16]) for a transposed tile of keys: scores[h *
+// stride + k] for its first `valid` keys. Partial sum l of a head's dot products (dimensions
+// 16c + l) pairs with partial l + 8 as sum_each16's first step does; a pass takes the pairs
+// whose keys fill 16 registers (l and l + 4 at C = 4, whose sums are its second step), and
+// leaves their sums in `sums` ([heads, 8, 16]) for the rest of the tree.
+template <int C>
+void score_tile(const float* keys, const float* q, int64_t heads, float* sums, float* scores, int64_t stride,
+                int64_t valid) {
+  constexpr int kSpan = 8 / C;  // pairs of partial sums a pass
+  unrolled(std::make_integer_sequence<int, 8 / kSpan>{}, [&](auto pass) {
+    constexpr int l0 = decltype(pass)::value;  // known, so that the queries' offsets are constants
+    __m512 k[kSpan][2][C];
+    for (int s = 0; s < kSpan; ++s) {
+      for (int c = 0; c < C; ++c) {
+        k[s][0][c] = _mm512_load_ps(keys + (c * 16 + l0 + 4 * s) * 16);
+        k[s][1][c] = _mm512_load_ps(keys + (c * 16 + l0 + 4 * s + 8) * 16);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* qh = q + h * C * 16;
+      __m512 pair[kSpan];
+      for (int s = 0; s < kSpan; ++s) {
+        __m512 dot[2];
+        for (int i = 0; i < 2; ++i) {
+          const int l = l0 + 4 * s + 8 * i;
+          dot[i] = _mm512_mul_ps(_mm512_set1_ps(qh[l]), k[s][i][0]);
+          for (int c = 1; c < C; ++c) dot[i] = _mm512_fmadd_ps(_mm512_set1_ps(qh[c * 16 + l]), k[s][i][c], dot[i]);
+        }
+        pair[s] = _mm512_add_ps(dot[0], dot[1]);
+      }
+      _mm512_storeu_ps(sums + (h * 8 + l0) * 16, kSpan == 2 ? _mm512_add_ps(pair[0], pair[1]) : pair[0]);
+    }
+  });
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* s = sums + h * 8 * 16;
+    __m512 quarter[4];
+    for (int m = 0; m < 4; ++m) {
+      quarter[m] = kSpan == 2 ? _mm512_loadu_ps(s + m * 16)
+                              : _mm512_add_ps(_mm512_loadu_ps(s + m * 16), _mm512_loadu_ps(s + (m + 4) * 16));
+    }
+    const __m512 score = _mm512_add_ps(_mm512_add_ps(quarter[0], quarter[2]), _mm512_add_ps(quarter[1], quarter[3]));
+    _mm512_mask_storeu_ps(scores + h * stride, mask, score);
+  }
+}
+
+// Every row of the block over its keys, row r's scores laid out as score_rows lays them
+// (at scores + r * group * kPartition, head j's at stride counts[r]). sums: group * 8 * 16.
+// The next tile's key rows are asked for (and its value rows, into L2) as score_heads asks.
+template <int C, typename T>
+void score_block(const float* q, const T* const* rows, const int64_t* counts, int64_t n, int64_t group,
+                 float* scores, float* sums, std::ptrdiff_t value_offset) {
+  const int64_t longest = *std::max_element(counts, counts + n);
+  alignas(64) float keys[C * 16 * 16];
+  for (int64_t t0 = 0; t0 < longest; t0 += 16) {
+    for (int64_t t = t0 + 16; t < std::min(t0 + 32, longest); ++t) {
+      prefetch_row<C>(rows[t]);
+      prefetch_row<C, T, 2>(reinterpret_cast<const T*>(reinterpret_cast<std::intptr_t>(rows[t]) + value_offset));
+    }
+    const T* tile[16];  // past the last key, the last key again (scored, never stored)
+    for (int k = 0; k < 16; ++k) tile[k] = rows[std::min(t0 + k, longest - 1)];
+    transpose_keys<C>(tile, keys);
+    for (int64_t r = 0; r < n; ++r) {
+      if (counts[r] <= t0) continue;
+      score_tile<C>(keys, q + r * group * C * 16, group, sums, scores + r * group * kPartition + t0, counts[r],
+                    std::min<int64_t>(16, counts[r] - t0));
+    }
+  }
+}
+
+// acc[h * C * 16 + d] for H heads, carried over keys [t0, t1) of a tile (rows[t - t0]: float
+// value rows): the chain of FMAs accumulate_heads runs over the keys, in the same order.
+template <int C, int H>
+void accumulate_tile(const float* weights, int64_t stride, const float* const* rows, int64_t t0, int64_t t1,
+                     float* acc) {
+  for (int c0 = 0; c0 < C * 16; c0 += 64) {
+    __m512 sum[H][4];
+    for (int h = 0; h < H; ++h) {
+      for (int i = 0; i < 4; ++i) {
+        sum[h][i] = t0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + h * C * 16 + c0 + 16 * i);
+      }
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      __m512 r[4];
+      for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_ps(rows[t - t0] + c0 + 16 * i);
+      for (int h = 0; h < H; ++h) {
+        const __m512 weight = _mm512_set1_ps(weights[h * stride + t]);
+        for (int i = 0; i < 4; ++i) sum[h][i] = _mm512_fmadd_ps(weight, r[i], sum[h][i]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + h * C * 16 + c0 + 16 * i, sum[h][i]);
+    }
+  }
+}
+
+// The block's weighted values (weights laid out as score_block leaves them) into each row's
+// slot of `partial`, 16 KB of values a tile: a tile's value rows are widened once, into L1,
+// for all the block's rows and heads, whose sums are carried from tile to tile in place.
+template <int C, typename T>
+void accumulate_block(const float* weights, const T* const* rows, const int64_t* counts, int64_t n, int64_t group,
+                      const int64_t* slots, float* partial) {
+  constexpr int64_t kTile = 256 / C;
+  const int64_t longest = *std::max_element(counts, counts + n);
+  alignas(64) float widened[std::is_same_v<T, float> ? 1 : kTile * C * 16];
+  const float* tile[kTile];
+  for (int64_t t0 = 0; t0 < longest; t0 += kTile) {
+    const int64_t t1 = std::min(t0 + kTile, longest);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (t + kTile < longest) prefetch_row<C>(rows[t + kTile]);
+      if constexpr (std::is_same_v<T, float>) {
+        tile[t - t0] = rows[t];
+      } else {
+        load_row(rows[t], widened + (t - t0) * C * 16, C * 16);
+        tile[t - t0] = widened + (t - t0) * C * 16;
+      }
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      if (counts[r] <= t0) continue;
+      const float* row_weights = weights + r * group * kPartition;
+      by_head_chunks<4>(group, [&](int64_t h, auto heads) {
+        accumulate_tile<C, decltype(heads)::value>(row_weights + h * counts[r], counts[r], tile, t0,
+                                                   std::min(t1, counts[r]), partial + (slots[r] * group + h) * C * 16);
+      });
+    }
+  }
+}
 #endif
 
 // Any head size, the rows of a row block at once: scores[(r * group + j) * kPartition + t] =
@@ -327,6 +521,7 @@ void accumulate_rows_any(const float* weights, const T* const* values, const int
 template <typename T>
 struct Scratch {
   std::vector<float> scores, q, acc, buffer, widened;  // widened: bfloat16 rows as float
+  std::vector<float> tile_sums;                        // score_block's partial sums
   std::vector<int64_t> rows, counts;
   std::vector<const T*> pointers;
   std::vector<const float*> float_rows;
@@ -335,6 +530,7 @@ struct Scratch {
         q(kRowBlock * g.group * g.head_dim),
         acc(kRowBlock * g.group * g.head_dim),
         buffer(g.head_dim),
+        tile_sums(g.group * 8 * 16),
         rows(kPartition),
         counts(kRowBlock),
         pointers(kPartition),
@@ -411,11 +607,21 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
   // The caches share strides: a token's value row lies this many bytes from its key row.
   const std::ptrdiff_t value_offset = reinterpret_cast<std::intptr_t>(value_cache) - reinterpret_cast<std::intptr_t>(key_cache);
   const bool wide = register_head(head_dim);
-  if (wide) {  // row by row, each row's scores at stride counts[r] in its own region
+  // Rows that are enough heads together to pay for a tile's transpose take the block kernels
+  // (head sizes 64 and 128); decode rows of 8 heads or fewer stay on the row kernels.
+  const bool block = n * group >= kBlockHeads;
+  if (wide) {  // each row's scores at stride counts[r] in its own region
     by_head_size(head_dim, [&](auto c) {
+      constexpr int C = decltype(c)::value;
+      if constexpr (C <= 8) {
+        if (block) {
+          return score_block<C>(s.q.data(), s.pointers.data(), counts, n, group, scores, s.tile_sums.data(),
+                                value_offset);
+        }
+      }
       for (int64_t r = 0; r < n; ++r) {
-        score_rows<decltype(c)::value>(s.q.data() + r * group * head_dim, s.pointers.data(), counts[r], group,
-                                       scores + r * group * kPartition, value_offset);
+        score_rows<C>(s.q.data() + r * group * head_dim, s.pointers.data(), counts[r], group,
+                      scores + r * group * kPartition, value_offset);
       }
     });
   } else
@@ -434,20 +640,33 @@ void attend_partition(const T* query, const T* key_cache, const T* value_cache, 
     }
   }
   row_pointers(value_cache);
-  float* acc = s.acc.data();
 #if defined(__AVX512F__)
-  if (wide) {
+  if (wide) {  // straight into each row's slot
     by_head_size(head_dim, [&](auto c) {
+      constexpr int C = decltype(c)::value;
+      if constexpr (C <= 8) {
+        if (block) return accumulate_block<C>(scores, s.pointers.data(), counts, n, group, slots, partial);
+      }
       for (int64_t r = 0; r < n; ++r) {
-        accumulate_rows<decltype(c)::value>(scores + r * group * kPartition, s.pointers.data(), counts[r], group,
-                                            acc + r * group * head_dim);
+        accumulate_rows<C>(scores + r * group * kPartition, s.pointers.data(), counts[r], group,
+                           partial + slots[r] * group * head_dim);
       }
     });
-  } else
+    return;
+  }
 #endif
-    accumulate_rows_any(scores, s.pointers.data(), counts, n, group, head_dim, s.buffer.data(), acc);
+  float* acc = s.acc.data();
+  accumulate_rows_any(scores, s.pointers.data(), counts, n, group, head_dim, s.buffer.data(), acc);
   for (int64_t r = 0; r < n; ++r)
     std::copy(acc + r * group * head_dim, acc + (r + 1) * group * head_dim, partial + slots[r] * group * head_dim);
+}
+
+// The partitions' maxima, sums and outputs, kept from call to call on this thread: a prefill
+// chunk's are megabytes, which a fresh vector would zero and page-fault in on every layer.
+inline float* kept_partials(int64_t n) {
+  static thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
 }
 
 // Attention of every query row over its sequence's first lengths[r] tokens. Rows
@@ -494,7 +713,10 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
   const int64_t num_items = static_cast<int64_t>(items.size());
   // Partials: [kv head, slot, group] max and sum, [kv head, slot, group, D] output.
   const int64_t num_slots = slots_per_head * g.num_kv_heads;
-  std::vector<float> maxima(num_slots * g.group), sums(num_slots * g.group), partial(num_slots * g.group * g.head_dim);
+  // Every slot is written before the combine reads it: the buffer is neither zeroed nor fresh.
+  float* maxima = kept_partials(num_slots * g.group * (g.head_dim + 2));
+  float* sums = maxima + num_slots * g.group;
+  float* partial = sums + num_slots * g.group;
 
   const T* q_data = query.data_ptr<T>();
   const T* k_data = key_cache.data_ptr<T>();
@@ -515,10 +737,9 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
         const int64_t count = std::min<int64_t>(begin + kPartition, lengths[r]) - begin;
         const int64_t slot = kv_head * slots_per_head + slot_offset[r] + it.partition;
         if (count <= 0) {  // an empty context: attention is all zeros
-          std::fill(maxima.begin() + slot * g.group, maxima.begin() + (slot + 1) * g.group,
-                    -std::numeric_limits<float>::infinity());
-          std::fill(sums.begin() + slot * g.group, sums.begin() + (slot + 1) * g.group, 0.f);
-          std::fill(partial.begin() + slot * g.group * g.head_dim, partial.begin() + (slot + 1) * g.group * g.head_dim, 0.f);
+          std::fill(maxima + slot * g.group, maxima + (slot + 1) * g.group, -std::numeric_limits<float>::infinity());
+          std::fill(sums + slot * g.group, sums + (slot + 1) * g.group, 0.f);
+          std::fill(partial + slot * g.group * g.head_dim, partial + (slot + 1) * g.group * g.head_dim, 0.f);
           continue;
         }
         active_rows[n] = r;
@@ -536,8 +757,7 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
           std::copy(slots + b, slots + e, slots);
         }
         attend_partition<T>(q_data, k_data, v_data, tables + it.table * g.max_blocks, g, active_rows[b], e - b,
-                            kv_head, begin, scale_f, softcap_f, scratch, slots, maxima.data(), sums.data(),
-                            partial.data());
+                            kv_head, begin, scale_f, softcap_f, scratch, slots, maxima, sums, partial);
         b = e;
       }
     }
@@ -563,7 +783,7 @@ void attend_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& key
           if (sum == 0.f) continue;
           const float weight = std::exp(maxima[slot * g.group + j] - maximum);
           total += weight * sum;
-          const float* acc = partial.data() + (slot * g.group + j) * g.head_dim;
+          const float* acc = partial + (slot * g.group + j) * g.head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < g.head_dim; ++d) combined[d] += weight * acc[d];
         }

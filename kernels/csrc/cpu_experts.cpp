@@ -33,6 +33,7 @@
 
 #include "cpu_experts_amx.h"
 #include "cpu_experts_gemm.h"
+#include "cpu_experts_packed.h"
 #include "cpu_experts_rows.h"
 #include "cpu_vec.h"
 
@@ -179,15 +180,39 @@ void check_arguments(const at::Tensor& hidden, const at::Tensor& weights, const 
   }
 }
 
-at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& weights, const at::Tensor& experts,
-                         const at::Tensor& gate_up, const at::Tensor& down,
-                         const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
-                         int64_t activation, double alpha, double limit) {
+at::Tensor run_fused_experts(const at::Tensor& hidden, const at::Tensor& weights, const at::Tensor& experts,
+                             const at::Tensor& gate_up, const at::Tensor& down,
+                             const c10::optional<at::Tensor>& gate_up_bias,
+                             const c10::optional<at::Tensor>& down_bias, int64_t activation, double alpha, double limit,
+                             bool packed) {
   check_arguments(hidden, weights, experts, gate_up, down, gate_up_bias, down_bias);
+  const int64_t size = hidden.size(1), width = down.size(1);
+  TORCH_CHECK(!packed || (hidden.scalar_type() == at::kBFloat16 && experts_amx::packed_fits(size, 2 * width) &&
+                          experts_amx::packed_fits(width, size)),
+              "packed experts: bfloat16, an AMX CPU, and a shape the tiles take (amx_tiles_fit)");
   TORCH_CHECK(activation >= kSilu && activation <= kSwigluOai, "activation: 0 silu, 1 gelu_tanh, 2 swiglu_oai");
-  const int64_t num_tokens = hidden.size(0), top_k = weights.size(1), size = hidden.size(1);
-  const int64_t width = down.size(1), num_experts = down.size(0) / size;
+  const int64_t num_tokens = hidden.size(0), top_k = weights.size(1), num_experts = down.size(0) / size;
   const Groups groups = group_by_expert(experts.data_ptr<int64_t>(), num_tokens * top_k, num_experts);
+#if defined(__AVX512F__)
+  if (packed) {
+    using BFloat16 = c10::BFloat16;
+    at::Tensor out = at::zeros({num_tokens, size}, hidden.options());
+    const experts_packed::PackedExperts problem{
+        hidden.data_ptr<BFloat16>(),
+        hidden.stride(0),
+        weights.data_ptr<float>(),
+        gate_up.data_ptr<BFloat16>(),
+        down.data_ptr<BFloat16>(),
+        gate_up_bias.has_value() ? gate_up_bias->data_ptr<BFloat16>() : nullptr,
+        down_bias.has_value() ? down_bias->data_ptr<BFloat16>() : nullptr,
+        top_k,
+        size,
+        width,
+        {activation, static_cast<float>(alpha), static_cast<float>(limit)}};
+    experts_packed::run_packed_experts(problem, groups, out.data_ptr<BFloat16>());
+    return out;
+  }
+#endif
   at::Tensor out = at::empty({num_tokens, size}, hidden.options());
   at::Tensor contributions = contributions_buffer(num_tokens * top_k, size, hidden.options());
   dispatch_float(hidden, [&](auto tag) {
@@ -213,12 +238,36 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& weights, co
   return out;
 }
 
+at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& weights, const at::Tensor& experts,
+                         const at::Tensor& gate_up, const at::Tensor& down,
+                         const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
+                         int64_t activation, double alpha, double limit) {
+  return run_fused_experts(hidden, weights, experts, gate_up, down, gate_up_bias, down_bias, activation, alpha, limit,
+                           false);
+}
+
+// fused_experts with gate_up and down packed by kernels/amx_tiles.py `pack_for_tiles`.
+at::Tensor fused_experts_packed(const at::Tensor& hidden, const at::Tensor& weights, const at::Tensor& experts,
+                                const at::Tensor& gate_up, const at::Tensor& down,
+                                const c10::optional<at::Tensor>& gate_up_bias,
+                                const c10::optional<at::Tensor>& down_bias, int64_t activation, double alpha,
+                                double limit) {
+  return run_fused_experts(hidden, weights, experts, gate_up, down, gate_up_bias, down_bias, activation, alpha, limit,
+                           true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagefleet, m) {
   m.def(
       "fused_experts(Tensor hidden, Tensor weights, Tensor experts, Tensor gate_up, Tensor down, "
       "Tensor? gate_up_bias, Tensor? down_bias, int activation, float alpha, float limit) -> Tensor");
+  m.def(
+      "fused_experts_packed(Tensor hidden, Tensor weights, Tensor experts, Tensor gate_up, Tensor down, "
+      "Tensor? gate_up_bias, Tensor? down_bias, int activation, float alpha, float limit) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagefleet, CPU, m) { m.impl("fused_experts", &fused_experts); }
+TORCH_LIBRARY_IMPL(pagefleet, CPU, m) {
+  m.impl("fused_experts", &fused_experts);
+  m.impl("fused_experts_packed", &fused_experts_packed);
+}

@@ -5,7 +5,8 @@ chunks, preemption by recompute and by swap, a prefill/decode transfer, a read f
 file tier, ngram and suffix speculation. SmolLM2's own Q4_1 file (float32 activations, the
 default users get), tiny models for the other formats, a tiny Gemma 3 whose cache has
 KV groups (a sliding-window group beside a full one), and mixtures of experts (DeepSeek-V3's
-latent cache, gpt-oss's sinks); each format's engines are built once for all its paths."""
+latent cache, gpt-oss's sinks, Qwen3-MoE's bfloat16 experts on AMX tiles); each format's
+engines are built once for all its paths."""
 
 from __future__ import annotations
 
@@ -164,6 +165,8 @@ FORMATS: dict[str, Callable[[Path], tuple[str, dict]]] = {
     # moved by every path; gpt-oss's sinks on sliding and full layers.
     "deepseek-latent": lambda root: (str(build_tiny_model("deepseek_v3", root / "ds")), {"dtype": "float32"}),
     "gpt-oss-sinks": lambda root: (str(build_tiny_model("gpt_oss", root / "oss")), {"dtype": "float32"}),
+    # bfloat16 experts of whole AMX tiles: on AMX CPUs packed for them (kernels/amx_tiles.py).
+    "qwen3-moe-bfloat16": lambda root: (str(build_tiny_model("qwen3_moe", root / "qwen3_moe")), {"dtype": "bfloat16"}),
 }
 
 

@@ -139,6 +139,37 @@ def test_whole_tile_bfloat16_experts_equal_the_reference_and_keep_a_tokens_bits(
     assert torch.equal(_compiled(module, hidden[reordered], weights[reordered], experts[reordered]), batch[reordered])
 
 
+@pytest.mark.parametrize("kind", ["silu", "swiglu_oai"])
+def test_experts_packed_for_the_tiles_keep_every_bit(operators: None, kind: str) -> None:
+    """On AMX CPUs, bfloat16 experts of a whole-tile shape are served packed (kernels/
+    amx_tiles.py): the packed operator gives the unpacked one's bits, token by token
+    alone and in a batch of 70, and the reference still reads the weights as loaded."""
+    module = _experts(4, 64, 32, kind, kind == "swiglu_oai", torch.bfloat16, seed=5)
+    if not torch.ops.pagefleet.amx_tiles_fit(64, 64):
+        pytest.skip("no AMX tiles on this CPU: experts stay unpacked")
+    generator = torch.Generator().manual_seed(6)
+    weights, experts = torch.topk(torch.softmax(torch.randn(70, 4, generator=generator), dim=-1), 2, dim=-1)
+    hidden = torch.randn(70, 64, generator=generator).bfloat16()
+    unpacked, reference = _compiled(module, hidden, weights, experts), module.forward_torch(hidden, weights, experts)
+    loaded = module.gate_up.clone()
+    module.pack()
+    assert module.packed and not torch.equal(module.gate_up, loaded)
+    assert torch.equal(module(hidden, weights, experts), unpacked)
+    assert torch.equal(module.forward_torch(hidden, weights, experts), reference)
+    for token in (0, 16, 69):
+        alone = module(hidden[token : token + 1], weights[token : token + 1], experts[token : token + 1])
+        assert torch.equal(alone[0], unpacked[token]), f"token {token} changed with the batch"
+
+
+def test_experts_the_tiles_do_not_take_stay_as_loaded(operators: None) -> None:
+    """float32 experts, and bfloat16 ones whose sizes are not whole tiles, are never packed."""
+    for dtype, hidden, width in ((torch.float32, 64, 32), (torch.bfloat16, 40, 24)):
+        module = _experts(4, hidden, width, "silu", False, dtype)
+        loaded = module.gate_up.clone()
+        module.pack()
+        assert not module.packed and torch.equal(module.gate_up, loaded)
+
+
 @DTYPES
 def test_contributions_add_in_ascending_expert_order(operators: None, dtype: torch.dtype) -> None:
     """Each (token, expert) contribution alone (top-1 with its weight: 0 + c is c), then the
