@@ -60,17 +60,21 @@ class PerHeadProjections:
         )
 
 
+MIN_BATCHED_ROWS = 4  # per_head_matmul's fewest rows: every row count from here on runs one kernel
+
+
 def per_head_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [n, heads, k] @ weight [heads, k, m] per head, [n, heads, m] in the rows' dtype.
 
     A row's bits do not depend on n (the other rows of the step): a float32 batched matmul
-    over contiguous per-head weights gives a row the same bits among 2 to 2,048 rows on this
-    machine (measured; one row takes another kernel, so it is padded to two; bfloat16's
-    batched matmul and transposed weights do depend on n, hence float32)."""
+    over contiguous per-head weights gives a row the same bits among 4 to 2,048 rows on the
+    CPUs measured (Sapphire Rapids: from 2 rows; Zen 4: 1 row, 2-3 rows and 4 or more take
+    three kernels), so fewer rows are padded to MIN_BATCHED_ROWS. bfloat16's batched matmul
+    and transposed weights do depend on n, hence float32."""
     count = rows.shape[0]
     wide = rows.float()
-    if count == 1:
-        wide = torch.cat((wide, wide))
+    if 0 < count < MIN_BATCHED_ROWS:
+        wide = torch.cat((wide, wide[:1].expand(MIN_BATCHED_ROWS - count, *wide.shape[1:])))
     out = torch.bmm(wide.transpose(0, 1), weight).transpose(0, 1)
     return out[:count].to(rows.dtype)
 

@@ -255,6 +255,23 @@ def _logprobs(outputs) -> list[list[float]]:  # type: ignore[no-untyped-def]
     ]
 
 
+@pytest.mark.parametrize(("heads", "size", "outputs"), [(4, 16, 32), (16, 128, 512)])
+def test_latent_per_head_products_give_a_row_the_same_bits_among_any_rows(heads: int, size: int, outputs: int) -> None:
+    """The absorbed query and output (per_head_matmul) of a row alone, of one in a decode
+    step of 2, 3 or 5 sequences and of one in a 70-row prompt chunk: one set of bits (a CPU's
+    batched matmul takes other kernels for its fewest rows)."""
+    from pagefleet.engine.layers.latent_prefill import per_head_matmul
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(heads, size, outputs, generator=generator)
+    rows = torch.randn(70, heads, size, generator=generator)
+    batched = per_head_matmul(rows, weight)
+    for count in (1, 2, 3, 5):
+        for first in (0, 7, 70 - count):
+            assert torch.equal(per_head_matmul(rows[first : first + count], weight), batched[first : first + count])
+    assert per_head_matmul(rows[:0], weight).shape == (0, heads, outputs)
+
+
 @pytest.mark.parametrize("mla_prefill", ["expanded", "absorbed"])
 def test_deepseek_prompt_rows_expanded_or_absorbed_give_one_answer_bit_for_bit(
     tiny_models: dict[str, Path], mla_prefill: str
