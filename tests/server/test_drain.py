@@ -19,6 +19,7 @@ from pagefleet.protocol.replica import record_key
 from tests.processes import EngineServer, RedisProcess, start_server, wait_for
 
 MAX_TOKENS = 450  # about 3 s of tokens on the slow model (512 positions): the drain starts well before the end
+STREAM_TOKENS = 200  # the stream only has to outlast the chat queueing behind it
 
 
 def _serve(
@@ -39,9 +40,9 @@ def _num_waiting(server: EngineServer) -> float:
     raise AssertionError("no vllm:num_requests_waiting in /metrics")
 
 
-def _stream(server: EngineServer, started: threading.Event) -> list[dict[str, Any]]:
+def _stream(server: EngineServer, started: threading.Event, max_tokens: int = MAX_TOKENS) -> list[dict[str, Any]]:
     """A streamed completion's events, read to the end; `started` is set at its first."""
-    body = {"model": server.model, "prompt": "Tell me a long story:", "max_tokens": MAX_TOKENS}
+    body = {"model": server.model, "prompt": "Tell me a long story:", "max_tokens": max_tokens}
     events = []
     body |= {"ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
@@ -77,7 +78,7 @@ def test_sigterm_lets_every_request_in_flight_finish_then_exits_0(
     key = record_key(server.model, "draining")
     wait_for(lambda: store.exists(key))
     started = threading.Event()
-    streaming, streamed = _in_background(_stream, server, started)
+    streaming, streamed = _in_background(_stream, server, started, STREAM_TOKENS)
     assert started.wait(30)
     plain, answered = _in_background(_chat, server)
     wait_for(lambda: _num_waiting(server) == 1)
